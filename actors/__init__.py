@@ -1,0 +1,1 @@
+"""Behaviour: the turn loop, LLM and tool adapters, the engines that drive them, the CLI."""

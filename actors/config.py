@@ -1,0 +1,93 @@
+"""Runtime settings: one pydantic model, loadable from ``configs/*.toml``, overridable by flags.
+
+Precedence, highest first: CLI flag, environment (``PHASELINE_REDIS_URL``), config file, default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bus.errors import ConfigError
+from actors.loop import LoopSettings
+from actors.tomlfile import read_toml
+from actors.watchdog import WatchdogConfig
+
+REDIS_URL_ENV = "PHASELINE_REDIS_URL"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RedisSettings(_Section):
+    url: str | None = None
+    """Redis to use; None starts the embedded server."""
+    namespace: str = "pl"
+    """Key prefix (store.keys)."""
+    shards: int = Field(default=16, ge=1, le=16384)
+    """Shard hash tags; fixed for the life of a namespace."""
+    data_dir: str = ".phaseline/redis"
+    """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+
+
+class CheckpointSettings(_Section):
+    min_interval_s: float = Field(default=2.0, ge=0)
+    """Minimum seconds between mid-turn saves of one turn."""
+
+
+class ApprovalSettings(_Section):
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Cap on waiting for a decision; denied after it."""
+    poll_s: float = Field(default=0.2, gt=0)
+    """How often a pending decision is re-read."""
+
+
+class LoopTuning(_Section):
+    strict: bool = False
+    """Raise on illegal phase transitions instead of logging them."""
+    backoff_scale: float = Field(default=1.0, ge=0)
+    """Multiplier of the 1/2/4 s retry backoff."""
+
+
+class Settings(_Section):
+    redis: RedisSettings = RedisSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    approvals: ApprovalSettings = ApprovalSettings()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    loop: LoopTuning = LoopTuning()
+
+    def loop_settings(self) -> LoopSettings:
+        return LoopSettings(
+            strict=self.loop.strict,
+            checkpoint_min_interval_s=self.checkpoint.min_interval_s,
+            approval_timeout_s=self.approvals.timeout_s,
+            approval_poll_s=self.approvals.poll_s,
+            backoff_scale=self.loop.backoff_scale,
+        )
+
+    def with_overrides(self, **redis: Any) -> Settings:
+        """Apply non-None Redis overrides (flags); the env var fills ``url`` below a flag."""
+        values = {k: v for k, v in redis.items() if v is not None}
+        if "url" not in values and os.environ.get(REDIS_URL_ENV):
+            values["url"] = os.environ[REDIS_URL_ENV]
+        if not values:
+            return self
+        try:
+            redis_settings = RedisSettings.model_validate({**self.redis.model_dump(), **values})
+        except ValidationError as exc:
+            raise ConfigError(f"invalid Redis settings:\n{exc}") from exc
+        return self.model_copy(update={"redis": redis_settings})
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Defaults, or a validated TOML file; every problem is a :class:`ConfigError`."""
+    if path is None:
+        return Settings()
+    try:
+        return Settings.model_validate(read_toml(path, "config"))
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid config:\n{exc}") from exc

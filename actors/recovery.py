@@ -1,0 +1,110 @@
+"""The recovery policy: one pure function, first match wins, the order is the policy.
+
+1. hard idle timeout                                   -> abort
+2. context-length error, not yet reactively compacted  -> compact, then retry
+3. retryable model error, attempts < 3                 -> retry after 1 s, 2 s, 4 s
+4. the loop detector says stop                         -> force stop
+5. a behaviour problem (empty reply, suspected loop),
+   nudges < 3                                          -> nudge and continue
+6. anything else                                       -> abort
+
+Rule 5 applies to problems a message to the model can fix; a fatal error, a retryable error
+out of attempts or a second context-length error fall through to abort (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+MAX_RETRIES = 3
+MAX_NUDGES = 3
+MAX_RESUMES = 3
+
+#: Every nudge starts with this, so a transcript reader (or the scripted model) can tell one.
+NUDGE_PREFIX = "[nudge]"
+
+
+class Problem(str, Enum):
+    HARD_IDLE_TIMEOUT = "hard_idle_timeout"
+    """The watchdog cancelled the model call."""
+    CONTEXT_LENGTH = "context_length"
+    """The transcript does not fit the model."""
+    RETRYABLE = "retryable"
+    """Transient model failure."""
+    FATAL = "fatal"
+    """Model failure that will not go away."""
+    EMPTY_REPLY = "empty_reply"
+    """The model answered nothing."""
+    LOOP = "loop"
+    """The model repeats its tool calls."""
+
+
+class Action(str, Enum):
+    ABORT = "abort"
+    """End the turn now, saving what it has."""
+    COMPACT = "compact"
+    """Compact the transcript, checkpoint, call the model again."""
+    RETRY = "retry"
+    """Back off in ``retrying_llm``, then call again."""
+    FORCE_STOP = "force_stop"
+    """Checkpoint, enter ``force_stop``, one tool-less wrap-up call, done."""
+    NUDGE = "nudge"
+    """Append a system-injected user message and call again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Situation:
+    """Everything the policy may look at."""
+
+    problem: Problem
+    """What went wrong."""
+    reactive_compacted: bool = False
+    """A reactive compaction already happened this turn."""
+    retry_attempts: int = 0
+    """Retries already spent on the current call."""
+    loop_stop: bool = False
+    """The loop detector says stop."""
+    nudges: int = 0
+    """Nudges already sent this turn."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    """What to do."""
+    cause: str
+    """Why, for logs and the turn's outcome (``aborted:<cause>``)."""
+    backoff_s: float = 0.0
+    """Seconds to wait in ``retrying_llm`` (RETRY only)."""
+
+
+_NUDGEABLE = frozenset({Problem.EMPTY_REPLY, Problem.LOOP})
+
+
+def decide_recovery(s: Situation) -> Decision:
+    if s.problem is Problem.HARD_IDLE_TIMEOUT:
+        return Decision(Action.ABORT, "hard_idle_timeout")
+    if s.problem is Problem.CONTEXT_LENGTH and not s.reactive_compacted:
+        return Decision(Action.COMPACT, "context_length")
+    if s.problem is Problem.RETRYABLE and s.retry_attempts < MAX_RETRIES:
+        return Decision(Action.RETRY, "retryable", backoff_s=float(2**s.retry_attempts))
+    if s.loop_stop:
+        return Decision(Action.FORCE_STOP, "loop")
+    if s.problem in _NUDGEABLE and s.nudges < MAX_NUDGES:
+        return Decision(Action.NUDGE, s.problem.value)
+    return Decision(Action.ABORT, s.problem.value)
+
+
+def nudge_text(problem: Problem) -> str:
+    if problem is Problem.LOOP:
+        return (
+            f"{NUDGE_PREFIX} You are repeating the same tool calls. Try a different approach "
+            "or give your final answer."
+        )
+    return f"{NUDGE_PREFIX} Your last reply was empty. Please continue the task."
+
+
+def may_resume(resume_attempts: int) -> bool:
+    """A turn that lost its host this many times already is aborted instead of resumed."""
+    return resume_attempts < MAX_RESUMES

@@ -1,0 +1,137 @@
+"""Running a tool batch under the ledger, so a resumed turn never repeats a finished call.
+
+:class:`BatchExecutor` holds the ledger rules (pure decisions over ledger entries plus the
+writes that journal them); a :class:`ToolRunner` does the actual execution, in this process
+(:class:`LocalToolRunner`) or on the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from bus.errors import UnknownTool
+from store.ledger import ToolLedger, call_key
+from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult
+from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
+
+log = logging.getLogger(__name__)
+
+
+class ToolRunner(Protocol):
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        """Execute one call; never raise for a tool's own failure, return its result instead."""
+        ...
+
+
+class LocalToolRunner:
+    """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout."""
+
+    def __init__(self) -> None:
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        async with limit:
+            try:
+                output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
+            except asyncio.TimeoutError:
+                return ToolResult(
+                    call_id=call.id, name=call.name, status="timeout",
+                    output=f"{call.name} timed out after {spec.timeout_s:g} s",
+                )  # fmt: skip
+            except Exception as exc:  # a tool's bug is the model's problem, not the turn's
+                log.info("tool %s failed: %r", call.name, exc)
+                return ToolResult(
+                    call_id=call.id, name=call.name, status="error",
+                    output=f"{type(exc).__name__}: {exc}",
+                )  # fmt: skip
+        return ToolResult(call_id=call.id, name=call.name, status="ok", output=output)
+
+
+def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:
+    """What to do with a call given its ledger entry: ``reuse``, ``unknown`` or ``run``."""
+    if entry is None or entry.state == "prepared":
+        return "run"
+    if entry.result is not None and entry.state in ("committed", "failed", "outcome_unknown"):
+        return "reuse"
+    # dispatched: it was in flight when its host died.
+    return "run" if idempotent else "unknown"
+
+
+class BatchExecutor:
+    """Runs one batch: journal, reuse what the ledger already has, run the rest concurrently."""
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        runner: ToolRunner,
+        ledger: ToolLedger,
+        effects: EffectSink | None,
+    ) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.ledger = ledger
+        self.effects = effects
+
+    def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
+        return [call_key(turn_id, batch, c.name, c.args, i) for i, c in enumerate(calls)]
+
+    async def run_batch(
+        self,
+        turn_id: str,
+        batch: int,
+        calls: Sequence[ToolCall],
+        denied: frozenset[int] = frozenset(),
+    ) -> list[ToolResult]:
+        keys = self.keys_for(turn_id, batch, calls)
+        prior = await self.ledger.get_many(turn_id, keys)
+        fresh = {k: ("prepared", c.name, None) for k, c in zip(keys, calls) if k not in prior}
+        if fresh:
+            await self.ledger.mark(turn_id, fresh)  # type: ignore[arg-type]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(turn_id, key, call, prior.get(key), i in denied)
+                    for i, (key, call) in enumerate(zip(keys, calls))
+                )
+            )
+        )
+
+    async def _one(
+        self, turn_id: str, key: str, call: ToolCall, entry: LedgerEntry | None, denied: bool
+    ) -> ToolResult:
+        def result(status: str, output: str) -> ToolResult:
+            return ToolResult.model_validate(
+                {"call_id": call.id, "name": call.name, "status": status, "output": output}
+            )
+
+        async def journal(state: LedgerState, res: ToolResult) -> ToolResult:
+            await self.ledger.mark(turn_id, {key: (state, call.name, res)})
+            return res
+
+        try:
+            spec = self.registry.get(call.name)
+        except UnknownTool as exc:
+            return await journal("failed", result("error", str(exc)))
+        verdict = resume_verdict(entry, spec.idempotent)
+        if verdict == "reuse":
+            assert entry is not None and entry.result is not None
+            # The model-assigned call id may differ on replay; the outcome is what is reused.
+            return entry.result.model_copy(update={"call_id": call.id})
+        if verdict == "unknown":
+            return await journal(
+                "outcome_unknown",
+                result(
+                    "outcome_unknown",
+                    f"{call.name} was running when its host died; it may or may not have "
+                    "taken effect and will not be re-run",
+                ),
+            )
+        if denied:
+            return await journal("committed", result("denied", f"{call.name} was not approved"))
+        await self.ledger.mark(turn_id, {key: ("dispatched", call.name, None)})
+        res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
+        return await journal("committed" if res.status == "ok" else "failed", res)

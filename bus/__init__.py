@@ -1,0 +1,1 @@
+"""The protocol every phaseline actor shares: phases, events, errors and their wire codec."""

@@ -1,0 +1,81 @@
+"""The phaseline error hierarchy.
+
+Every error phaseline raises on purpose derives from :class:`PhaselineError`, so a caller can
+catch "anything phaseline refused" in one place. Third-party errors (``redis.RedisError``,
+Ray's ``RayActorError``) are translated into these at the module that talks to the library;
+nothing above that boundary should see a raw third-party exception.
+"""
+
+from __future__ import annotations
+
+
+class PhaselineError(Exception):
+    """Root of every error raised by phaseline."""
+
+
+class ConfigError(PhaselineError):
+    """A CLI flag, config file or scenario is invalid; the message says which and why."""
+
+
+class IllegalTransition(PhaselineError):
+    """A phase transition not in the table was attempted (raised in strict mode only)."""
+
+
+class StoreError(PhaselineError):
+    """Redis could not be reached or answered with an error (translated ``redis.RedisError``)."""
+
+
+class StaleOwner(StoreError):
+    """A save was refused by fencing: a newer owner (epoch) or a newer checkpoint (seq) exists.
+
+    The writer is a zombie or a losing racer and must stop driving the turn at once.
+    """
+
+
+class RecordError(StoreError):
+    """A record read from Redis is not a valid phaseline record; it has been quarantined."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class UnknownSchema(RecordError):
+    """A record carries a schema version this build does not understand."""
+
+
+class RecordNotFound(StoreError):
+    """No record exists for the requested turn."""
+
+
+class LLMError(PhaselineError):
+    """Base of the typed errors an :class:`~actors.llm.LLMClient` may raise."""
+
+
+class RetryableLLMError(LLMError):
+    """A transient model failure (rate limit, 5xx, timeout); the same request may succeed."""
+
+
+class ContextLengthError(LLMError):
+    """The transcript no longer fits the model's context window; compaction may help."""
+
+
+class FatalLLMError(LLMError):
+    """A model failure that retrying will not fix (bad request, auth)."""
+
+
+class HardIdleTimeout(LLMError):
+    """The watchdog cancelled an LLM call that sat idle past the hard timeout."""
+
+
+class ToolError(PhaselineError):
+    """A tool call could not be executed as asked."""
+
+
+class UnknownTool(ToolError):
+    """The model or a scenario named a tool that is not registered."""
+
+
+class TurnExists(StoreError):
+    """A turn with this id was already submitted."""

@@ -1,0 +1,1 @@
+"""Durable state: record schemas, key layout, checkpoint store, tool ledger, embedded Redis."""

@@ -1,0 +1,121 @@
+"""msgpack <-> record conversion. Never pickle: every byte read from Redis is validated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from bus.errors import RecordError, UnknownSchema
+from bus.phase import TurnPhase
+from store.records import (
+    SCHEMA_VERSION,
+    CheckpointRecord,
+    Counters,
+    Message,
+    MessageMeta,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+#: The hash fields of a checkpoint record; every save writes all of them.
+RECORD_FIELDS = (
+    "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
+    "messages", "meta", "baseline", "counters", "updated_at",
+)  # fmt: skip
+
+
+def pack(value: Any) -> bytes:
+    """msgpack with bin type, so bytes and str never get confused on the way back."""
+    return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes) -> Any:
+    """Strict msgpack decode: str keys only, no ext types, no surprises."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+
+
+def dump_model(model: BaseModel) -> Any:
+    """JSON-compatible dict of a model, without defaults (smaller records)."""
+    return model.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
+def pack_model(model: BaseModel) -> bytes:
+    return pack(dump_model(model))
+
+
+def unpack_model(cls: type[M], data: bytes, *, key: str) -> M:
+    """Decode and validate one msgpack-encoded model, translating failures to RecordError."""
+    try:
+        return cls.model_validate(unpack(data))
+    except (ValueError, TypeError, msgpack.UnpackException, ValidationError) as exc:
+        raise RecordError(key, f"invalid {cls.__name__}: {exc}") from exc
+
+
+def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
+    """The full hash mapping of a record (all fields, always)."""
+    return {
+        "schema": record.schema_version,
+        "turn_id": record.turn_id,
+        "session_id": record.session_id,
+        "epoch": record.epoch,
+        "seq": record.seq,
+        "phase": record.phase.value,
+        "in_progress": 1 if record.in_progress else 0,
+        "reason": record.reason,
+        "messages": pack([dump_model(m) for m in record.messages]),
+        "meta": pack([dump_model(m) for m in record.meta]),
+        "baseline": record.baseline,
+        "counters": pack_model(record.counters),
+        "updated_at": record.updated_at,
+    }
+
+
+def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
+    """Validate a hash read with HGETALL. Raises :class:`RecordError` / :class:`UnknownSchema`."""
+    fields = {k.decode("utf-8", "replace"): v for k, v in raw.items()}
+    missing = [f for f in RECORD_FIELDS if f not in fields]
+    if missing:
+        raise RecordError(key, f"missing fields {missing}")
+    extra = sorted(set(fields) - set(RECORD_FIELDS))
+    if extra:
+        raise RecordError(key, f"unexpected fields {extra}")
+    try:
+        schema = int(fields["schema"])
+    except ValueError as exc:
+        raise RecordError(key, f"schema is not an integer: {fields['schema']!r}") from exc
+    if schema != SCHEMA_VERSION:
+        raise UnknownSchema(key, f"unknown schema {schema} (this build reads {SCHEMA_VERSION})")
+    try:
+        text = {f: fields[f].decode() for f in ("turn_id", "session_id", "phase", "reason")}
+        messages = unpack(fields["messages"])
+        meta = unpack(fields["meta"])
+        counters = unpack(fields["counters"])
+        if not isinstance(messages, list) or not isinstance(meta, list):
+            raise ValueError("messages and meta must be msgpack lists")
+        return CheckpointRecord(
+            schema=schema,
+            turn_id=text["turn_id"],
+            session_id=text["session_id"],
+            epoch=int(fields["epoch"]),
+            seq=int(fields["seq"]),
+            phase=TurnPhase(text["phase"]),
+            in_progress=_flag(fields["in_progress"]),
+            reason=text["reason"],
+            messages=tuple(Message.model_validate(m) for m in messages),
+            meta=tuple(MessageMeta.model_validate(m) for m in meta),
+            baseline=int(fields["baseline"]),
+            counters=Counters.model_validate(counters),
+            updated_at=int(fields["updated_at"]),
+        )
+    except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as exc:
+        # pydantic.ValidationError is a ValueError.
+        raise RecordError(key, f"undecodable record: {exc}") from exc
+
+
+def _flag(value: bytes) -> bool:
+    if value in (b"1", b"0"):
+        return value == b"1"
+    raise ValueError(f"in_progress must be 1 or 0, got {value!r}")

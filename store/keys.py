@@ -1,0 +1,108 @@
+"""Every Redis key phaseline uses, in one place.
+
+Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
+
+    {ns}:{s<N>}:turn:<turn_id>      hash    the checkpoint record (records.CheckpointRecord)
+    {ns}:{s<N>}:spec:<turn_id>      string  msgpack TurnSpec, written once at submission
+    {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry
+    {ns}:{s<N>}:effects:<turn_id>   hash    side-effect counters of non-idempotent tools
+    {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
+    {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
+    {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
+    {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
+    {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
+    {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
+
+The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
+written with, in one Redis Cluster slot, so one MULTI/EXEC can touch them all.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+from bus.errors import ConfigError
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TURN_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+def check_turn_id(turn_id: str) -> str:
+    """Turn ids become parts of keys; refuse ones that could collide or smuggle a hash tag."""
+    if not _TURN_ID.match(turn_id):
+        raise ConfigError(f"invalid turn id {turn_id!r}: use 1-128 of [A-Za-z0-9_.:-]")
+    return turn_id
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    """Builds keys for one namespace. Immutable and cheap; pass it around by value."""
+
+    namespace: str = "pl"
+    """Prefix of every key, so several deployments or test runs share one Redis."""
+    shards: int = 16
+    """Number of shard hash tags; fixed for the life of a namespace."""
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE.match(self.namespace):
+            raise ConfigError(f"invalid namespace {self.namespace!r}: use 1-64 of [A-Za-z0-9_.-]")
+        if not 1 <= self.shards <= 16384:
+            raise ConfigError(f"shards must be in 1..16384, got {self.shards}")
+
+    def shard_of(self, turn_id: str) -> int:
+        """Stable shard of a turn (crc32, so every process and language agrees)."""
+        return zlib.crc32(turn_id.encode()) % self.shards
+
+    def _prefix(self, shard: int) -> str:
+        return f"{self.namespace}:{{s{shard}}}"
+
+    def _turn_key(self, kind: str, turn_id: str) -> str:
+        return f"{self._prefix(self.shard_of(check_turn_id(turn_id)))}:{kind}:{turn_id}"
+
+    def turn(self, turn_id: str) -> str:
+        return self._turn_key("turn", turn_id)
+
+    def spec(self, turn_id: str) -> str:
+        return self._turn_key("spec", turn_id)
+
+    def tools(self, turn_id: str) -> str:
+        return self._turn_key("tools", turn_id)
+
+    def effects(self, turn_id: str) -> str:
+        return self._turn_key("effects", turn_id)
+
+    def inbox(self, turn_id: str) -> str:
+        return self._turn_key("inbox", turn_id)
+
+    def approval(self, turn_id: str) -> str:
+        return self._turn_key("approval", turn_id)
+
+    def quarantined(self, turn_id: str) -> str:
+        return self._turn_key("quarantined", turn_id)
+
+    def events(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:events"
+
+    def in_progress(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:inprogress"
+
+    def quarantine(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:quarantine"
+
+    def events_of(self, turn_id: str) -> str:
+        return self.events(self.shard_of(turn_id))
+
+    def in_progress_of(self, turn_id: str) -> str:
+        return self.in_progress(self.shard_of(turn_id))
+
+    def quarantine_of(self, turn_id: str) -> str:
+        return self.quarantine(self.shard_of(turn_id))
+
+    def all_shards(self) -> range:
+        return range(self.shards)
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this namespace (for cleanup and tooling)."""
+        return f"{self.namespace}:{{s*}}:*"

@@ -1,0 +1,171 @@
+"""Record schemas: what a turn's durable state looks like, validated on every read.
+
+All models are frozen: a snapshot handed to the store cannot change under it. Unknown fields
+are rejected so a record written by a newer build fails loudly instead of losing data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bus.phase import TurnPhase
+
+#: Version of the checkpoint record layout. Bump on any incompatible change; readers
+#: quarantine records whose schema they do not know.
+SCHEMA_VERSION = 1
+
+Role = Literal["system", "user", "assistant", "tool"]
+ToolStatus = Literal["ok", "error", "denied", "timeout", "outcome_unknown", "skipped"]
+Source = Literal["prompt", "llm", "tool", "inbox", "system"]
+LedgerState = Literal["prepared", "dispatched", "committed", "failed", "outcome_unknown"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class ToolCall(_Frozen):
+    """One tool invocation requested by the model."""
+
+    id: str
+    """Model-assigned call id; tool results refer to it."""
+    name: str
+    """Registered tool name."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """JSON-like arguments; canonicalised (sorted keys) when hashed into the call key."""
+
+
+class ToolResult(_Frozen):
+    """The outcome of one tool call, as the model will read it."""
+
+    call_id: str
+    """The :attr:`ToolCall.id` this answers."""
+    name: str
+    """Tool name, repeated for readability of stored transcripts."""
+    status: ToolStatus
+    """``ok``, or why there is no real output (``outcome_unknown``: in flight at a crash)."""
+    output: str = ""
+    """Text the model sees."""
+
+
+class Message(_Frozen):
+    """One transcript entry. Equality of transcripts is equality of these, message for message."""
+
+    role: Role
+    """Who speaks."""
+    text: str = ""
+    """Plain text content (may be empty for a pure tool-call message)."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Calls requested by an assistant message."""
+    tool_result: ToolResult | None = None
+    """Set on ``tool`` messages only."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
+        if (self.role == "tool") != (self.tool_result is not None):
+            raise ValueError("tool messages, and only they, carry a tool result")
+        return self
+
+
+class MessageMeta(_Frozen):
+    """Bookkeeping beside a message (index-aligned), never shown to the model."""
+
+    source: Source
+    """Where the message came from."""
+    message_id: str
+    """Stable id (inbox messages keep the id they were injected with)."""
+    at_ms: int
+    """Unix milliseconds when the message entered the transcript."""
+    system_injected: bool = False
+    """True for nudges and other messages the runtime wrote on the user's behalf."""
+
+
+class Counters(_Frozen):
+    """Small per-turn counters that recovery decisions depend on, so they survive a crash."""
+
+    retry_attempts: int = 0
+    """Retries spent on the current model call (reset when a call succeeds)."""
+    nudges: int = 0
+    """Nudges sent this turn (capped at 3 by the recovery policy)."""
+    reactive_compacted: bool = False
+    """A context-length error already triggered a compaction this turn."""
+    resume_attempts: int = 0
+    """How many times the turn was resumed after losing its host."""
+    tool_batches: int = 0
+    """Tool batches executed; numbers the next batch so its call keys are stable on replay."""
+    inbox_offset: int = 0
+    """How many inbox entries the transcript already contains (exactly-once injection)."""
+    outcome: str = ""
+    """Empty while running; ``answered``, ``force_stopped`` or ``aborted:<cause>`` at the end."""
+
+
+class CheckpointRecord(_Frozen):
+    """The checkpoint hash of DESIGN §3, one per turn; every field is written on every save."""
+
+    schema_version: int = Field(default=SCHEMA_VERSION, alias="schema")
+    """Record layout version (:data:`SCHEMA_VERSION`)."""
+    turn_id: str
+    """The turn."""
+    session_id: str
+    """Conversation the turn belongs to."""
+    epoch: int = Field(ge=1)
+    """Owner incarnation; the fencing token. A resume bumps it."""
+    seq: int = Field(ge=0)
+    """Checkpoint number, strictly increasing across every save of the turn."""
+    phase: TurnPhase
+    """Phase at the time of the save."""
+    in_progress: bool
+    """True until the final save."""
+    reason: str
+    """Why this save happened: ``submitted``, ``tool_batch``, ``compaction``, ``force_stop``,
+    ``resume`` or ``final``."""
+    messages: tuple[Message, ...]
+    """The whole canonical transcript, baseline included (never a diff)."""
+    meta: tuple[MessageMeta, ...]
+    """Index-aligned with :attr:`messages`."""
+    baseline: int = Field(ge=0)
+    """Number of pre-turn messages at the head of :attr:`messages`."""
+    counters: Counters
+    """Recovery counters."""
+    updated_at: int
+    """Unix milliseconds of the save."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_alignment(self) -> CheckpointRecord:
+        if len(self.meta) != len(self.messages):
+            raise ValueError(f"meta has {len(self.meta)} entries for {len(self.messages)} messages")
+        if self.baseline > len(self.messages):
+            raise ValueError(f"baseline {self.baseline} exceeds {len(self.messages)} messages")
+        return self
+
+
+class TurnSpec(_Frozen):
+    """What a turn was asked to do; written once at submission so any host can resume it."""
+
+    turn_id: str
+    """The turn."""
+    session_id: str
+    """Conversation the turn belongs to."""
+    scenario: dict[str, Any]
+    """The scenario table (validated again by ``actors.scenario`` when the turn is built)."""
+    created_at: int
+    """Unix milliseconds of submission."""
+
+
+class LedgerEntry(_Frozen):
+    """One tool call's journal entry: ``prepared -> dispatched -> committed | failed``."""
+
+    state: LedgerState
+    """Where the call got to. ``dispatched`` at resume means it was in flight at the crash."""
+    name: str
+    """Tool name."""
+    result: ToolResult | None = None
+    """Set once committed or failed; reused instead of re-running the tool."""
+    updated_at: int = 0
+    """Unix milliseconds of the last state change."""
