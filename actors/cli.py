@@ -18,21 +18,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import redis.asyncio as aioredis
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bus.errors import ConfigError, PhaselineError
-from bus.phase import Transition, TurnPhase
-from store.codec import dump_model
-from store.connection import connect
-from store.embedded import EmbeddedRedis, attach_or_start
-from store.keys import KeyLayout, check_turn_id
-from store.checkpoint import RedisCheckpointStore
 from actors.config import Settings, load_settings
 from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
 from actors.scenario import load_scenario
+from bus.errors import ConfigError, PhaselineError
+from bus.phase import Transition, TurnPhase
+from store.checkpoint import RedisCheckpointStore
+from store.codec import dump_model
+from store.connection import connect, translated
+from store.embedded import EmbeddedRedis, attach_or_start
+from store.keys import KeyLayout, check_turn_id
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -94,25 +95,29 @@ def _redis(settings: Settings) -> Iterator[str]:
             server.stop()
 
 
-def _run(coro_fn: Callable[[str], Awaitable[T]], settings: Settings) -> T:
+def _run(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], settings: Settings) -> T:
+    """Run ``coro_fn(client)`` on a fresh event loop against the configured Redis."""
     with _redis(settings) as url:
-        return asyncio.run(_with_client(coro_fn, url))  # type: ignore[arg-type]
+        return asyncio.run(_with_client(coro_fn, url))
 
 
-async def _with_client(coro_fn: Callable[[Any], Awaitable[T]], url: str) -> T:
+async def _with_client(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], url: str) -> T:
     client = connect(url)
     try:
-        await client.ping()
+        with translated(f"cannot reach Redis at {url}"):
+            await client.ping()
         return await coro_fn(client)
-    except OSError as exc:  # connection refused before any command
-        raise PhaselineError(f"cannot reach Redis at {url}: {exc}") from exc
     finally:
         await client.aclose()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="WARNING", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option(
+    "--log-level",
+    default="WARNING",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 def main(log_level: str) -> None:
     """phaseline: crash-surviving agent turns with fenced Redis checkpoints."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -146,12 +151,21 @@ def _summary(title: str, stats: RunStats, report: str | None) -> None:
 
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
-              help="Scenario file (configs/scenarios/*.toml).")
+@click.option(
+    "--scenario",
+    "scenario_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Scenario file (configs/scenarios/*.toml).",
+)
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
 @click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
-@click.option("--report", type=click.Path(dir_okay=False), default=None,
-              help="Write the summary as JSON here.")
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the summary as JSON here.",
+)
 def run(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str, turns: int, run_id: str | None, report: str | None,
@@ -162,7 +176,7 @@ def run(
     rid = check_turn_id(run_id) if run_id else new_run_id()
     bar = _Bar(turns, f"run {rid}")
 
-    async def go(client: Any) -> RunStats:
+    async def go(client: aioredis.Redis) -> RunStats:
         engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
         engine.registry.require(scenario.tools)
         with bar.progress:
@@ -176,15 +190,19 @@ def run(
 
 @main.command()
 @_common
-@click.option("--report", type=click.Path(dir_okay=False), default=None,
-              help="Write the summary as JSON here.")
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the summary as JSON here.",
+)
 def resume(
     redis_url: str | None, namespace: str | None, config_path: str | None, report: str | None
 ) -> None:
     """Resume every in-progress turn in the store and run it to the end."""
     settings = _settings(config_path, redis_url, namespace)
 
-    async def go(client: Any) -> RunStats:
+    async def go(client: aioredis.Redis) -> RunStats:
         keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
         bar = _Bar(len(await RedisCheckpointStore(client, keys).list_in_progress()), "resume")
         engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
@@ -210,7 +228,7 @@ def inspect(
     settings = _settings(config_path, redis_url, namespace)
     check_turn_id(turn_id)
 
-    async def go(client: Any) -> Any:
+    async def go(client: aioredis.Redis) -> Any:
         keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
         return await RedisCheckpointStore(client, keys).load(turn_id)
 
@@ -228,7 +246,7 @@ def inspect(
     transcript = Table(title="transcript")
     for col in ("#", "role", "source", "id", "content"):
         transcript.add_column(col)
-    for i, (m, meta) in enumerate(zip(record.messages, record.meta)):
+    for i, (m, meta) in enumerate(zip(record.messages, record.meta, strict=True)):
         content = m.text[:80]
         if m.tool_calls:
             content += " " + ", ".join(f"{c.name}()" for c in m.tool_calls)
@@ -257,3 +275,7 @@ def redis_cmd(
         pass
     finally:
         server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bus.errors import ConfigError
 from actors.loop import LoopSettings
 from actors.tomlfile import read_toml
 from actors.watchdog import WatchdogConfig
+from bus.errors import ConfigError
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 

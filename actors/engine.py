@@ -8,24 +8,17 @@ store, ledger, inbox and approvals, and runs the watchdog rules on a ticker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
-from bus.errors import RecordError, RecordNotFound, StaleOwner, StoreError
-from bus.phase import Transition, TurnPhase
-from store.approvals import Approvals
-from store.checkpoint import RedisCheckpointStore
-from store.effects import EffectCounters
-from store.inbox import Inbox
-from store.keys import KeyLayout
-from store.ledger import ToolLedger
-from store.records import CheckpointRecord, MessageMeta, Message, TurnSpec
 from actors.config import Settings
 from actors.loop import LoopSettings, TurnDeps, TurnLoop, TurnOutcome
 from actors.recovery import may_resume
@@ -34,6 +27,15 @@ from actors.scripted import ScriptedLLM
 from actors.toolrun import BatchExecutor, LocalToolRunner
 from actors.tools import BUILTIN_TOOLS, ToolRegistry
 from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
+from bus.errors import RecordError, RecordNotFound, StaleOwner, StoreError
+from bus.phase import Transition, TurnPhase
+from store.approvals import Approvals
+from store.checkpoint import RedisCheckpointStore
+from store.effects import EffectCounters
+from store.inbox import Inbox
+from store.keys import KeyLayout
+from store.ledger import ToolLedger
+from store.records import CheckpointRecord, Message, MessageMeta, TurnSpec
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ class LocalEngine:
         self.rules = WatchdogRules(watchdog)
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}
-        self._on_transition = on_transition
+        self.on_transition = on_transition
         self._on_status = on_status
 
     @classmethod
@@ -181,13 +183,13 @@ class LocalEngine:
     async def run_new(self, scenario: Scenario, turn_ids: Iterable[str]) -> RunStats:
         """Submit and run turns concurrently; returns the stats of this batch."""
         records = [await self.submit(scenario, t) for t in turn_ids]
-        return await self._run_all([self._start(r, scenario) for r in records])
+        return await self._run_all([self.start(r, scenario) for r in records])
 
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died)."""
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
-        coros = []
+        coros: list[Awaitable[TurnOutcome]] = []
         for record in scan.records:
             try:
                 spec = await self.store.load_spec(record.turn_id)
@@ -200,11 +202,11 @@ class LocalEngine:
             coros.append(self._resume(record, scenario))
         return await self._run_all(coros)
 
-    async def _run_all(self, coros: list[asyncio.Future[TurnOutcome] | object]) -> RunStats:
+    async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         started = time.monotonic()
         ticker = asyncio.ensure_future(self._watchdog())
         try:
-            for outcome in await asyncio.gather(*coros):  # type: ignore[call-overload]
+            for outcome in await asyncio.gather(*coros):
                 self.stats.add(outcome)
         finally:
             ticker.cancel()
@@ -220,15 +222,22 @@ class LocalEngine:
             return TurnOutcome(record.turn_id, "fenced", claimed.epoch, 0, 0, len(record.messages))
         self.stats.resumed += 1
         if not may_resume(record.counters.resume_attempts):
-            loop = self._build(claimed, scenario, resume_from=record.reason)
+            loop = self.build_loop(claimed, scenario, resume_from=record.reason)
             return await loop.abort("resume_limit")
-        return await self._start(claimed, scenario, resume_from=record.reason)
+        return await self.start(claimed, scenario, resume_from=record.reason)
 
-    def _build(
-        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: str | None = None
+    def build_loop(
+        self,
+        record: CheckpointRecord,
+        scenario: Scenario,
+        *,
+        resume_from: str | None = None,
+        settings: LoopSettings | None = None,
+        **deps: Any,
     ) -> TurnLoop:
+        """A loop for ``record`` wired to this engine; ``deps`` replace TurnDeps members."""
         registry = self.registry.with_approval(scenario.require_approval)
-        deps = TurnDeps(
+        wired = TurnDeps(
             llm=ScriptedLLM(scenario, baseline=record.baseline),
             tools=BatchExecutor(registry, self.runner, self.ledger, self.effects),
             registry=registry,
@@ -237,12 +246,15 @@ class LocalEngine:
             approvals=self.approvals,
             listener=self._transition,
         )
-        return TurnLoop(record, deps, self.loop_settings, resume_from=resume_from)
+        return TurnLoop(
+            record,
+            dataclasses.replace(wired, **deps),
+            settings or self.loop_settings,
+            resume_from=resume_from,
+        )
 
-    async def _start(
-        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: str | None = None
-    ) -> TurnOutcome:
-        loop = self._build(record, scenario, resume_from=resume_from)
+    async def drive(self, loop: TurnLoop) -> TurnOutcome:
+        """Run a loop to its end, reachable by the watchdog while it runs."""
         self._loops[loop.turn_id] = loop
         try:
             return await loop.run()
@@ -254,6 +266,11 @@ class LocalEngine:
         finally:
             self._loops.pop(loop.turn_id, None)
 
+    async def start(
+        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: str | None = None
+    ) -> TurnOutcome:
+        return await self.drive(self.build_loop(record, scenario, resume_from=resume_from))
+
     def pending_approval(self, turn_id: str) -> str | None:
         """Call key a running turn waits on for approval, if any."""
         loop = self._loops.get(turn_id)
@@ -263,8 +280,8 @@ class LocalEngine:
 
     def _transition(self, t: Transition) -> None:
         self.rules.observe(t)
-        if self._on_transition is not None:
-            self._on_transition(t)
+        if self.on_transition is not None:
+            self.on_transition(t)
 
     async def _watchdog(self) -> None:
         while True:

@@ -24,6 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from actors.compaction import compact
+from actors.llm import LLMClient, LLMRequest
+from actors.loopdetect import LoopThresholds, LoopVerdict, detect_loop
+from actors.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
+from actors.tools import ToolRegistry
 from bus.errors import (
     ContextLengthError,
     HardIdleTimeout,
@@ -43,11 +48,6 @@ from store.records import (
     ToolCall,
     ToolResult,
 )
-from actors.compaction import compact
-from actors.llm import LLMClient, LLMRequest
-from actors.loopdetect import LoopThresholds, LoopVerdict, detect_loop
-from actors.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
-from actors.tools import ToolRegistry
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -343,12 +343,12 @@ class TurnLoop:
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
         denied = set()
-        for i, (key, call) in enumerate(zip(keys, calls)):
-            if call.name in self.deps.registry and self.deps.registry.get(
-                call.name
-            ).requires_approval:
-                if not await self._await_approval(key):
-                    denied.add(i)
+        for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
+            needs_approval = call.name in self.deps.registry and (
+                self.deps.registry.get(call.name).requires_approval
+            )
+            if needs_approval and not await self._await_approval(key):
+                denied.add(i)
         results = await self.deps.tools.run_batch(self.turn_id, batch, calls, frozenset(denied))
         for res in results:
             self._append(Message(role="tool", tool_result=res), "tool")
@@ -391,7 +391,9 @@ class TurnLoop:
         try:
             items = await self.deps.inbox.read_from(self.turn_id, offset)
         except StoreError as exc:
-            log.warning("turn %s: inbox unreadable, will retry at next boundary: %s", self.turn_id, exc)
+            log.warning(
+                "turn %s: inbox unreadable, will retry at next boundary: %s", self.turn_id, exc
+            )
             return
         if not items:
             return
@@ -466,7 +468,9 @@ class TurnLoop:
             self.failed_saves += 1
             if final:
                 raise
-            log.warning("turn %s: %s save failed, retried at next site: %s", self.turn_id, reason, exc)
+            log.warning(
+                "turn %s: %s save failed, retried at next site: %s", self.turn_id, reason, exc
+            )
             return
         self._dirty = False
         self._last_save = now
@@ -485,4 +489,3 @@ def _problem_of(exc: LLMError) -> Problem:
     if isinstance(exc, RetryableLLMError):
         return Problem.RETRYABLE
     return Problem.FATAL  # FatalLLMError and any other LLMError
-

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from bus.errors import ConfigError
 from actors.tomlfile import read_toml
+from bus.errors import ConfigError
 
 FaultKind = Literal["retryable", "context_length", "hang", "empty", "loop", "fatal"]
 

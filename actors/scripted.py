@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from bus.errors import ContextLengthError, FatalLLMError, RetryableLLMError
-from store.records import Message, ToolCall
 from actors.compaction import progress, read_summary
 from actors.llm import LLMRequest
 from actors.recovery import NUDGE_PREFIX
 from actors.scenario import Scenario
+from bus.errors import ContextLengthError, FatalLLMError, RetryableLLMError
+from store.records import Message, ToolCall
 
 
 def payload(seed: str, size: int) -> str:

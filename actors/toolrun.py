@@ -12,10 +12,10 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import UnknownTool
 from store.ledger import ToolLedger, call_key
 from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult
-from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,18 @@ class BatchExecutor:
     ) -> list[ToolResult]:
         keys = self.keys_for(turn_id, batch, calls)
         prior = await self.ledger.get_many(turn_id, keys)
-        fresh = {k: ("prepared", c.name, None) for k, c in zip(keys, calls) if k not in prior}
+        fresh = {
+            k: ("prepared", c.name, None)
+            for k, c in zip(keys, calls, strict=True)
+            if k not in prior
+        }
         if fresh:
             await self.ledger.mark(turn_id, fresh)  # type: ignore[arg-type]
         return list(
             await asyncio.gather(
                 *(
                     self._one(turn_id, key, call, prior.get(key), i in denied)
-                    for i, (key, call) in enumerate(zip(keys, calls))
+                    for i, (key, call) in enumerate(zip(keys, calls, strict=True))
                 )
             )
         )

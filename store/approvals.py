@@ -9,7 +9,7 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-from store.connection import translated
+from store.connection import text, translated
 from store.keys import KeyLayout
 
 PENDING = b"pending"
@@ -38,7 +38,7 @@ class Approvals:
                         current = await pipe.hget(key, call_key)
                         if current not in (None, PENDING):
                             return False
-                        pipe.multi()
+                        pipe.multi()  # type: ignore[no-untyped-call]
                         pipe.hset(key, call_key, APPROVE if approve else DENY)
                         await pipe.execute()
                         return True
@@ -55,4 +55,4 @@ class Approvals:
         """Call keys still waiting for a decision."""
         with translated(f"read approvals {turn_id}"):
             raw = await self.client.hgetall(self.keys.approval(turn_id))
-        return sorted(k.decode() for k, v in raw.items() if v == PENDING)
+        return sorted(text(k) for k, v in raw.items() if v == PENDING)

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 
 from bus.errors import RecordError, RecordNotFound, StaleOwner, StoreError, TurnExists
 from store.codec import decode_record, encode_record, pack_model, unpack_model
-from store.connection import translated
+from store.connection import raw as raw_bytes
+from store.connection import text, translated
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnSpec
 
@@ -91,8 +92,9 @@ class RedisCheckpointStore:
                         await pipe.watch(*watch)
                         if spec is not None and await pipe.exists(*watch):
                             raise TurnExists(f"turn {record.turn_id} already exists")
-                        self._check_fence(key, record, await pipe.hmget(key, "epoch", "seq"))
-                        pipe.multi()
+                        stored = await pipe.hmget(key, "epoch", "seq")
+                        self._check_fence(key, record, [_opt_bytes(v) for v in stored])
+                        pipe.multi()  # type: ignore[no-untyped-call]
                         self.queue_save(pipe, record)
                         if spec is not None:
                             pipe.set(spec[0], spec[1])
@@ -157,7 +159,7 @@ class RedisCheckpointStore:
         if not raw:
             raise RecordNotFound(f"no record for turn {turn_id}")
         try:
-            return decode_record(key, raw)
+            return decode_record(key, {raw_bytes(k): raw_bytes(v) for k, v in raw.items()})
         except RecordError as exc:
             await self.quarantine(turn_id, str(exc))
             raise
@@ -168,14 +170,16 @@ class RedisCheckpointStore:
             raw = await self.client.get(key)
         if raw is None:
             raise RecordNotFound(f"no spec for turn {turn_id}")
-        return unpack_model(TurnSpec, raw, key=key)
+        return unpack_model(TurnSpec, raw_bytes(raw), key=key)
 
     async def list_in_progress(self) -> list[str]:
         """Ids of every turn whose latest record has ``in_progress = 1``, sorted."""
         ids: list[str] = []
         with translated("list in-progress turns"):
             for shard in self.keys.all_shards():
-                ids.extend(m.decode() for m in await self.client.smembers(self.keys.in_progress(shard)))
+                ids.extend(
+                    text(m) for m in await self.client.smembers(self.keys.in_progress(shard))
+                )
         return sorted(ids)
 
     async def load_in_progress(self) -> InProgressScan:
@@ -199,7 +203,9 @@ class RedisCheckpointStore:
         log.error("quarantining %s: %s", key, reason)
         with translated(f"quarantine {turn_id}"):
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.quarantine_of(turn_id), turn_id, f"{int(time.time())}: {reason}")
+                pipe.hset(
+                    self.keys.quarantine_of(turn_id), turn_id, f"{int(time.time())}: {reason}"
+                )
                 pipe.srem(self.keys.in_progress_of(turn_id), turn_id)
                 pipe.rename(key, dest)
                 await pipe.execute(raise_on_error=False)
@@ -210,5 +216,9 @@ class RedisCheckpointStore:
         with translated("list quarantine"):
             for shard in self.keys.all_shards():
                 for k, v in (await self.client.hgetall(self.keys.quarantine(shard))).items():
-                    out[k.decode()] = v.decode()
+                    out[text(k)] = text(v)
         return out
+
+
+def _opt_bytes(value: bytes | str | None) -> bytes | None:
+    return None if value is None else raw_bytes(value)

@@ -96,7 +96,7 @@ def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
         if not isinstance(messages, list) or not isinstance(meta, list):
             raise ValueError("messages and meta must be msgpack lists")
         return CheckpointRecord(
-            schema=schema,
+            schema_version=schema,
             turn_id=text["turn_id"],
             session_id=text["session_id"],
             epoch=int(fields["epoch"]),

@@ -33,3 +33,13 @@ def translated(action: str) -> Iterator[None]:
         yield
     except (redis.RedisError, OSError) as exc:
         raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply as str (redis-py types replies as ``bytes | str``)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def raw(value: bytes | str) -> bytes:
+    """A Redis reply as bytes."""
+    return value if isinstance(value, bytes) else value.encode()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from store.connection import translated
+from store.connection import text, translated
 from store.keys import KeyLayout
 
 
@@ -25,4 +25,4 @@ class EffectCounters:
     async def counts(self, turn_id: str) -> dict[str, int]:
         with translated(f"read effects {turn_id}"):
             raw = await self.client.hgetall(self.keys.effects(turn_id))
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {text(k): int(v) for k, v in raw.items()}

@@ -89,7 +89,9 @@ class EmbeddedRedis:
         except BlockingIOError:
             os.close(self._lock)
             self._lock = None
-            raise DataDirBusy(f"{self.data_dir} is in use by another embedded redis-server")
+            raise DataDirBusy(
+                f"{self.data_dir} is in use by another embedded redis-server"
+            ) from None
         binary = find_redis_server()
         attempts = 1 if self.port else 5
         for _ in range(attempts):

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
 from store.codec import pack_model, unpack_model
+from store.connection import raw as raw_bytes
 from store.connection import translated
 from store.keys import KeyLayout
 
@@ -51,4 +52,7 @@ class Inbox:
         key = self.keys.inbox(turn_id)
         with translated(f"read inbox {turn_id}"):
             raw = await self.client.lrange(key, offset, -1)
-        return [unpack_model(InboxItem, r, key=f"{key}[{offset + i}]") for i, r in enumerate(raw)]
+        return [
+            unpack_model(InboxItem, raw_bytes(r), key=f"{key}[{offset + i}]")
+            for i, r in enumerate(raw)
+        ]

@@ -16,7 +16,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from store.codec import pack_model, unpack_model
-from store.connection import translated
+from store.connection import raw as raw_bytes
+from store.connection import text, translated
 from store.keys import KeyLayout
 from store.records import LedgerEntry, LedgerState, ToolResult
 
@@ -43,7 +44,7 @@ class ToolLedger:
         key = self.keys.tools(turn_id)
         with translated(f"read ledger {turn_id}"):
             raw = await self.client.hgetall(key)
-        return {k.decode(): self._decode(key, k.decode(), v) for k, v in raw.items()}
+        return {text(k): self._decode(key, text(k), raw_bytes(v)) for k, v in raw.items()}
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerEntry]:
         """Entries of the given calls that exist."""
@@ -52,7 +53,11 @@ class ToolLedger:
         key = self.keys.tools(turn_id)
         with translated(f"read ledger {turn_id}"):
             raw = await self.client.hmget(key, call_keys)
-        return {k: self._decode(key, k, v) for k, v in zip(call_keys, raw) if v is not None}
+        return {
+            k: self._decode(key, k, raw_bytes(v))
+            for k, v in zip(call_keys, raw, strict=True)
+            if v is not None
+        }
 
     @staticmethod
     def _decode(key: str, field: str, raw: bytes) -> LedgerEntry:

@@ -23,7 +23,7 @@ LedgerState = Literal["prepared", "dispatched", "committed", "failed", "outcome_
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ToolCall(_Frozen):

@@ -1,0 +1,54 @@
+"""Shared fixtures: one real redis-server per session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import fakeredis
+import pytest
+import redis.asyncio as aioredis
+
+from store.connection import connect
+from store.embedded import EmbeddedRedis
+from store.keys import KeyLayout
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def keys(namespace: str) -> KeyLayout:
+    return KeyLayout(namespace, shards=4)
+
+
+@pytest.fixture
+async def real_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(params=["fakeredis", "real"])
+async def any_client(
+    request: pytest.FixtureRequest, redis_url: str
+) -> AsyncIterator[aioredis.Redis]:
+    """The same assertions on fakeredis and on the real server (the store contract)."""
+    client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
+    yield client
+    await client.aclose()

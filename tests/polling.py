@@ -1,0 +1,24 @@
+"""Waiting on a condition with a deadline: the only way tests synchronise with running turns."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]], *, timeout: float = 10.0, what: str = "condition"
+) -> T:
+    """Poll ``probe`` until it returns something other than None/False; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.005)

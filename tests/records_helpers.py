@@ -1,0 +1,39 @@
+"""Builders of small valid records for tests."""
+
+from __future__ import annotations
+
+from bus.phase import TurnPhase
+from store.records import CheckpointRecord, Counters, Message, MessageMeta
+
+
+def record(
+    turn_id: str = "t1",
+    *,
+    epoch: int = 1,
+    seq: int = 1,
+    n_turn_messages: int = 0,
+    in_progress: bool = True,
+    reason: str = "tool_batch",
+) -> CheckpointRecord:
+    msgs = [Message(role="system", text="sys"), Message(role="user", text="hi")]
+    meta = [
+        MessageMeta(source="prompt", message_id="m0", at_ms=1),
+        MessageMeta(source="prompt", message_id="m1", at_ms=2),
+    ]
+    for i in range(n_turn_messages):
+        msgs.append(Message(role="assistant", text=f"reply {i}"))
+        meta.append(MessageMeta(source="llm", message_id=f"r{i}", at_ms=10 + i))
+    return CheckpointRecord(
+        turn_id=turn_id,
+        session_id="s1",
+        epoch=epoch,
+        seq=seq,
+        phase=TurnPhase.EXECUTING_TOOLS,
+        in_progress=in_progress,
+        reason=reason,
+        messages=tuple(msgs),
+        meta=tuple(meta),
+        baseline=2,
+        counters=Counters(tool_batches=n_turn_messages),
+        updated_at=1000,
+    )

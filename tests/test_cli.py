@@ -1,0 +1,105 @@
+"""The CLI boundary: clear typed errors and exit status for bad input; run and inspect work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from actors.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")
+TEST_CONFIG = str(ROOT / "configs" / "test.toml")
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output + (result.stderr if result.stderr_bytes else "")
+
+
+def test_every_shipped_scenario_and_config_is_valid() -> None:
+    from actors.config import load_settings
+    from actors.scenario import load_scenario
+    from actors.tools import BUILTIN_TOOLS
+
+    scenarios = sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
+    assert len(scenarios) >= 5
+    for path in scenarios:
+        BUILTIN_TOOLS.require(load_scenario(path).tools)
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('name = "x"\nroundz = 3\n', "roundz"),
+        ("rounds = 3\n", "name"),
+        ('name = "x"\nrounds = -1\n', "rounds"),
+        ('name = "x"\n[[faults]]\nat_call = 1\nkind = "explode"\n', "kind"),
+        ('name = "x"\ntools = ["nope"]\n', "unknown tools ['nope']"),
+        ('name = "x\n', "not valid TOML"),
+    ],
+)
+def test_bad_scenarios_are_refused_with_exit_2(
+    tmp_path: Path, redis_url: str, content: str, message: str
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(content)
+    code, out = invoke("run", "--redis-url", redis_url, "--scenario", str(bad))
+    assert code == 2, out
+    assert message in out
+
+
+def test_missing_files_and_bad_flags(tmp_path: Path, redis_url: str) -> None:
+    code, out = invoke("run", "--redis-url", redis_url, "--scenario", str(tmp_path / "no.toml"))
+    assert code == 2 and "cannot read scenario" in out
+    code, out = invoke("run", "--scenario", PLAIN, "--turns", "0")
+    assert code == 2 and "--turns" in out
+    code, out = invoke(
+        "run", "--scenario", PLAIN, "--namespace", "bad ns!", "--redis-url", redis_url
+    )
+    assert code == 2 and "invalid namespace" in out
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[watchdog]\nsoft_idle_s = 90\nhard_idle_s = 10\n")
+    code, out = invoke("run", "--scenario", PLAIN, "--config", str(cfg))
+    assert code == 2 and "hard_idle_s" in out
+    cfg.write_text("[redis]\nport = 1\n")
+    code, out = invoke("inspect", "x", "--config", str(cfg))
+    assert code == 2 and "port" in out
+
+
+def test_unreachable_redis_is_a_clear_error() -> None:
+    code, out = invoke("inspect", "x", "--redis-url", "redis://127.0.0.1:1/0")
+    assert code == 1 and "Redis" in out
+
+
+def test_run_then_inspect(redis_url: str, namespace: str, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    code, out = invoke(
+        "run", "--redis-url", redis_url, "--namespace", namespace, "--config", TEST_CONFIG,
+        "--scenario", PLAIN, "--turns", "3", "--run-id", "cli", "--report", str(report),
+    )  # fmt: skip
+    assert code == 0, out
+    data = json.loads(report.read_text())
+    assert data["turns"] == 3 and data["outcomes"] == {"answered": 3}
+    assert data["checkpoints"] == 3 * 11  # 10 tool batches + final, no debounce
+    code, out = invoke(
+        "inspect", "cli-t000001", "--redis-url", redis_url, "--namespace", namespace, "--json"
+    )
+    assert code == 0, out
+    record = json.loads(out)
+    assert record["turn_id"] == "cli-t000001" and len(record["messages"]) == 2 + 10 * 3 + 1
+    assert len(record["meta"]) == len(record["messages"])
+    code, out = invoke("inspect", "cli-t000001", "--redis-url", redis_url, "--namespace", namespace)
+    assert code == 0 and "transcript" in out and "[ok]" in out
+    code, out = invoke("inspect", "missing", "--redis-url", redis_url, "--namespace", namespace)
+    assert code == 1 and "RecordNotFound" in out
+
+
+def test_resume_with_nothing_to_do(redis_url: str, namespace: str) -> None:
+    code, out = invoke("resume", "--redis-url", redis_url, "--namespace", namespace)
+    assert code == 0 and "resumed" in out

@@ -1,0 +1,144 @@
+"""The crash test: a real child process is SIGKILLed between two checkpoints, then resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from actors.engine import LocalEngine
+from actors.loop import LoopSettings
+from actors.scenario import Scenario, load_scenario
+from store.checkpoint import RedisCheckpointStore
+from store.keys import KeyLayout
+from store.records import CheckpointRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
+
+
+def write_scenario(tmp: Path, llm_latency_ms: int, tools: str) -> Path:
+    path = tmp / "crashy.toml"
+    path.write_text(
+        f'name = "crashy"\nrounds = 4\ntools_per_round = 2\ntools = {tools}\n'
+        f"llm_latency_ms = {llm_latency_ms}\ntool_latency_ms = 5\npayload_bytes = 300\n"
+    )
+    return path
+
+
+def spawn_run(
+    url: str, ns: str, scenario: Path, turns: int, run_id: str
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "run", "--redis-url", url, "--namespace", ns,
+         "--config", str(ROOT / "configs" / "test.toml"), "--scenario", str(scenario),
+         "--turns", str(turns), "--run-id", run_id],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def wait_for_checkpoints(
+    client: aioredis.Redis, keys: KeyLayout, count: int, child: subprocess.Popen[bytes]
+) -> None:
+    """Block on the events streams until ``count`` tool-batch checkpoints were written."""
+    seen = 0
+    cursors = {keys.events(s): "0-0" for s in keys.all_shards()}
+    deadline = time.monotonic() + 60
+    while seen < count:
+        assert time.monotonic() < deadline, "no checkpoints from the child"
+        assert child.poll() is None, child.stderr.read() if child.stderr else "child exited"
+        for stream, entries in await client.xread(cursors, block=200):  # type: ignore[arg-type]
+            for entry_id, fields in entries:
+                cursors[stream.decode()] = entry_id.decode()
+                seen += fields[b"reason"] == b"tool_batch"
+
+
+async def reference(
+    client: aioredis.Redis, sc: Scenario, turn_ids: list[str]
+) -> dict[str, CheckpointRecord]:
+    """The fault-free run of the same scenario and turn ids, in its own namespace."""
+    keys = KeyLayout(f"ref{os.getpid()}{time.monotonic_ns()}", shards=4)
+    engine = LocalEngine(client, keys, loop_settings=FAST)
+    await engine.run_new(sc.model_copy(update={"llm_latency_ms": 0}), turn_ids)
+    return {t: await engine.store.load(t) for t in turn_ids}
+
+
+async def test_sigkill_between_checkpoints_then_resume_equals_fault_free_run(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    keys = KeyLayout(namespace, shards=16)  # the CLI's default shard count
+    # The kill lands in the 1.5 s model call after the first checkpoint, never inside a tool
+    # call, so even the non-idempotent tool must give the fault-free transcript.
+    sc_path = write_scenario(tmp_path, 1500, '["echo", "counter_increment"]')
+    child = spawn_run(redis_url, namespace, sc_path, 1, "crash")
+    try:
+        await wait_for_checkpoints(real_client, keys, 1, child)
+        os.kill(child.pid, signal.SIGKILL)  # mid-turn: the next model call takes 1.5 s
+    finally:
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    store = RedisCheckpointStore(real_client, keys)
+    turn_id = "crash-t000000"
+    crashed = await store.load(turn_id)
+    assert crashed.in_progress and crashed.reason == "tool_batch"
+    assert len(crashed.meta) == len(crashed.messages)
+    assert len(crashed.messages) == crashed.baseline + 1 + 2  # baseline + one checkpointed batch
+    sc = load_scenario(sc_path)
+    ref = (await reference(real_client, sc, [turn_id]))[turn_id]
+    assert crashed.messages == ref.messages[: len(crashed.messages)]
+
+    engine = LocalEngine(real_client, keys, loop_settings=FAST)
+    stats = await engine.resume_all()
+    assert stats.resumed == 1 and stats.outcomes == {"answered": 1}
+    final = await store.load(turn_id)
+    assert not final.in_progress and final.epoch == crashed.epoch + 1
+    assert len(final.meta) == len(final.messages)
+    assert final.meta[:2] == crashed.meta[:2]  # pre-turn meta untouched
+    assert final.messages == ref.messages  # message for message
+    assert final.counters.resume_attempts == 1
+    effects = await engine.effects.counts(turn_id)
+    assert effects and set(effects.values()) == {1}  # no side effect ran twice
+    assert await store.list_in_progress() == []
+
+
+async def test_cli_run_killed_mid_run_is_completed_by_cli_resume(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    keys = KeyLayout(namespace, shards=16)
+    # Idempotent tools only: the kill may land inside a tool call, which is then re-run.
+    sc_path = write_scenario(tmp_path, 300, '["echo", "sleep"]')
+    turns = 20
+    child = spawn_run(redis_url, namespace, sc_path, turns, "bulk")
+    try:
+        await wait_for_checkpoints(real_client, keys, turns, child)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    store = RedisCheckpointStore(real_client, keys)
+    left = await store.list_in_progress()
+    assert left, "the kill came too late to leave turns in progress"
+
+    resume = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "actors.cli", "resume", "--redis-url", redis_url,
+         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert resume.returncode == 0, resume.stderr
+    assert await store.list_in_progress() == []
+    ids = [f"bulk-t{i:06d}" for i in range(turns)]
+    ref = await reference(real_client, load_scenario(sc_path), ids)
+    for t in ids:
+        final = await store.load(t)
+        assert not final.in_progress
+        assert final.messages == ref[t].messages, t
+        assert len(final.meta) == len(final.messages)
+    resumed = [t for t in ids if (await store.load(t)).counters.resume_attempts]
+    assert sorted(resumed) == sorted(left)

@@ -1,0 +1,325 @@
+"""The turn loop against a real redis-server: checkpoint sites, recovery paths, ledger, inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from actors.engine import LocalEngine, claim_for_resume
+from actors.llm import LLMRequest
+from actors.loop import LoopSettings, TurnLoop
+from actors.scenario import Scenario, parse_scenario
+from actors.scripted import ScriptedLLM
+from actors.watchdog import WatchdogConfig
+from bus.errors import StoreError
+from bus.phase import Transition, TurnPhase
+from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.keys import KeyLayout
+from store.ledger import call_key
+from store.records import CheckpointRecord, ToolResult
+from tests.polling import eventually
+
+P = TurnPhase
+FAST = LoopSettings(
+    strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01, approval_poll_s=0.01
+)
+
+
+def scenario(**kw: Any) -> Scenario:
+    return parse_scenario(
+        {"name": "t", "rounds": 3, "tools_per_round": 2, "payload_bytes": 50, **kw}
+    )
+
+
+class Recorder:
+    """A Checkpointer that records what it saved (and can be told to fail)."""
+
+    def __init__(self, store: RedisCheckpointStore, fail: int = 0) -> None:
+        self.store = store
+        self.saved: list[CheckpointRecord] = []
+        self.fail = fail
+
+    async def save(self, record: CheckpointRecord) -> SaveAck:
+        if self.fail:
+            self.fail -= 1
+            raise StoreError("injected failure")
+        ack = await self.store.save(record)
+        self.saved.append(record)
+        return ack
+
+
+def make_engine(client: aioredis.Redis, keys: KeyLayout, **kw: Any) -> LocalEngine:
+    kw.setdefault("loop_settings", FAST)
+    return LocalEngine(client, keys, **kw)
+
+
+async def run_with_recorder(
+    engine: LocalEngine, sc: Scenario, turn_id: str, *, fail: int = 0, settings: LoopSettings = FAST
+) -> tuple[TurnLoop, Recorder, list[Transition]]:
+    record = await engine.submit(sc, turn_id)
+    rec = Recorder(engine.store, fail)
+    moves: list[Transition] = []
+    loop = engine.build_loop(record, sc, settings=settings, checkpoints=rec, listener=moves.append)
+    await engine.drive(loop)
+    return loop, rec, moves
+
+
+def assert_well_formed(r: CheckpointRecord, pre_meta: tuple[Any, ...]) -> None:
+    assert len(r.meta) == len(r.messages)
+    assert r.meta[: r.baseline] == pre_meta
+    ids = [m.message_id for m in r.meta]
+    assert len(ids) == len(set(ids)), "duplicate messages in a checkpoint"
+
+
+async def test_fault_free_turn_checkpoints_at_each_batch_and_final(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    _, rec, moves = await run_with_recorder(engine, scenario(), "plain")
+    assert [r.reason for r in rec.saved] == ["tool_batch"] * 3 + ["final"]
+    assert [r.seq for r in rec.saved] == [1, 2, 3, 4]
+    pre = rec.saved[0].meta[:2]
+    for r in rec.saved:
+        assert_well_formed(r, pre)
+    # each checkpoint extends the previous one: the final save duplicates nothing
+    for a, b in itertools.pairwise(rec.saved):
+        assert b.messages[: len(a.messages)] == a.messages
+    stored = await engine.store.load("plain")
+    assert stored == rec.saved[-1] and not stored.in_progress
+    assert len(stored.messages) == 2 + 3 * 3 + 1
+    assert stored.counters.outcome == "answered"
+    assert moves[-1].dst is P.DONE
+    assert await engine.store.list_in_progress() == []
+
+
+async def test_idempotent_rebuild_across_a_shrinking_compaction(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    sc = scenario(rounds=5, faults=[{"at_call": 4, "kind": "context_length"}])
+    engine = make_engine(real_client, keys)
+    _, rec, moves = await run_with_recorder(engine, sc, "compact")
+    reasons = [r.reason for r in rec.saved]
+    assert reasons == ["tool_batch"] * 3 + ["compaction"] + ["tool_batch"] * 2 + ["final"]
+    pre = rec.saved[0].meta[:2]
+    for r in rec.saved:
+        assert_well_formed(r, pre)
+    before, after = rec.saved[2], rec.saved[3]
+    assert len(after.messages) < len(before.messages)  # compaction shrank the list
+    assert after.counters.reactive_compacted
+    assert P.COMPACTING in {m.dst for m in moves}
+    final = rec.saved[-1]
+    assert final.counters.outcome == "answered"
+    # compare with the same scenario run again: same transcript, message for message
+    _, rec2, _ = await run_with_recorder(engine, sc, "compact-again")
+    assert rec2.saved[-1].messages == final.messages
+
+
+async def test_retryable_errors_back_off_in_retrying_llm_and_leave_no_trace(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    faulty = scenario(faults=[{"at_call": 2, "kind": "retryable", "times": 3}])
+    _, rec, moves = await run_with_recorder(engine, faulty, "retry")
+    assert [m.dst for m in moves].count(P.RETRYING_LLM) == 3
+    assert rec.saved[-1].counters.outcome == "answered"
+    _, clean, _ = await run_with_recorder(engine, scenario(), "clean")
+    assert rec.saved[-1].messages == clean.saved[-1].messages
+
+
+async def test_four_retryable_errors_abort(real_client: aioredis.Redis, keys: KeyLayout) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(faults=[{"at_call": 2, "kind": "retryable", "times": 4}])
+    _, rec, _ = await run_with_recorder(engine, sc, "giveup")
+    final = rec.saved[-1]
+    assert final.counters.outcome == "aborted:retryable" and not final.in_progress
+    assert len(final.messages) == 2 + 3  # the first round was kept
+
+
+async def test_a_loop_is_nudged_then_force_stopped_with_a_checkpoint_first(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(rounds=20, tools_per_round=1, faults=[{"at_call": 2, "kind": "loop"}])
+    _, rec, moves = await run_with_recorder(engine, sc, "loopy")
+    final = rec.saved[-1]
+    assert final.counters.outcome == "force_stopped"
+    assert final.counters.nudges == 2
+    assert rec.saved[-2].reason == "force_stop"
+    stop_save = rec.saved[-2]
+    assert stop_save.phase is P.AWAITING_LLM  # saved *before* entering force_stop
+    assert [m.dst for m in moves][-2:] == [P.FORCE_STOP, P.DONE]
+    nudges = [m for m, meta in zip(final.messages, final.meta, strict=True) if meta.system_injected]
+    assert len(nudges) == 2 and all(m.text.startswith("[nudge]") for m in nudges)
+    skipped = [m for m in final.messages if m.tool_result and m.tool_result.status == "skipped"]
+    assert len(skipped) == 3
+    assert final.messages[-1].text.startswith("Stopping here.")
+
+
+async def test_an_empty_reply_is_nudged_once(real_client: aioredis.Redis, keys: KeyLayout) -> None:
+    engine = make_engine(real_client, keys)
+    _, rec, moves = await run_with_recorder(
+        engine, scenario(faults=[{"at_call": 2, "kind": "empty"}]), "empty"
+    )
+    final = rec.saved[-1]
+    assert final.counters.outcome == "answered" and final.counters.nudges == 1
+    assert P.INJECTING_MESSAGE in {m.dst for m in moves}
+
+
+async def test_a_failed_save_stays_dirty_and_is_retried_at_the_next_site(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    loop, rec, _ = await run_with_recorder(engine, scenario(), "flaky", fail=1)
+    assert loop.failed_saves == 1
+    assert [r.reason for r in rec.saved] == ["tool_batch", "tool_batch", "final"]
+    assert len(rec.saved[0].messages) == 2 + 2 * 3  # the retry carried the first batch too
+
+
+async def test_min_interval_debounces_mid_turn_saves_only(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    slow = LoopSettings(strict=True, checkpoint_min_interval_s=3600)
+    _, rec, _ = await run_with_recorder(engine, scenario(), "debounced", settings=slow)
+    assert [r.reason for r in rec.saved] == ["tool_batch", "final"]
+    assert rec.saved[-1].counters.outcome == "answered"
+
+
+async def test_a_fenced_loop_stops_without_further_side_effects(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(tools=["counter_increment"], rounds=4, tools_per_round=1)
+    record = await engine.submit(sc, "zombie")
+    slow_model = ScriptedLLM(sc.model_copy(update={"llm_latency_ms": 100}), baseline=2)
+    loop = engine.build_loop(record, sc, llm=slow_model)
+
+    async def first_batch_saved() -> CheckpointRecord | None:
+        r = await engine.store.load("zombie")
+        return r if r.reason == "tool_batch" else None
+
+    async def usurp() -> None:
+        # a new owner claims the turn as soon as the first batch is checkpointed
+        saved = await eventually(first_batch_saved, what="first checkpoint")
+        await engine.store.save(claim_for_resume(saved, now_ms=1))
+
+    thief = asyncio.ensure_future(usurp())
+    outcome = await engine.drive(loop)
+    await thief
+    assert outcome.outcome == "fenced"
+    effects = await engine.effects.counts("zombie")
+    # batches 1 and 2 ran once each; the save after batch 2 was refused, so no batch 3
+    assert len(effects) == 2 and set(effects.values()) == {1}
+    stored = await engine.store.load("zombie")
+    assert stored.epoch == 2 and stored.in_progress
+
+
+async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_calls(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(tools=["counter_increment", "echo"], rounds=1, tools_per_round=3)
+    record = await engine.submit(sc, "ledger")
+    model = ScriptedLLM(sc, baseline=2)  # what the model will ask for first
+    first = await model.complete(LLMRequest("ledger", record.messages, True, 0))
+    names = [c.name for c in first.tool_calls]
+    assert names == ["counter_increment", "echo", "counter_increment"]
+    k = [call_key("ledger", 0, c.name, c.args, i) for i, c in enumerate(first.tool_calls)]
+    # as left by a host that died mid-batch: call 0 in flight, 1 in flight, 2 committed
+    await engine.ledger.mark("ledger", {k[0]: ("dispatched", names[0], None),
+                                        k[1]: ("dispatched", names[1], None)})  # fmt: skip
+    await engine.effects.increment("ledger", k[2])
+    done = ToolResult(call_id="old", name=names[2], status="ok", output="count=1")
+    await engine.ledger.mark("ledger", {k[2]: ("committed", names[2], done)})
+    outcome = await engine.start(record, sc)
+    assert outcome.outcome == "answered"
+    final = await engine.store.load("ledger")
+    results = [m.tool_result for m in final.messages if m.tool_result]
+    assert [r.status for r in results] == ["outcome_unknown", "ok", "ok"]
+    assert results[2].output == "count=1"  # reused, not re-run
+    assert results[1].output == first.tool_calls[1].args["text"]  # idempotent: re-run
+    assert await engine.effects.counts("ledger") == {k[2]: 1}  # nothing ran twice
+    states = {key: e.state for key, e in (await engine.ledger.entries("ledger")).items()}
+    assert states == {k[0]: "outcome_unknown", k[1]: "committed", k[2]: "committed"}
+
+
+async def test_injected_messages_enter_once_at_the_next_boundary(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(llm_latency_ms=20)
+    record = await engine.submit(sc, "inbox")
+    await engine.inbox.push("inbox", "before the first call", message_id="early")
+    pushes: list[asyncio.Future[object]] = []
+
+    def on_move(t: Transition) -> None:
+        if t.dst is P.EXECUTING_TOOLS and not pushes:
+            pushes.append(
+                asyncio.ensure_future(engine.inbox.push("inbox", "mid", message_id="mid"))
+            )
+
+    engine.on_transition = on_move
+    await engine.start(record, sc)
+    await asyncio.gather(*pushes)
+    final = await engine.store.load("inbox")
+    ids = [m.message_id for m in final.meta]
+    assert ids.count("early") == 1 and ids.count("mid") == 1
+    assert ids.index("early") == 2  # right after the baseline
+    assert ids.index("mid") > ids.index("early") + 3  # after the first tool batch
+    assert final.counters.inbox_offset == 2
+    assert final.meta[ids.index("mid")].source == "inbox"
+
+
+@pytest.mark.parametrize(
+    ("decision", "status"), [(True, "ok"), (False, "denied"), (None, "denied")]
+)
+async def test_approvals_wait_in_a_transient_and_deny_after_the_cap(
+    real_client: aioredis.Redis, keys: KeyLayout, decision: bool | None, status: str
+) -> None:
+    settings = LoopSettings(
+        strict=True, checkpoint_min_interval_s=0, approval_timeout_s=0.3, approval_poll_s=0.01
+    )
+    engine = make_engine(real_client, keys, loop_settings=settings)
+    sc = scenario(rounds=1, tools_per_round=1, require_approval=["echo"])
+    record = await engine.submit(sc, "gate")
+    moves: list[Transition] = []
+    engine.on_transition = moves.append
+    task = asyncio.ensure_future(engine.start(record, sc))
+
+    async def pending() -> str | None:
+        return engine.pending_approval("gate")
+
+    key = await eventually(pending, what="the approval request")
+    assert await engine.approvals.pending("gate") == [key]
+    if decision is not None:
+        assert await engine.approvals.decide("gate", key, decision)
+        assert not await engine.approvals.decide("gate", key, not decision)  # first wins
+    await task
+    final = await engine.store.load("gate")
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.status == status
+    dsts = [m.dst for m in moves]
+    i = dsts.index(P.AWAITING_APPROVAL)
+    assert dsts[i + 1] is P.EXECUTING_TOOLS  # restored
+
+
+async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    statuses: list[Any] = []
+    engine = make_engine(
+        real_client, keys,
+        watchdog=WatchdogConfig(tick_s=0.02, soft_idle_s=0.1, hard_idle_s=0.4),
+        on_status=statuses.append,
+    )  # fmt: skip
+    sc = scenario(faults=[{"at_call": 2, "kind": "hang"}])
+    stats = await engine.run_new(sc, ["hung"])
+    assert stats.outcomes == {"aborted:hard_idle_timeout": 1}
+    assert stats.idle_soft == 1 and stats.hard_cancels == 1
+    assert statuses[0].turn_id == "hung" and "waiting for the model" in statuses[0].label
+    final = await engine.store.load("hung")
+    assert not final.in_progress and len(final.messages) == 2 + 3

@@ -1,0 +1,54 @@
+"""decide_recovery as a table: every rule, and the order between them."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.recovery import Action, Problem, Situation, decide_recovery, may_resume
+
+Pr = Problem
+A = Action
+
+CASES = [
+    # (situation, action, cause, backoff)
+    (Situation(Pr.HARD_IDLE_TIMEOUT), A.ABORT, "hard_idle_timeout", 0),
+    # rule 1 beats everything, even a loop stop with nudges left
+    (Situation(Pr.HARD_IDLE_TIMEOUT, loop_stop=True), A.ABORT, "hard_idle_timeout", 0),
+    (Situation(Pr.CONTEXT_LENGTH), A.COMPACT, "context_length", 0),
+    # compaction only once; then context-length is not nudgeable: abort
+    (Situation(Pr.CONTEXT_LENGTH, reactive_compacted=True), A.ABORT, "context_length", 0),
+    # rule 2 before rule 4
+    (Situation(Pr.CONTEXT_LENGTH, loop_stop=True), A.COMPACT, "context_length", 0),
+    (Situation(Pr.RETRYABLE, retry_attempts=0), A.RETRY, "retryable", 1),
+    (Situation(Pr.RETRYABLE, retry_attempts=1), A.RETRY, "retryable", 2),
+    (Situation(Pr.RETRYABLE, retry_attempts=2), A.RETRY, "retryable", 4),
+    (Situation(Pr.RETRYABLE, retry_attempts=3), A.ABORT, "retryable", 0),
+    # rule 3 before rule 4
+    (Situation(Pr.RETRYABLE, loop_stop=True), A.RETRY, "retryable", 1),
+    # out of retries, a loop stop still force-stops (rule 4 before 6)
+    (Situation(Pr.RETRYABLE, retry_attempts=3, loop_stop=True), A.FORCE_STOP, "loop", 0),
+    (Situation(Pr.LOOP, loop_stop=True), A.FORCE_STOP, "loop", 0),
+    # rule 4 before rule 5: a stop is not nudged even with nudges left
+    (Situation(Pr.LOOP, loop_stop=True, nudges=0), A.FORCE_STOP, "loop", 0),
+    (Situation(Pr.LOOP, nudges=0), A.NUDGE, "loop", 0),
+    (Situation(Pr.LOOP, nudges=2), A.NUDGE, "loop", 0),
+    (Situation(Pr.LOOP, nudges=3), A.ABORT, "loop", 0),
+    (Situation(Pr.EMPTY_REPLY, nudges=0), A.NUDGE, "empty_reply", 0),
+    (Situation(Pr.EMPTY_REPLY, nudges=3), A.ABORT, "empty_reply", 0),
+    (Situation(Pr.FATAL), A.ABORT, "fatal", 0),
+    (Situation(Pr.FATAL, nudges=0), A.ABORT, "fatal", 0),
+]
+
+
+@pytest.mark.parametrize(("situation", "action", "cause", "backoff"), CASES)
+def test_decide_recovery(situation: Situation, action: Action, cause: str, backoff: float) -> None:
+    d = decide_recovery(situation)
+    assert (d.action, d.cause, d.backoff_s) == (action, cause, backoff)
+
+
+def test_every_action_is_reachable() -> None:
+    assert {a for _, a, _, _ in CASES} == set(Action)
+
+
+def test_resume_attempts_are_capped_at_three() -> None:
+    assert [may_resume(n) for n in range(5)] == [True, True, True, False, False]

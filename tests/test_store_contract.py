@@ -1,0 +1,169 @@
+"""The checkpoint store contract, run on fakeredis and on a real redis-server alike."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from bus.errors import (
+    RecordError,
+    RecordNotFound,
+    StaleOwner,
+    StoreError,
+    TurnExists,
+    UnknownSchema,
+)
+from store.checkpoint import RedisCheckpointStore
+from store.keys import KeyLayout
+from store.records import CheckpointRecord, TurnSpec
+from tests.records_helpers import record
+
+
+@pytest.fixture
+def store(any_client: aioredis.Redis, keys: KeyLayout) -> RedisCheckpointStore:
+    return RedisCheckpointStore(any_client, keys)
+
+
+async def events(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> list[dict[bytes, bytes]]:
+    return [f for _, f in await client.xrange(keys.events_of(turn_id))]
+
+
+async def test_save_then_load_round_trips_every_field(store: RedisCheckpointStore) -> None:
+    rec = record(n_turn_messages=3)
+    ack = await store.save(rec)
+    assert (ack.turn_id, ack.epoch, ack.seq) == ("t1", 1, 1)
+    assert await store.load("t1") == rec
+
+
+async def test_every_field_is_written_on_every_save(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await store.save(record())
+    raw = await any_client.hgetall(keys.turn("t1"))
+    assert sorted(k.decode() for k in raw) == sorted(
+        ["schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
+         "messages", "meta", "baseline", "counters", "updated_at"]
+    )  # fmt: skip
+
+
+async def test_save_publishes_event_and_maintains_in_progress_index(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await store.save(record("a", seq=1))
+    await store.save(record("b", seq=1))
+    assert await store.list_in_progress() == ["a", "b"]
+    await store.save(record("a", seq=2, in_progress=False, reason="final"))
+    assert await store.list_in_progress() == ["b"]
+    evs = await events(any_client, keys, "a")
+    assert [(e[b"seq"], e[b"reason"], e[b"in_progress"]) for e in evs] == [
+        (b"1", b"tool_batch", b"1"), (b"2", b"final", b"0")
+    ]  # fmt: skip
+
+
+async def test_stale_epoch_is_refused(store: RedisCheckpointStore) -> None:
+    await store.save(record(epoch=2, seq=5))
+    with pytest.raises(StaleOwner, match="epoch 1 is stale"):
+        await store.save(record(epoch=1, seq=9, n_turn_messages=4))
+    assert (await store.load("t1")).epoch == 2
+
+
+@pytest.mark.parametrize("seq", [4, 5])
+async def test_seq_not_newer_is_refused(store: RedisCheckpointStore, seq: int) -> None:
+    await store.save(record(seq=5))
+    with pytest.raises(StaleOwner, match="not newer"):
+        await store.save(record(seq=seq, n_turn_messages=1))
+    assert (await store.load("t1")).seq == 5
+
+
+async def test_newer_epoch_takes_over_with_a_newer_seq(store: RedisCheckpointStore) -> None:
+    await store.save(record(epoch=1, seq=3))
+    await store.save(record(epoch=2, seq=4))
+    with pytest.raises(StaleOwner):  # the old owner, even with a higher seq
+        await store.save(record(epoch=1, seq=10))
+    assert (await store.load("t1")).epoch == 2
+
+
+async def test_a_save_interrupted_before_exec_leaves_the_previous_record_whole(
+    any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    class DiesBeforeExec(RedisCheckpointStore):
+        def queue_save(self, pipe: aioredis.client.Pipeline, rec: CheckpointRecord) -> None:
+            super().queue_save(pipe, rec)
+            raise ConnectionError("process died between MULTI and EXEC")
+
+    good = RedisCheckpointStore(any_client, keys)
+    before = record(seq=1, n_turn_messages=2)
+    await good.save(before)
+    n_events = len(await events(any_client, keys, "t1"))
+    with pytest.raises(StoreError, match="died between MULTI and EXEC"):
+        await DiesBeforeExec(any_client, keys).save(record(seq=2, n_turn_messages=7))
+    assert await good.load("t1") == before
+    assert len(await events(any_client, keys, "t1")) == n_events
+    await good.save(record(seq=2, n_turn_messages=3))  # the store is still usable
+    assert len((await good.load("t1")).messages) == 5
+
+
+async def test_submit_creates_spec_and_record_once(store: RedisCheckpointStore) -> None:
+    spec = TurnSpec(turn_id="t1", session_id="s1", scenario={"name": "x"}, created_at=1)
+    await store.submit(spec, record(seq=0))
+    assert await store.load_spec("t1") == spec
+    with pytest.raises(TurnExists):
+        await store.submit(spec, record(seq=0))
+
+
+async def test_load_of_missing_turn(store: RedisCheckpointStore) -> None:
+    with pytest.raises(RecordNotFound):
+        await store.load("nope")
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "message"),
+    [
+        ({"messages": b"\xc1not msgpack"}, RecordError, "undecodable"),
+        ({"schema": b"99"}, UnknownSchema, "unknown schema 99"),
+        ({"meta": msgpack.packb([])}, RecordError, "meta has 0 entries"),
+        ({"phase": b"sleeping"}, RecordError, "undecodable"),
+        ({"epoch": b"one"}, RecordError, "undecodable"),
+        ({"extra": b"1"}, RecordError, "unexpected fields"),
+    ],
+)
+async def test_a_bad_record_is_quarantined_while_others_load(
+    store: RedisCheckpointStore,
+    any_client: aioredis.Redis,
+    keys: KeyLayout,
+    corrupt: dict[str, bytes],
+    error: type[RecordError],
+    message: str,
+) -> None:
+    await store.save(record("good", n_turn_messages=1))
+    await store.save(record("bad", n_turn_messages=1))
+    await any_client.hset(keys.turn("bad"), mapping=corrupt)  # type: ignore[arg-type]
+    scan = await store.load_in_progress()
+    assert [r.turn_id for r in scan.records] == ["good"]
+    (err,) = scan.errors
+    assert isinstance(err, error) and message in str(err)
+    assert err.key == keys.turn("bad")
+    assert not await any_client.exists(keys.turn("bad"))
+    assert await any_client.exists(keys.quarantined("bad"))
+    assert message in (await store.quarantined())["bad"]
+    assert await store.list_in_progress() == ["good"]
+
+
+async def test_missing_field_is_quarantined(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await store.save(record())
+    await any_client.hdel(keys.turn("t1"), "counters")
+    with pytest.raises(RecordError, match="missing fields"):
+        await store.load("t1")
+    assert "t1" in await store.quarantined()
+
+
+async def test_keys_of_a_turn_share_one_hash_tag(keys: KeyLayout) -> None:
+    tags = {
+        k.split("}")[0]
+        for k in (keys.turn("x"), keys.spec("x"), keys.tools("x"), keys.events_of("x"),
+                  keys.in_progress_of("x"), keys.inbox("x"), keys.quarantined("x"))
+    }  # fmt: skip
+    assert len(tags) == 1 and tags.pop().startswith(f"{keys.namespace}:{{s")
