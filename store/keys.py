@@ -9,9 +9,12 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
+    {ns}:{s<N>}:bus                 stream  phase transitions and status events (bus.streams)
+    {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
     {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
+    {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one MULTI/EXEC can touch them all.
@@ -90,6 +93,15 @@ class KeyLayout:
 
     def quarantine(self, shard: int) -> str:
         return f"{self._prefix(shard)}:quarantine"
+
+    def bus(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:bus"
+
+    def deadletters(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:deadletters"
+
+    def hosts(self) -> str:
+        return f"{self.namespace}:{{global}}:hosts"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

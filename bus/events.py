@@ -1,0 +1,84 @@
+"""What travels on the bus, and its wire form (flat string fields of a Redis Streams entry).
+
+Every entry read from the bus is validated here; a malformed one raises :class:`BadBusEntry`
+and is moved to the dead-letter stream by the reader instead of stopping anybody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from bus.errors import PhaselineError
+from bus.phase import Transition, TurnPhase
+
+
+class BadBusEntry(PhaselineError):
+    """A bus entry that is not a valid phaseline event."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusEvent:
+    """A report about a turn that changes nothing (e.g. the watchdog's ``idle_soft``)."""
+
+    turn_id: str
+    """The turn concerned."""
+    epoch: int
+    """Owner epoch the report is about."""
+    status: str
+    """Kind of report: ``idle_soft``, ``hard_idle_timeout``, ..."""
+    label: str
+    """A line a person can read."""
+    at_ms: int
+    """Unix milliseconds of the report."""
+
+
+BusEvent = Transition | StatusEvent
+
+
+def encode_event(event: BusEvent) -> dict[str, str | int]:
+    if isinstance(event, Transition):
+        return {
+            "kind": "transition",
+            "turn_id": event.turn_id,
+            "epoch": event.epoch,
+            "seq": event.seq,
+            "src": event.src.value,
+            "dst": event.dst.value,
+            "at_ms": event.at_ms,
+        }
+    return {
+        "kind": "status",
+        "turn_id": event.turn_id,
+        "epoch": event.epoch,
+        "status": event.status,
+        "label": event.label,
+        "at_ms": event.at_ms,
+    }
+
+
+def decode_event(fields: Mapping[bytes, bytes]) -> BusEvent:
+    """Validate one entry's fields; :class:`BadBusEntry` says what is wrong."""
+    try:
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        kind = f["kind"]
+        if kind == "transition":
+            return Transition(
+                turn_id=f["turn_id"],
+                epoch=int(f["epoch"]),
+                seq=int(f["seq"]),
+                src=TurnPhase(f["src"]),
+                dst=TurnPhase(f["dst"]),
+                at_ms=int(f["at_ms"]),
+            )
+        if kind == "status":
+            return StatusEvent(
+                turn_id=f["turn_id"],
+                epoch=int(f["epoch"]),
+                status=f["status"],
+                label=f["label"],
+                at_ms=int(f["at_ms"]),
+            )
+        raise BadBusEntry(f"unknown event kind {kind!r}")
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise BadBusEntry(f"malformed bus entry {dict(fields)!r}: {exc!r}") from exc

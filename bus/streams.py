@@ -1,0 +1,221 @@
+"""The bus: phase transitions and status events on sharded Redis Streams.
+
+Each shard's stream (``store.keys.KeyLayout.bus``) carries the events of the turns whose keys
+share its hash tag. Subscribers of one kind (e.g. all watchdogs) form one consumer group per
+stream, ack what they processed, and reclaim entries a dead member left pending (XAUTOCLAIM).
+Streams are capped (``XADD MAXLEN ~``). :class:`MemoryBus` has the same interface for pure tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import redis
+import redis.asyncio as aioredis
+
+from bus.events import BadBusEntry, BusEvent, decode_event, encode_event
+from store.connection import raw, text, translated
+from store.keys import KeyLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One event handed to a consumer; ack it once processed."""
+
+    stream: str
+    """Stream it came from."""
+    entry_id: str
+    """Stream entry id."""
+    event: BusEvent
+    """The decoded event."""
+
+
+class Bus(Protocol):
+    async def publish(self, events: Sequence[BusEvent]) -> None: ...
+    async def ensure_group(self, group: str) -> None: ...
+    async def read(
+        self, group: str, consumer: str, *, count: int = 500, block_ms: int = 1000
+    ) -> list[Delivery]: ...
+    async def ack(self, group: str, deliveries: Sequence[Delivery]) -> None: ...
+    async def reclaim(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 500
+    ) -> list[Delivery]: ...
+
+
+class RedisBus:
+    """The bus on Redis Streams. Malformed entries go to the dead-letter stream, acked."""
+
+    def __init__(self, client: aioredis.Redis, keys: KeyLayout, *, maxlen: int = 100_000) -> None:
+        self.client = client
+        self.keys = keys
+        self.maxlen = maxlen
+        self.dead_letters = 0
+        self._streams = [keys.bus(s) for s in keys.all_shards()]
+
+    async def publish(self, events: Sequence[BusEvent]) -> None:
+        if not events:
+            return
+        with translated("publish to bus"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for e in events:
+                    stream = self.keys.bus(self.keys.shard_of(e.turn_id))
+                    pipe.xadd(stream, encode_event(e), maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+                await pipe.execute()
+
+    async def ensure_group(self, group: str) -> None:
+        """Create the group on every shard stream (new groups see only new entries)."""
+        with translated(f"create bus group {group}"):
+            for stream in self._streams:
+                try:
+                    await self.client.xgroup_create(stream, group, id="$", mkstream=True)
+                except redis.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+    async def read(
+        self, group: str, consumer: str, *, count: int = 500, block_ms: int = 1000
+    ) -> list[Delivery]:
+        with translated(f"read bus group {group}"):
+            reply = await self.client.xreadgroup(
+                group, consumer, dict.fromkeys(self._streams, ">"), count=count, block=block_ms
+            )
+        out: list[Delivery] = []
+        for stream, entries in reply or []:
+            out.extend(await self._decode(group, text(stream), entries))
+        return out
+
+    async def _decode(
+        self, group: str, stream: str, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]
+    ) -> list[Delivery]:
+        out: list[Delivery] = []
+        bad: list[str] = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted by trimming while pending
+                bad.append(text(entry_id))
+                continue
+            try:
+                out.append(Delivery(stream, text(entry_id), decode_event(fields)))
+            except BadBusEntry as exc:
+                bad.append(text(entry_id))
+                self.dead_letters += 1
+                shard = self._streams.index(stream)
+                with translated("dead-letter a bus entry"):
+                    await self.client.xadd(
+                        self.keys.deadletters(shard),
+                        {"stream": stream, "id": raw(entry_id), "error": str(exc)[:1000]},
+                        maxlen=10_000,
+                        approximate=True,
+                    )
+        if bad:
+            with translated("ack bad bus entries"):
+                await self.client.xack(stream, group, *bad)
+        return out
+
+    async def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
+        by_stream: dict[str, list[str]] = defaultdict(list)
+        for d in deliveries:
+            by_stream[d.stream].append(d.entry_id)
+        if not by_stream:
+            return
+        with translated(f"ack bus group {group}"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for stream, ids in by_stream.items():
+                    pipe.xack(stream, group, *ids)
+                await pipe.execute()
+
+    async def reclaim(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 500
+    ) -> list[Delivery]:
+        """Take over entries other consumers of ``group`` left pending for ``min_idle_ms``."""
+        out: list[Delivery] = []
+        for stream in self._streams:
+            with translated(f"reclaim bus group {group}"):
+                reply = await self.client.xautoclaim(
+                    stream, group, consumer, min_idle_ms, start_id="0-0", count=count
+                )
+            out.extend(await self._decode(group, stream, reply[1]))
+        return out
+
+
+@dataclass
+class _Group:
+    cursor: int = 0
+    pending: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+
+class MemoryBus:
+    """An in-process bus with the semantics of :class:`RedisBus` (one stream per shard)."""
+
+    def __init__(self, keys: KeyLayout = KeyLayout(), *, maxlen: int = 100_000) -> None:
+        self.keys = keys
+        self.maxlen = maxlen
+        self._streams: dict[str, list[tuple[int, BusEvent]]] = defaultdict(list)
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+
+    async def publish(self, events: Sequence[BusEvent]) -> None:
+        for e in events:
+            stream = self._streams[self.keys.bus(self.keys.shard_of(e.turn_id))]
+            stream.append((next(self._ids), e))
+            del stream[: max(0, len(stream) - self.maxlen)]
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def ensure_group(self, group: str) -> None:
+        for s in self.keys.all_shards():
+            stream = self.keys.bus(s)
+            last = self._streams[stream][-1][0] if self._streams[stream] else 0
+            self._groups.setdefault((stream, group), _Group(cursor=last))
+
+    async def read(
+        self, group: str, consumer: str, *, count: int = 500, block_ms: int = 1000
+    ) -> list[Delivery]:
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            out = self._take(group, consumer, count)
+            if out or time.monotonic() >= deadline:
+                return out
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    pass
+
+    def _take(self, group: str, consumer: str, count: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        now = time.monotonic()
+        for (stream, g_name), g in self._groups.items():
+            if g_name != group:
+                continue
+            for entry_id, event in self._streams[stream]:
+                if entry_id > g.cursor and len(out) < count:
+                    g.cursor = entry_id
+                    g.pending[entry_id] = (consumer, now)
+                    out.append(Delivery(stream, str(entry_id), event))
+        return out
+
+    async def ack(self, group: str, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self._groups[(d.stream, group)].pending.pop(int(d.entry_id), None)
+
+    async def reclaim(
+        self, group: str, consumer: str, *, min_idle_ms: int, count: int = 500
+    ) -> list[Delivery]:
+        now = time.monotonic()
+        out: list[Delivery] = []
+        for (stream, g_name), g in self._groups.items():
+            if g_name != group:
+                continue
+            events = dict(self._streams[stream])
+            for entry_id, (_, since) in list(g.pending.items()):
+                if (now - since) * 1000 >= min_idle_ms and len(out) < count and entry_id in events:
+                    g.pending[entry_id] = (consumer, now)
+                    out.append(Delivery(stream, str(entry_id), events[entry_id]))
+        return out

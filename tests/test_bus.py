@@ -1,0 +1,92 @@
+"""The bus contract, on the in-memory bus, fakeredis and a real redis-server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import fakeredis
+import pytest
+
+from bus.events import StatusEvent
+from bus.phase import Transition, TurnPhase
+from bus.streams import Bus, MemoryBus, RedisBus
+from store.connection import connect
+from store.keys import KeyLayout
+
+P = TurnPhase
+
+
+@pytest.fixture(params=["memory", "fakeredis", "real"])
+async def bus(request: pytest.FixtureRequest, redis_url: str, keys: KeyLayout) -> AsyncIterator[Bus]:
+    if request.param == "memory":
+        yield MemoryBus(keys)
+        return
+    client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
+    yield RedisBus(client, keys, maxlen=1000)
+    await client.aclose()
+
+
+def moves(turn: str, n: int, epoch: int = 1) -> list[Transition]:
+    return [Transition(turn, epoch, i + 1, P.AWAITING_LLM, P.EXECUTING_TOOLS, 1000 + i) for i in range(n)]
+
+
+async def test_a_group_sees_new_events_in_order_per_turn(bus: Bus) -> None:
+    await bus.publish(moves("before", 2))  # published before the group exists: not seen
+    await bus.ensure_group("watchdog")
+    await bus.ensure_group("watchdog")  # idempotent
+    sent = moves("a", 3) + moves("b", 2) + [StatusEvent("a", 1, "idle_soft", "still waiting", 5)]
+    await bus.publish(sent)
+    got = await bus.read("watchdog", "w1", block_ms=100)
+    assert sorted(map(repr, (d.event for d in got))) == sorted(map(repr, sent))
+    a = [d.event for d in got if d.event.turn_id == "a" and isinstance(d.event, Transition)]
+    assert [e.seq for e in a] == [1, 2, 3]
+    await bus.ack("watchdog", got)
+    assert await bus.read("watchdog", "w1", block_ms=50) == []
+
+
+async def test_groups_are_independent(bus: Bus) -> None:
+    await bus.ensure_group("g1")
+    await bus.ensure_group("g2")
+    await bus.publish(moves("x", 2))
+    assert len(await bus.read("g1", "c", block_ms=100)) == 2
+    assert len(await bus.read("g2", "c", block_ms=100)) == 2
+
+
+async def test_pending_entries_of_a_dead_consumer_are_reclaimed(bus: Bus) -> None:
+    await bus.ensure_group("g")
+    await bus.publish(moves("x", 3))
+    taken = await bus.read("g", "dead", block_ms=100)
+    assert len(taken) == 3  # never acked: the consumer died
+    assert await bus.reclaim("g", "heir", min_idle_ms=60_000) == []  # not idle long enough
+    again = await bus.reclaim("g", "heir", min_idle_ms=0)
+    assert sorted(d.entry_id for d in again) == sorted(d.entry_id for d in taken)
+    await bus.ack("g", again)
+    assert await bus.reclaim("g", "heir2", min_idle_ms=0) == []
+
+
+async def test_malformed_entries_go_to_dead_letters_and_others_flow(
+    redis_url: str, keys: KeyLayout
+) -> None:
+    client = connect(redis_url)
+    bus = RedisBus(client, keys)
+    await bus.ensure_group("g")
+    shard = keys.shard_of("x")
+    await client.xadd(keys.bus(shard), {"kind": "transition", "turn_id": "x", "seq": "nope"})
+    await client.xadd(keys.bus(shard), {"kind": "bogus"})
+    await bus.publish(moves("x", 1))
+    got = await bus.read("g", "c", block_ms=100)
+    assert [d.event for d in got] == moves("x", 1)
+    assert bus.dead_letters == 2
+    assert await client.xlen(keys.deadletters(shard)) == 2
+    pending = await client.xpending(keys.bus(shard), "g")
+    assert pending["pending"] == 1  # only the good one, awaiting its ack
+    await client.aclose()
+
+
+async def test_streams_are_capped(redis_url: str, keys: KeyLayout) -> None:
+    client = connect(redis_url)
+    bus = RedisBus(client, KeyLayout(keys.namespace, shards=1), maxlen=100)
+    for _ in range(10):
+        await bus.publish(moves("x", 100))
+    assert await client.xlen(KeyLayout(keys.namespace, shards=1).bus(0)) < 300
+    await client.aclose()
