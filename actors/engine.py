@@ -1,8 +1,9 @@
-"""The in-process engine: many turns as asyncio tasks in one process, against Redis.
+"""The turn engine: many turns as asyncio tasks in one event loop, against Redis.
 
-This is the single-process mode (``phaseline run --in-process``) and the reference the Ray
-runtime is checked against. It wires a :class:`~actors.loop.TurnLoop` per turn to the Redis
-store, ledger, inbox and approvals, and runs the watchdog rules on a ticker.
+Used as is by the single-process mode (``phaseline run --in-process``) and, with a checkpoint
+client, Ray tool runner and bus publisher plugged in, by every Ray ``TurnHost``. It wires a
+:class:`~actors.loop.TurnLoop` per turn to the store, ledger, inbox and approvals; with a
+:class:`~actors.watchdog.WatchdogConfig` it also runs the watchdog rules on a local ticker.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from actors.config import Settings
-from actors.loop import LoopSettings, TurnDeps, TurnLoop, TurnOutcome
-from actors.recovery import may_resume
-from actors.scenario import Scenario, parse_scenario
+from actors.loop import Checkpointer, LoopSettings, TurnDeps, TurnLoop, TurnOutcome
+from actors.resume import ResumePlan, plan_resume
+from actors.scenario import Scenario
 from actors.scripted import ScriptedLLM
-from actors.toolrun import BatchExecutor, LocalToolRunner
+from actors.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
 from actors.tools import BUILTIN_TOOLS, ToolRegistry
 from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
-from bus.errors import RecordError, RecordNotFound, StaleOwner, StoreError
+from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -72,18 +73,19 @@ def initial_record(
     )
 
 
-def claim_for_resume(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
-    """The fencing write of a new owner: same transcript, epoch + 1, one more resume attempt."""
-    c = record.counters
-    return record.model_copy(
-        update={
-            "epoch": record.epoch + 1,
-            "seq": record.seq + 1,
-            "reason": "resume",
-            "counters": c.model_copy(update={"resume_attempts": c.resume_attempts + 1}),
-            "updated_at": now_ms,
-        }
+def new_turn(
+    scenario: Scenario, turn_id: str, *, session_id: str | None = None
+) -> tuple[TurnSpec, CheckpointRecord]:
+    """Spec and first record of a turn, ready for ``RedisCheckpointStore.submit_many``."""
+    now = int(time.time() * 1000)
+    session = session_id or f"session-{turn_id}"
+    spec = TurnSpec(
+        turn_id=turn_id,
+        session_id=session,
+        scenario=scenario.model_dump(mode="json"),
+        created_at=now,
     )
+    return spec, initial_record(turn_id, session, scenario, now_ms=now)
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class RunStats:
 
 
 class LocalEngine:
-    """Runs turns in this process. Callers hold turn ids, never loop objects."""
+    """Runs turns in this event loop. Callers hold turn ids, never loop objects."""
 
     def __init__(
         self,
@@ -130,8 +132,10 @@ class LocalEngine:
         keys: KeyLayout,
         *,
         loop_settings: LoopSettings = LoopSettings(),
-        watchdog: WatchdogConfig = WatchdogConfig(),
+        watchdog: WatchdogConfig | None = WatchdogConfig(),
         registry: ToolRegistry = BUILTIN_TOOLS,
+        checkpoints: Checkpointer | None = None,
+        runner: ToolRunner | None = None,
         on_transition: Callable[[Transition], None] | None = None,
         on_status: Callable[[SoftIdle], None] | None = None,
     ) -> None:
@@ -141,24 +145,24 @@ class LocalEngine:
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
+        self.checkpoints: Checkpointer = checkpoints or self.store
         self.loop_settings = loop_settings
         self.registry = registry
-        self.runner = LocalToolRunner()
-        self.rules = WatchdogRules(watchdog)
+        self.runner: ToolRunner = runner or LocalToolRunner()
+        self.rules = None if watchdog is None else WatchdogRules(watchdog)
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}
         self.on_transition = on_transition
         self._on_status = on_status
 
     @classmethod
-    def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: object) -> LocalEngine:
-        keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> LocalEngine:
+        kw.setdefault("watchdog", settings.watchdog)
         return cls(
             client,
-            keys,
+            KeyLayout(settings.redis.namespace, settings.redis.shards),
             loop_settings=settings.loop_settings(),
-            watchdog=settings.watchdog,
-            **kw,  # type: ignore[arg-type]
+            **kw,
         )
 
     # -- submitting and running ---------------------------------------------------------------
@@ -166,65 +170,58 @@ class LocalEngine:
     async def submit(
         self, scenario: Scenario, turn_id: str, *, session_id: str | None = None
     ) -> CheckpointRecord:
-        """Create the turn in Redis (spec + first record, atomically)."""
-        self.registry.require(scenario.tools)
-        now = int(time.time() * 1000)
-        session = session_id or f"session-{turn_id}"
-        record = initial_record(turn_id, session, scenario, now_ms=now)
-        spec = TurnSpec(
-            turn_id=turn_id,
-            session_id=session,
-            scenario=scenario.model_dump(mode="json"),
-            created_at=now,
-        )
-        await self.store.submit(spec, record)
+        """Create one turn in Redis (spec + first record, atomically)."""
+        (record,) = await self.submit_many(scenario, [turn_id], session_id=session_id)
         return record
+
+    async def submit_many(
+        self, scenario: Scenario, turn_ids: Iterable[str], *, session_id: str | None = None
+    ) -> list[CheckpointRecord]:
+        """Create turns in Redis, grouped per shard; a duplicate id raises TurnExists."""
+        self.registry.require(scenario.tools)
+        turns = [new_turn(scenario, t, session_id=session_id) for t in turn_ids]
+        for result in await self.store.submit_many(turns):
+            if isinstance(result, Exception):
+                raise result
+        return [record for _, record in turns]
 
     async def run_new(self, scenario: Scenario, turn_ids: Iterable[str]) -> RunStats:
         """Submit and run turns concurrently; returns the stats of this batch."""
-        records = [await self.submit(scenario, t) for t in turn_ids]
+        records = await self.submit_many(scenario, turn_ids)
         return await self._run_all([self.start(r, scenario) for r in records])
 
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died)."""
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
-        coros: list[Awaitable[TurnOutcome]] = []
-        for record in scan.records:
-            try:
-                spec = await self.store.load_spec(record.turn_id)
-            except (RecordError, RecordNotFound) as exc:
-                log.error("turn %s cannot be resumed: %s", record.turn_id, exc)
-                await self.store.quarantine(record.turn_id, f"unusable spec: {exc}")
-                self.stats.quarantined.append(record.turn_id)
-                continue
-            scenario = parse_scenario(spec.scenario, source=f"spec of {record.turn_id}")
-            coros.append(self._resume(record, scenario))
-        return await self._run_all(coros)
+        return await self._run_all([self.resume(r.turn_id) for r in scan.records])
+
+    async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome:
+        """Continue a turn from its last checkpoint under a new epoch (claimed by the plan)."""
+        if plan is None:
+            plan = await plan_resume(self.store, self.ledger, self.inbox, turn_id)
+        if plan.action == "unusable":
+            self.stats.quarantined.append(turn_id)
+        if plan.record is None or plan.scenario is None:
+            log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
+            return TurnOutcome(turn_id, plan.action, 0, 0, 0, 0)
+        self.stats.resumed += 1
+        loop = self.build_loop(plan.record, plan.scenario, resume_from=plan.resume_from)
+        if plan.action == "abort":
+            return await loop.abort("resume_limit")
+        return await self.drive(loop)
 
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         started = time.monotonic()
-        ticker = asyncio.ensure_future(self._watchdog())
+        ticker = None if self.rules is None else asyncio.ensure_future(self._watchdog())
         try:
             for outcome in await asyncio.gather(*coros):
                 self.stats.add(outcome)
         finally:
-            ticker.cancel()
+            if ticker is not None:
+                ticker.cancel()
         self.stats.wall_s += time.monotonic() - started
         return self.stats
-
-    async def _resume(self, record: CheckpointRecord, scenario: Scenario) -> TurnOutcome:
-        claimed = claim_for_resume(record, now_ms=int(time.time() * 1000))
-        try:
-            await self.store.save(claimed)
-        except StaleOwner as exc:
-            log.warning("turn %s: another owner resumed it first: %s", record.turn_id, exc)
-            return TurnOutcome(record.turn_id, "fenced", claimed.epoch, 0, 0, len(record.messages))
-        self.stats.resumed += 1
-        if not may_resume(record.counters.resume_attempts):
-            loop = self.build_loop(claimed, scenario, resume_from=record.reason)
-            return await loop.abort("resume_limit")
-        return await self.start(claimed, scenario, resume_from=record.reason)
 
     def build_loop(
         self,
@@ -241,7 +238,7 @@ class LocalEngine:
             llm=ScriptedLLM(scenario, baseline=record.baseline),
             tools=BatchExecutor(registry, self.runner, self.ledger, self.effects),
             registry=registry,
-            checkpoints=self.store,
+            checkpoints=self.checkpoints,
             inbox=self.inbox,
             approvals=self.approvals,
             listener=self._transition,
@@ -254,13 +251,13 @@ class LocalEngine:
         )
 
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
-        """Run a loop to its end, reachable by the watchdog while it runs."""
+        """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
         self._loops[loop.turn_id] = loop
         try:
             return await loop.run()
         except StoreError as exc:
             # Redis failed under this turn. Its last checkpoint is intact and still marked in
-            # progress, so `phaseline resume` picks it up; the other turns go on.
+            # progress, so a resume picks it up; the other turns go on.
             log.error("turn %s interrupted: %s", loop.turn_id, exc)
             return loop.interrupted()
         finally:
@@ -271,26 +268,50 @@ class LocalEngine:
     ) -> TurnOutcome:
         return await self.drive(self.build_loop(record, scenario, resume_from=resume_from))
 
+    # -- what watchdogs and operators may ask -------------------------------------------------
+
+    def running(self) -> list[str]:
+        return list(self._loops)
+
+    def phases(self) -> list[Transition]:
+        """The current phase of every running turn, as the transition that entered it."""
+        out = []
+        for loop in self._loops.values():
+            t = loop.tracker
+            out.append(
+                Transition(t.turn_id, t.epoch, t.seq, t.phase, t.phase, int(t.entered_at * 1000))
+            )
+        return out
+
+    def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
+        """Cancel a running turn's model call, if it is still that epoch's."""
+        loop = self._loops.get(turn_id)
+        if loop is None or loop.epoch != epoch:
+            return False
+        cancelled = loop.cancel_llm(cause)
+        self.stats.hard_cancels += cancelled
+        return cancelled
+
     def pending_approval(self, turn_id: str) -> str | None:
         """Call key a running turn waits on for approval, if any."""
         loop = self._loops.get(turn_id)
         return None if loop is None else loop.pending_approval
 
-    # -- watchdog -----------------------------------------------------------------------------
+    # -- local watchdog -----------------------------------------------------------------------
 
     def _transition(self, t: Transition) -> None:
-        self.rules.observe(t)
+        if self.rules is not None:
+            self.rules.observe(t)
         if self.on_transition is not None:
             self.on_transition(t)
 
     async def _watchdog(self) -> None:
+        assert self.rules is not None
         while True:
             await asyncio.sleep(self.rules.config.tick_s)  # the watchdog's own tick period
             for action in self.rules.tick(time.time()):
                 if isinstance(action, HardCancel):
-                    loop = self._loops.get(action.turn_id)
-                    if loop is not None and loop.epoch == action.epoch:
-                        self.stats.hard_cancels += loop.cancel_llm(action.cause)
+                    self.cancel_llm(action.turn_id, action.epoch, action.cause)
                 else:
                     self.stats.idle_soft += 1
                     log.info("turn %s: %s", action.turn_id, action.label)

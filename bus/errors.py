@@ -32,6 +32,13 @@ class StaleOwner(StoreError):
     """
 
 
+class AlreadySaved(StaleOwner):
+    """The very save (same epoch and seq) is already stored: a replayed request, not a loss.
+
+    A writer that retried a save whose first reply was lost may treat this as its ack.
+    """
+
+
 class RecordError(StoreError):
     """A record read from Redis is not a valid phaseline record; it has been quarantined."""
 

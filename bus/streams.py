@@ -9,6 +9,7 @@ Streams are capped (``XADD MAXLEN ~``). :class:`MemoryBus` has the same interfac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -86,7 +87,8 @@ class RedisBus:
                 group, consumer, dict.fromkeys(self._streams, ">"), count=count, block=block_ms
             )
         out: list[Delivery] = []
-        for stream, entries in reply or []:
+        streams: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = reply or []  # type: ignore[assignment]
+        for stream, entries in streams:
             out.extend(await self._decode(group, text(stream), entries))
         return out
 
@@ -152,8 +154,8 @@ class _Group:
 class MemoryBus:
     """An in-process bus with the semantics of :class:`RedisBus` (one stream per shard)."""
 
-    def __init__(self, keys: KeyLayout = KeyLayout(), *, maxlen: int = 100_000) -> None:
-        self.keys = keys
+    def __init__(self, keys: KeyLayout | None = None, *, maxlen: int = 100_000) -> None:
+        self.keys = keys or KeyLayout()
         self.maxlen = maxlen
         self._streams: dict[str, list[tuple[int, BusEvent]]] = defaultdict(list)
         self._groups: dict[tuple[str, str], _Group] = {}
@@ -183,10 +185,8 @@ class MemoryBus:
             if out or time.monotonic() >= deadline:
                 return out
             async with self._changed:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
-                except asyncio.TimeoutError:
-                    pass
 
     def _take(self, group: str, consumer: str, count: int) -> list[Delivery]:
         out: list[Delivery] = []

@@ -10,14 +10,24 @@ redone, so the refusal is decided on what is really stored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
 
-from bus.errors import RecordError, RecordNotFound, StaleOwner, StoreError, TurnExists
+from bus.errors import (
+    AlreadySaved,
+    RecordError,
+    RecordNotFound,
+    StaleOwner,
+    StoreError,
+    TurnExists,
+)
 from store.codec import decode_record, encode_record, pack_model, unpack_model
 from store.connection import raw as raw_bytes
 from store.connection import text, translated
@@ -39,6 +49,13 @@ class SaveAck:
     """Checkpoint number written."""
     event_id: str
     """Id of the checkpoint event in the shard's events stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    record: CheckpointRecord
+    extra: tuple[str, bytes] | None = None
+    """For a submission: the spec key and value, written with the record if neither exists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,47 +85,129 @@ class RedisCheckpointStore:
         self.watch_retries = watch_retries
 
     async def submit(self, spec: TurnSpec, record: CheckpointRecord) -> SaveAck:
-        """Create a turn: its spec and first record in one transaction; refuse a duplicate id."""
-        spec_key = self.keys.spec(spec.turn_id)
-        return await self._write(record, extra_watch=spec_key, spec=(spec_key, pack_model(spec)))
+        """Create one turn (see :meth:`submit_many`); raises :class:`TurnExists`."""
+        (result,) = await self.submit_many([(spec, record)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def submit_many(
+        self, turns: Sequence[tuple[TurnSpec, CheckpointRecord]]
+    ) -> list[SaveAck | StoreError]:
+        """Create turns: spec and first record in one transaction per shard; refuse duplicates."""
+        writes = [
+            _Write(rec, extra=(self.keys.spec(spec.turn_id), pack_model(spec)))
+            for spec, rec in turns
+        ]
+        return await self._commit(writes)
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
         """Fenced, atomic save of the whole record (see module docstring)."""
-        return await self._write(record)
+        (result,) = await self.save_many([record])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    async def _write(
+    async def save_many(self, records: Sequence[CheckpointRecord]) -> list[SaveAck | StoreError]:
+        """Group commit: the records of one shard go in one WATCH + MULTI/EXEC, shards run
+        concurrently. Each record gets its own answer, in order: an ack, :class:`StaleOwner`
+        (:class:`AlreadySaved` for a replay of a save that already landed), or another
+        :class:`StoreError`. A refused record never holds back the others."""
+        return await self._commit([_Write(r) for r in records])
+
+    async def _commit(self, writes: Sequence[_Write]) -> list[SaveAck | StoreError]:
+        results: list[SaveAck | StoreError | None] = [None] * len(writes)
+        # One round per occurrence of a turn, so two saves of one turn never share a MULTI.
+        rounds: list[dict[int, list[int]]] = []
+        seen: dict[str, int] = defaultdict(int)
+        for i, w in enumerate(writes):
+            n = seen[w.record.turn_id]
+            seen[w.record.turn_id] += 1
+            if n == len(rounds):
+                rounds.append(defaultdict(list))
+            rounds[n][self.keys.shard_of(w.record.turn_id)].append(i)
+        for by_shard in rounds:
+            await asyncio.gather(
+                *(self._commit_shard(writes, idx, results) for idx in by_shard.values())
+            )
+        return [r if r is not None else StoreError("not written") for r in results]
+
+    async def _commit_shard(
         self,
-        record: CheckpointRecord,
-        *,
-        extra_watch: str | None = None,
-        spec: tuple[str, bytes] | None = None,
-    ) -> SaveAck:
-        key = self.keys.turn(record.turn_id)
-        watch = [key] if extra_watch is None else [key, extra_watch]
-        with translated(f"save {record.turn_id}"):
-            for _ in range(self.watch_retries):
-                async with self.client.pipeline(transaction=True) as pipe:
-                    try:
-                        await pipe.watch(*watch)
-                        if spec is not None and await pipe.exists(*watch):
-                            raise TurnExists(f"turn {record.turn_id} already exists")
-                        stored = await pipe.hmget(key, "epoch", "seq")
-                        self._check_fence(key, record, [_opt_bytes(v) for v in stored])
-                        pipe.multi()  # type: ignore[no-untyped-call]
-                        self.queue_save(pipe, record)
-                        if spec is not None:
-                            pipe.set(spec[0], spec[1])
-                        results = await pipe.execute()
-                    except redis.WatchError:
-                        continue
-                event_id = results[1]
-                return SaveAck(
-                    record.turn_id,
-                    record.epoch,
-                    record.seq,
-                    event_id.decode() if isinstance(event_id, bytes) else str(event_id),
-                )
-        raise StoreError(f"save {record.turn_id}: record kept changing under WATCH")
+        writes: Sequence[_Write],
+        idx: list[int],
+        results: list[SaveAck | StoreError | None],
+    ) -> None:
+        keys = [self.keys.turn(writes[i].record.turn_id) for i in idx]
+        extras = [writes[i].extra for i in idx]
+        watched = keys + [e[0] for e in extras if e is not None]
+        try:
+            with translated(f"save {len(idx)} records"):
+                for _ in range(self.watch_retries):
+                    async with self.client.pipeline(transaction=True) as pipe:
+                        try:
+                            await pipe.watch(*watched)
+                            async with self.client.pipeline(transaction=False) as reader:
+                                for key, extra in zip(keys, extras, strict=True):
+                                    reader.hmget(key, "epoch", "seq")
+                                    if extra is not None:
+                                        reader.exists(key, extra[0])
+                                stored = await reader.execute()
+                            live = self._admit(writes, idx, keys, stored, results)
+                            if not live:
+                                await pipe.reset()  # type: ignore[no-untyped-call]
+                                return
+                            pipe.multi()  # type: ignore[no-untyped-call]
+                            for i in live:
+                                self.queue_save(pipe, writes[i].record)
+                                extra = writes[i].extra
+                                if extra is not None:
+                                    pipe.set(extra[0], extra[1])
+                            replies = await pipe.execute()
+                        except redis.WatchError:
+                            continue
+                    per = [4 if writes[i].extra is not None else 3 for i in live]
+                    pos = 0
+                    for i, n in zip(live, per, strict=True):
+                        rec = writes[i].record
+                        results[i] = SaveAck(
+                            rec.turn_id, rec.epoch, rec.seq, text(replies[pos + 1])
+                        )
+                        pos += n
+                    return
+            raise StoreError("records kept changing under WATCH")
+        except StoreError as exc:
+            for i in idx:
+                if results[i] is None:
+                    results[i] = exc
+
+    def _admit(
+        self,
+        writes: Sequence[_Write],
+        idx: list[int],
+        keys: list[str],
+        stored: list[object],
+        results: list[SaveAck | StoreError | None],
+    ) -> list[int]:
+        """Indices that pass the fence (or the must-not-exist check); the rest get an error."""
+        live: list[int] = []
+        pos = 0
+        for i, key in zip(idx, keys, strict=True):
+            w = writes[i]
+            fence = stored[pos]
+            pos += 1
+            try:
+                if w.extra is not None:
+                    pos += 1
+                    if stored[pos - 1]:
+                        raise TurnExists(f"turn {w.record.turn_id} already exists")
+                self._check_fence(key, w.record, [_opt_bytes(v) for v in fence])  # type: ignore[attr-defined]
+            except StoreError as exc:
+                results[i] = exc
+                continue
+            results[i] = None
+            live.append(i)
+        return live
 
     @staticmethod
     def _check_fence(key: str, record: CheckpointRecord, stored: list[bytes | None]) -> None:
@@ -123,6 +222,8 @@ class RedisCheckpointStore:
             raise StaleOwner(
                 f"turn {record.turn_id}: epoch {record.epoch} is stale, owner is epoch {epoch}"
             )
+        if (epoch, seq) == (record.epoch, record.seq):
+            raise AlreadySaved(f"turn {record.turn_id}: epoch {epoch} seq {seq} already stored")
         if record.seq <= seq:
             raise StaleOwner(
                 f"turn {record.turn_id}: seq {record.seq} is not newer than stored {seq}"

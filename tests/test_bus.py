@@ -17,7 +17,9 @@ P = TurnPhase
 
 
 @pytest.fixture(params=["memory", "fakeredis", "real"])
-async def bus(request: pytest.FixtureRequest, redis_url: str, keys: KeyLayout) -> AsyncIterator[Bus]:
+async def bus(
+    request: pytest.FixtureRequest, redis_url: str, keys: KeyLayout
+) -> AsyncIterator[Bus]:
     if request.param == "memory":
         yield MemoryBus(keys)
         return
@@ -27,7 +29,10 @@ async def bus(request: pytest.FixtureRequest, redis_url: str, keys: KeyLayout) -
 
 
 def moves(turn: str, n: int, epoch: int = 1) -> list[Transition]:
-    return [Transition(turn, epoch, i + 1, P.AWAITING_LLM, P.EXECUTING_TOOLS, 1000 + i) for i in range(n)]
+    return [
+        Transition(turn, epoch, i + 1, P.AWAITING_LLM, P.EXECUTING_TOOLS, 1000 + i)
+        for i in range(n)
+    ]
 
 
 async def test_a_group_sees_new_events_in_order_per_turn(bus: Bus) -> None:

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine import LocalEngine, claim_for_resume
+from actors.engine import LocalEngine
 from actors.llm import LLMRequest
 from actors.loop import LoopSettings, TurnLoop
+from actors.resume import claim_for_resume
 from actors.scenario import Scenario, parse_scenario
 from actors.scripted import ScriptedLLM
 from actors.watchdog import WatchdogConfig

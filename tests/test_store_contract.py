@@ -7,6 +7,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from bus.errors import (
+    AlreadySaved,
     RecordError,
     RecordNotFound,
     StaleOwner,
@@ -14,7 +15,7 @@ from bus.errors import (
     TurnExists,
     UnknownSchema,
 )
-from store.checkpoint import RedisCheckpointStore
+from store.checkpoint import RedisCheckpointStore, SaveAck
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnSpec
 from tests.records_helpers import record
@@ -68,12 +69,39 @@ async def test_stale_epoch_is_refused(store: RedisCheckpointStore) -> None:
     assert (await store.load("t1")).epoch == 2
 
 
-@pytest.mark.parametrize("seq", [4, 5])
-async def test_seq_not_newer_is_refused(store: RedisCheckpointStore, seq: int) -> None:
-    await store.save(record(seq=5))
-    with pytest.raises(StaleOwner, match="not newer"):
+@pytest.mark.parametrize(("seq", "error"), [(4, "not newer"), (5, "already stored")])
+async def test_seq_not_newer_is_refused(store: RedisCheckpointStore, seq: int, error: str) -> None:
+    await store.save(record(seq=5, n_turn_messages=2))
+    with pytest.raises(StaleOwner, match=error) as refused:
         await store.save(record(seq=seq, n_turn_messages=1))
-    assert (await store.load("t1")).seq == 5
+    assert isinstance(refused.value, AlreadySaved) == (seq == 5)  # a replay, told apart
+    stored = await store.load("t1")
+    assert stored.seq == 5 and len(stored.messages) == 4
+
+
+async def test_group_commit_answers_each_record_and_isolates_refusals(
+    store: RedisCheckpointStore,
+) -> None:
+    await store.save(record("stale", epoch=3, seq=1))
+    batch = [record(f"t{i}", seq=1, n_turn_messages=i) for i in range(20)]
+    batch.insert(7, record("stale", epoch=2, seq=9))
+    batch.append(record("t3", seq=2, n_turn_messages=9))  # same turn twice: applied in order
+    results = await store.save_many(batch)
+    assert isinstance(results[7], StaleOwner)
+    assert all(isinstance(r, SaveAck) for i, r in enumerate(results) if i != 7)
+    assert (await store.load("stale")).epoch == 3
+    assert (await store.load("t3")).seq == 2 and len((await store.load("t3")).messages) == 11
+    assert len(await store.list_in_progress()) == 21
+
+
+async def test_submit_many_refuses_only_the_duplicates(store: RedisCheckpointStore) -> None:
+    def spec(t: str) -> TurnSpec:
+        return TurnSpec(turn_id=t, session_id="s", scenario={"name": "x"}, created_at=1)
+
+    await store.submit(spec("b"), record("b", seq=0))
+    results = await store.submit_many([(spec(t), record(t, seq=0)) for t in ("a", "b", "c")])
+    assert [type(r).__name__ for r in results] == ["SaveAck", "TurnExists", "SaveAck"]
+    assert (await store.load_spec("c")).turn_id == "c"
 
 
 async def test_newer_epoch_takes_over_with_a_newer_seq(store: RedisCheckpointStore) -> None:

@@ -1,0 +1,130 @@
+"""Resume plans: what a new owner needs to continue a turn whose host died.
+
+A plan reads the last checkpoint, the turn's spec, its tool ledger and its inbox, and makes the
+fencing claim (``epoch + 1``, one more resume attempt, persisted before any model call). The
+same function serves the in-process engine and the RecoveryActor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from actors.recovery import may_resume
+from actors.scenario import Scenario, parse_scenario
+from bus.errors import ConfigError, RecordError, RecordNotFound, StaleOwner
+from store.checkpoint import RedisCheckpointStore
+from store.codec import dump_model, pack, unpack
+from store.inbox import Inbox
+from store.ledger import ToolLedger
+from store.records import CheckpointRecord
+
+PlanAction = Literal["resume", "abort", "fenced", "finished", "unusable"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePlan:
+    """What to do with one turn that lost its host."""
+
+    turn_id: str
+    """The turn."""
+    action: PlanAction
+    """``resume`` (run ``record``), ``abort`` (out of resume attempts: end it), ``fenced``
+    (another owner claimed it first), ``finished`` (not in progress any more), ``unusable``
+    (record or spec failed to decode and were quarantined)."""
+    record: CheckpointRecord | None = None
+    """The claimed record (new epoch) for ``resume`` and ``abort``."""
+    resume_from: str = ""
+    """Reason of the checkpoint the turn restarts from (``force_stop`` resumes the wrap-up)."""
+    scenario: Scenario | None = None
+    """The turn's scenario, from its spec."""
+    in_flight: int = 0
+    """Tool calls the ledger shows dispatched but unfinished (non-idempotent ones will be
+    reported ``outcome_unknown``, idempotent ones re-run)."""
+    pending_inbox: int = 0
+    """Injected messages not yet in the transcript; appended after it at the first boundary."""
+    detail: str = ""
+    """Why, for logs."""
+
+    def to_wire(self) -> bytes:
+        """msgpack form for crossing a Ray call (validated again by :meth:`from_wire`)."""
+        return pack(
+            {
+                "turn_id": self.turn_id,
+                "action": self.action,
+                "record": None if self.record is None else dump_model(self.record),
+                "resume_from": self.resume_from,
+                "scenario": None if self.scenario is None else dump_model(self.scenario),
+                "in_flight": self.in_flight,
+                "pending_inbox": self.pending_inbox,
+                "detail": self.detail,
+            }
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> ResumePlan:
+        d: dict[str, Any] = unpack(data)
+        return cls(
+            turn_id=str(d["turn_id"]),
+            action=d["action"],
+            record=None if d["record"] is None else CheckpointRecord.model_validate(d["record"]),
+            resume_from=str(d["resume_from"]),
+            scenario=None if d["scenario"] is None else parse_scenario(d["scenario"]),
+            in_flight=int(d["in_flight"]),
+            pending_inbox=int(d["pending_inbox"]),
+            detail=str(d["detail"]),
+        )
+
+
+def claim_for_resume(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
+    """The fencing write of a new owner: same transcript, epoch + 1, one more resume attempt."""
+    c = record.counters
+    return record.model_copy(
+        update={
+            "epoch": record.epoch + 1,
+            "seq": record.seq + 1,
+            "reason": "resume",
+            "counters": c.model_copy(update={"resume_attempts": c.resume_attempts + 1}),
+            "updated_at": now_ms,
+        }
+    )
+
+
+async def plan_resume(
+    store: RedisCheckpointStore, ledger: ToolLedger, inbox: Inbox, turn_id: str
+) -> ResumePlan:
+    """Load, inspect and claim one turn. Bad records are quarantined (``unusable``)."""
+    try:
+        record = await store.load(turn_id)
+        if not record.in_progress:
+            return ResumePlan(turn_id, "finished", detail=record.counters.outcome)
+        spec = await store.load_spec(turn_id)
+        scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
+        entries = await ledger.entries(turn_id)
+    except RecordNotFound as exc:  # deleted under us: nothing to resume
+        return ResumePlan(turn_id, "unusable", detail=str(exc))
+    except (RecordError, ConfigError) as exc:
+        # A bad record quarantines itself on load; a bad spec or ledger entry takes the
+        # record aside here, so the turn is reported instead of retried forever.
+        if not isinstance(exc, RecordError) or exc.key != store.keys.turn(turn_id):
+            await store.quarantine(turn_id, f"unusable: {exc}")
+        return ResumePlan(turn_id, "unusable", detail=str(exc))
+    in_flight = sum(e.state == "dispatched" for e in entries.values())
+    pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))
+    claimed = claim_for_resume(record, now_ms=int(time.time() * 1000))
+    try:
+        await store.save(claimed)
+    except StaleOwner as exc:
+        return ResumePlan(turn_id, "fenced", detail=str(exc))
+    action: PlanAction = "resume" if may_resume(record.counters.resume_attempts) else "abort"
+    return ResumePlan(
+        turn_id,
+        action,
+        record=claimed,
+        resume_from=record.reason,
+        scenario=scenario,
+        in_flight=in_flight,
+        pending_inbox=pending,
+        detail=f"resume attempt {claimed.counters.resume_attempts}",
+    )
