@@ -46,6 +46,20 @@ class ApprovalSettings(_Section):
     """How often a pending decision is re-read."""
 
 
+class SupervisorSettings(_Section):
+    ping_interval_s: float = Field(default=0.5, gt=0)
+    """How often every host is pinged."""
+    ping_timeout_s: float = Field(default=3.0, gt=0)
+    """A ping unanswered for this long is a miss."""
+    ping_misses: int = Field(default=3, ge=1)
+    """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
+
+
+class ToolSettings(_Section):
+    workers: int = Field(default=2, ge=1, le=1024)
+    """ToolWorker actors per resource pool (each runs many calls concurrently)."""
+
+
 class LoopTuning(_Section):
     strict: bool = False
     """Raise on illegal phase transitions instead of logging them."""
@@ -59,6 +73,8 @@ class Settings(_Section):
     approvals: ApprovalSettings = ApprovalSettings()
     watchdog: WatchdogConfig = WatchdogConfig()
     loop: LoopTuning = LoopTuning()
+    supervisor: SupervisorSettings = SupervisorSettings()
+    tools: ToolSettings = ToolSettings()
 
     def loop_settings(self) -> LoopSettings:
         return LoopSettings(

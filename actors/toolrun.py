@@ -138,4 +138,7 @@ class BatchExecutor:
             return await journal("committed", result("denied", f"{call.name} was not approved"))
         await self.ledger.mark(turn_id, {key: ("dispatched", call.name, None)})
         res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
-        return await journal("committed" if res.status == "ok" else "failed", res)
+        state: LedgerState = "committed" if res.status == "ok" else "failed"
+        if res.status == "outcome_unknown":
+            state = "outcome_unknown"
+        return await journal(state, res)

@@ -57,10 +57,14 @@ def encode_event(event: BusEvent) -> dict[str, str | int]:
     }
 
 
-def decode_event(fields: Mapping[bytes, bytes]) -> BusEvent:
-    """Validate one entry's fields; :class:`BadBusEntry` says what is wrong."""
+def _s(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> BusEvent:
+    """Validate one entry's fields (as read, or as encoded); :class:`BadBusEntry` says why."""
     try:
-        f = {k.decode(): v.decode() for k, v in fields.items()}
+        f = {_s(k): _s(v) for k, v in fields.items()}
         kind = f["kind"]
         if kind == "transition":
             return Transition(

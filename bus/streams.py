@@ -20,6 +20,7 @@ from typing import Protocol
 import redis
 import redis.asyncio as aioredis
 
+from bus.errors import PhaselineError
 from bus.events import BadBusEntry, BusEvent, decode_event, encode_event
 from store.connection import raw, text, translated
 from store.keys import KeyLayout
@@ -219,3 +220,42 @@ class MemoryBus:
                     g.pending[entry_id] = (consumer, now)
                     out.append(Delivery(stream, str(entry_id), events[entry_id]))
         return out
+
+
+class BufferedPublisher:
+    """Collects events from synchronous listeners and publishes them in batches.
+
+    Phase listeners are called inside the turn loop and must not block; this buffer is
+    flushed by a background task every ``interval_s``. Events are advisory (watchdog, status
+    display): if Redis is down a batch is dropped and counted, never retried into a backlog.
+    """
+
+    def __init__(self, bus: Bus, *, interval_s: float = 0.02, max_buffer: int = 100_000) -> None:
+        self.bus = bus
+        self.interval_s = interval_s
+        self.max_buffer = max_buffer
+        self.dropped = 0
+        self.published = 0
+        self._buffer: list[BusEvent] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, event: BusEvent) -> None:
+        if len(self._buffer) >= self.max_buffer:
+            self.dropped += 1
+            return
+        self._buffer.append(event)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while self._buffer:
+            await asyncio.sleep(self.interval_s)  # the flush period: batches accumulate
+            await self.flush()
+
+    async def flush(self) -> None:
+        batch, self._buffer = self._buffer, []
+        try:
+            await self.bus.publish(batch)
+            self.published += len(batch)
+        except PhaselineError:
+            self.dropped += len(batch)

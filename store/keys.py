@@ -15,6 +15,7 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
+    {ns}:{global}:supervisor        hash    supervisor counters (respawns)
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one MULTI/EXEC can touch them all.
@@ -102,6 +103,9 @@ class KeyLayout:
 
     def hosts(self) -> str:
         return f"{self.namespace}:{{global}}:hosts"
+
+    def supervisor(self) -> str:
+        return f"{self.namespace}:{{global}}:supervisor"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

@@ -1,0 +1,145 @@
+"""TurnHost: the async Ray actor that hosts many turns, one asyncio task per turn.
+
+A host is the engine (:class:`~actors.engine.LocalEngine`) with Ray parts plugged in: saves go
+through the CheckpointActor (batched), tools run as Ray tasks, transitions go to the bus. A host
+owns one *slot*; the Supervisor gives each slot a new *generation* (a new actor) when the old
+one dies or hangs, and the new one adopts every in-progress turn of the slot through a resume
+plan of the RecoveryActor (which bumps the epoch, so the old incarnation is fenced off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import psutil
+import ray
+from ray.exceptions import RayActorError
+
+from bus.errors import PhaselineError, RecordNotFound
+from bus.events import encode_event
+from bus.streams import BufferedPublisher, RedisBus
+from store.connection import connect
+from actors.checkpointer import CheckpointClient
+from actors.deployment import RAY_NAMESPACE, Deployment
+from actors.engine import LocalEngine
+from actors.loop import TurnOutcome
+from actors.ray_tools import RayToolRunner
+from actors.resume import ResumePlan, plan_resume
+from actors.scenario import parse_scenario
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)
+class TurnHost:
+    def __init__(self, deployment_json: str, slot: int, generation: int) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.slot = slot
+        self.generation = generation
+        self.incarnation = uuid.uuid4().hex
+        self.client = connect(self.dep.redis_url, max_connections=128)
+        self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
+        self.checkpoints = CheckpointClient(self._checkpoint_actor)
+        self.engine = LocalEngine.from_settings(
+            self.client,
+            self.dep.settings,
+            watchdog=None,
+            checkpoints=self.checkpoints,
+            runner=RayToolRunner(self.dep),
+            on_transition=self.publisher.add,
+        )
+        self._tasks: dict[str, asyncio.Task[TurnOutcome]] = {}
+        self._started = time.time()
+
+    def _checkpoint_actor(self) -> Any:
+        return ray.get_actor(self.dep.name("checkpoint"), namespace=RAY_NAMESPACE)
+
+    async def hello(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        return {
+            "slot": self.slot,
+            "generation": self.generation,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "running": len(self._tasks),
+            "finished": stats.turns,
+            "outcomes": dict(stats.outcomes),
+            "resumed": stats.resumed,
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "checkpoint_batches": self.checkpoints.batches,
+            "events_dropped": self.publisher.dropped,
+        }
+
+    async def run_turns(self, turn_ids: list[str]) -> int:
+        """Start submitted turns (a turn that already ran somewhere is resumed instead)."""
+        return sum(self._spawn(t, self._run_submitted(t)) for t in turn_ids)
+
+    async def adopt(self) -> int:
+        """Resume every in-progress turn of this slot that is not running here."""
+        ids = await self.engine.store.list_in_progress()
+        mine = [t for t in ids if self.dep.slot_of(t) == self.slot]
+        return sum(self._spawn(t, self._resume(t)) for t in mine)
+
+    async def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
+        return self.engine.cancel_llm(turn_id, epoch, cause)
+
+    async def phases(self) -> list[dict[str, str | int]]:
+        """Current phase of every running turn, in the bus wire form (for a new watchdog)."""
+        return [encode_event(t) for t in self.engine.phases()]
+
+    async def drain(self) -> None:
+        """Wait until no turn runs here (tests and orderly shutdown)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
+
+    # -- turn tasks ---------------------------------------------------------------------------
+
+    def _spawn(self, turn_id: str, coro: Any) -> bool:
+        if turn_id in self._tasks:
+            coro.close()
+            return False
+        task = asyncio.ensure_future(coro)
+        self._tasks[turn_id] = task
+        task.add_done_callback(lambda _t, tid=turn_id: self._finished(tid, _t))
+        return True
+
+    def _finished(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
+        self._tasks.pop(turn_id, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("turn %s failed in host %s: %r", turn_id, self.slot, exc)
+            return
+        self.engine.stats.add(task.result())
+
+    async def _run_submitted(self, turn_id: str) -> TurnOutcome:
+        store = self.engine.store
+        try:
+            record = await store.load(turn_id)
+        except (RecordNotFound, PhaselineError) as exc:
+            log.error("turn %s cannot start: %s", turn_id, exc)
+            return TurnOutcome(turn_id, "unusable", 0, 0, 0, 0)
+        if record.reason == "submitted" and record.epoch == 1 and record.in_progress:
+            spec = await store.load_spec(turn_id)
+            scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
+            return await self.engine.start(record, scenario)
+        return await self._resume(turn_id)
+
+    async def _resume(self, turn_id: str) -> TurnOutcome:
+        return await self.engine.resume(turn_id, await self._plan(turn_id))
+
+    async def _plan(self, turn_id: str) -> ResumePlan:
+        """Ask the RecoveryActor; while it restarts, plan here with the same function."""
+        try:
+            actor = ray.get_actor(self.dep.name("recovery"), namespace=RAY_NAMESPACE)
+            return ResumePlan.from_wire(await actor.plan.remote(turn_id))
+        except (RayActorError, ValueError) as exc:
+            log.warning("recovery actor unavailable (%s); planning %s locally", exc, turn_id)
+            e = self.engine
+            return await plan_resume(e.store, e.ledger, e.inbox, turn_id)

@@ -1,0 +1,126 @@
+"""Tools on the cluster: tool calls run as Ray actor tasks on a pool of ToolWorker actors.
+
+Why a pool of async actors and not one plain Ray task per call: tools are I/O-bound and a turn
+host may have thousands of calls in flight. Plain tasks need one worker process each; on the
+2-core dev machine 50 turns of the plain scenario took 117 s that way, Ray starting 26 worker
+processes (docs/ARCHITECTURE.md). A ToolWorker runs hundreds of calls concurrently in one
+process and the pool spreads over the cluster (and grows with ``[tools] workers``).
+
+Per call: the host enforces the tool's concurrency limit and timeout (cancelling the actor
+task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, an
+idempotent tool is retried on another worker, a non-idempotent one is reported
+``outcome_unknown`` and never re-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError, TaskCancelledError
+
+from store.connection import connect
+from store.effects import EffectCounters
+from store.records import ToolCall, ToolResult
+from actors.deployment import RAY_NAMESPACE, Deployment
+from actors.tools import BUILTIN_TOOLS, ToolContext, ToolSpec
+
+log = logging.getLogger(__name__)
+
+#: Attempts of an idempotent call whose worker died.
+IDEMPOTENT_ATTEMPTS = 3
+
+
+def pool_name(resources: Mapping[str, float]) -> str:
+    """Pools are keyed by the Ray resources their workers hold ('default': none)."""
+    if not resources:
+        return "default"
+    return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=10_000)
+class ToolWorker:
+    """Runs registered tools; one process serves many concurrent calls."""
+
+    def __init__(self, deployment_json: str) -> None:
+        dep = Deployment.from_wire(deployment_json)
+        self._client = connect(dep.redis_url, max_connections=64)
+        self._effects = EffectCounters(self._client, dep.keys)
+        self.calls = 0
+
+    async def call(self, name: str, args_json: str, turn_id: str, call_key: str) -> str:
+        """Arguments travel as JSON, never as pickles; a tool's exception is its error."""
+        self.calls += 1
+        ctx = ToolContext(turn_id, call_key, self._effects)
+        return await BUILTIN_TOOLS.get(name).fn(json.loads(args_json), ctx)
+
+    async def hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "calls": self.calls}
+
+
+class RayToolRunner:
+    """A :class:`~actors.toolrun.ToolRunner` that sends each call to a ToolWorker."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep = dep
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    def _worker(self, spec: ToolSpec, call_key: str, attempt: int) -> Any:
+        n = self.dep.settings.tools.workers
+        index = (zlib.crc32(call_key.encode()) + attempt) % n
+        return ray.get_actor(
+            self.dep.tool_worker_name(pool_name(spec.resources), index), namespace=RAY_NAMESPACE
+        )
+
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        def result(status: str, output: str) -> ToolResult:
+            return ToolResult.model_validate(
+                {"call_id": call.id, "name": call.name, "status": status, "output": output}
+            )
+
+        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        args = json.dumps(call.args)
+        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
+        async with limit:
+            for attempt in range(attempts):
+                try:
+                    worker = self._worker(spec, ctx.call_key, attempt)
+                except ValueError:  # the pool is being (re)created
+                    await asyncio.sleep(0.2)  # backoff before the next attempt
+                    continue
+                ref = worker.call.remote(call.name, args, ctx.turn_id, ctx.call_key)
+                try:
+                    output = await asyncio.wait_for(
+                        asyncio.wrap_future(ref.future()), spec.timeout_s
+                    )
+                    return result("ok", str(output))
+                except asyncio.TimeoutError:
+                    ray.cancel(ref)
+                    return result("timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
+                except asyncio.CancelledError:
+                    ray.cancel(ref)
+                    raise
+                except TaskCancelledError:
+                    return result("error", f"{call.name} was cancelled")
+                except RayActorError as exc:
+                    log.warning("tool worker died during %s (attempt %d): %s", call.name, attempt, exc)
+                    continue
+                except RayError as exc:  # the tool itself raised
+                    return result("error", _last_line(exc))
+        if spec.idempotent:
+            return result("error", f"{call.name}: tool workers kept dying ({attempts} attempts)")
+        return result(
+            "outcome_unknown",
+            f"{call.name}'s worker died mid-call; it may or may not have taken effect "
+            "and will not be re-run",
+        )
+
+
+def _last_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[-1][:500]

@@ -1,0 +1,206 @@
+"""The Runtime facade: start or join a deployment, submit turns, talk to them, wait, shut down.
+
+Callers hold a :class:`Runtime` and turn ids, never actor objects. Redis holds every fact; the
+Supervisor (detached) keeps the actors alive, so a ``Runtime`` can be dropped and re-created
+(``phaseline resume``) without losing a turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+
+from bus.errors import ConfigError, PhaselineError, StoreError
+from store.approvals import Approvals
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect, text, translated
+from store.inbox import Inbox, InboxItem
+from store.records import CheckpointRecord
+from actors.config import Settings
+from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.engine import new_turn
+from actors.scenario import Scenario
+from actors.supervisor import Supervisor
+from actors.tools import BUILTIN_TOOLS
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    def __init__(self, dep: Deployment, client: aioredis.Redis, supervisor: Any, owns_ray: bool):
+        self.dep = dep
+        self.client = client
+        self.supervisor = supervisor
+        self.owns_ray = owns_ray
+        self.store = RedisCheckpointStore(client, dep.keys)
+        self.inbox = Inbox(client, dep.keys)
+        self.approvals = Approvals(client, dep.keys)
+        self.hosts = HostDirectory(dep, client)
+
+    @classmethod
+    async def start(
+        cls,
+        settings: Settings,
+        *,
+        redis_url: str,
+        hosts: int = 2,
+        ray_address: str | None = None,
+    ) -> Runtime:
+        """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
+        owns_ray = False
+        if not ray.is_initialized():
+            ray.init(
+                address=ray_address,
+                namespace=RAY_NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            owns_ray = ray_address is None
+        dep = Deployment(redis_url=redis_url, settings=settings, hosts=hosts)
+        client = connect(redis_url)
+        with translated(f"cannot reach Redis at {redis_url}"):
+            await client.ping()
+        supervisor = Supervisor.options(  # type: ignore[attr-defined]
+            name=dep.name("supervisor"),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+        ).remote(dep.to_wire())
+        info = await supervisor.ensure.remote()
+        running = Deployment.from_wire(info["deployment"])
+        if running.hosts != hosts or running.redis_url != redis_url:
+            raise ConfigError(
+                f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts "
+                f"on {running.redis_url}; shut it down first or use another --namespace"
+            )
+        return cls(running, client, supervisor, owns_ray)
+
+    # -- turns --------------------------------------------------------------------------------
+
+    async def submit(self, scenario: Scenario, turn_ids: Iterable[str]) -> list[str]:
+        """Create the turns in Redis and hand each to its host slot."""
+        BUILTIN_TOOLS.require(scenario.tools)
+        turns = [new_turn(scenario, t) for t in turn_ids]
+        for result in await self.store.submit_many(turns):
+            if isinstance(result, Exception):
+                raise result
+        by_slot: dict[int, list[str]] = defaultdict(list)
+        for spec, _ in turns:
+            by_slot[self.dep.slot_of(spec.turn_id)].append(spec.turn_id)
+        for slot, ids in by_slot.items():
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue  # being replaced: the new host adopts the slot's in-progress turns
+            try:
+                await host.run_turns.remote(ids)
+            except ray.exceptions.RayActorError:
+                log.warning("host slot %d died while taking turns; its successor adopts them", slot)
+        return [spec.turn_id for spec, _ in turns]
+
+    async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
+        """Queue a user message; it enters the turn at its next boundary, exactly once."""
+        return await self.inbox.push(turn_id, text_, message_id=message_id)
+
+    async def pending_approvals(self, turn_id: str) -> list[str]:
+        return await self.approvals.pending(turn_id)
+
+    async def decide(self, turn_id: str, call_key: str, approve: bool) -> bool:
+        """Approve or deny a waiting tool call; False if it was already decided."""
+        return await self.approvals.decide(turn_id, call_key, approve)
+
+    async def wait(
+        self,
+        turn_ids: Iterable[str],
+        *,
+        timeout: float = 600.0,
+        on_done: Callable[[str], None] | None = None,
+    ) -> dict[str, CheckpointRecord]:
+        """Block until every turn's final record is stored; returns them."""
+        waiting = set(turn_ids)
+        done: dict[str, CheckpointRecord] = {}
+        keys = self.dep.keys
+        cursors = {keys.events(s): "0-0" for s in keys.all_shards()}
+        deadline = time.monotonic() + timeout
+        last_scan = 0.0
+        while waiting:
+            if time.monotonic() > deadline:
+                raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
+            finished: set[str] = set()
+            with translated("watch checkpoint events"):
+                reply = await self.client.xread(cursors, count=5000, block=500)  # type: ignore[arg-type]
+            for stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursors[text(stream)] = text(entry_id)
+                    tid = text(fields[b"turn_id"])
+                    if tid in waiting and fields[b"in_progress"] == b"0":
+                        finished.add(tid)
+            if time.monotonic() - last_scan > 5:  # events may be trimmed: confirm from records
+                last_scan = time.monotonic()
+                finished |= waiting - set(await self.store.list_in_progress())
+            for tid in finished & waiting:
+                record = await self.store.load(tid)
+                if record.in_progress:
+                    continue
+                done[tid] = record
+                waiting.discard(tid)
+                if on_done is not None:
+                    on_done(tid)
+        return done
+
+    # -- the deployment -----------------------------------------------------------------------
+
+    async def host_info(self) -> list[dict[str, Any]]:
+        out = []
+        for slot in range(self.dep.hosts):
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue
+            try:
+                out.append(await asyncio.wait_for(asyncio.wrap_future(host.hello.remote().future()), 5))
+            except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+                continue
+        return out
+
+    async def service_pid(self, role: str) -> int:
+        handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
+        return int((await handle.hello.remote())["pid"])
+
+    async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
+        host = await self.hosts.handle(slot)
+        if host is None:
+            raise PhaselineError(f"host slot {slot} has no live actor")
+        pid = int((await host.hello.remote())["pid"])
+        os.kill(pid, sig)
+        return pid
+
+    async def respawns(self) -> int:
+        with translated("read supervisor stats"):
+            raw = await self.client.hget(self.dep.keys.supervisor(), "respawns")
+        return int(raw or 0)
+
+    async def shutdown(self) -> None:
+        """Stop every actor of the deployment, then Ray if this runtime started it."""
+        try:
+            await self.supervisor.stop.remote()
+            ray.kill(self.supervisor, no_restart=True)
+        except ray.exceptions.RayActorError:
+            pass
+        try:
+            with translated("forget host generations"):
+                await self.client.delete(self.dep.keys.hosts())
+        except StoreError:
+            pass
+        await self.client.aclose()
+        if self.owns_ray:
+            ray.shutdown()

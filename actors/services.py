@@ -1,0 +1,144 @@
+"""The WatchdogActor and the RecoveryActor: restartable singletons with no state of their own.
+
+Both keep nothing that Redis or the hosts cannot give back: a restarted watchdog rebuilds its
+timers from every host's current phases and carries on consuming the bus (reclaiming what its
+dead predecessor left pending); the recovery actor is a pure planner over Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from bus.errors import PhaselineError
+from bus.events import StatusEvent, decode_event
+from bus.phase import Transition
+from bus.streams import RedisBus
+from store.connection import connect
+from store.inbox import Inbox
+from store.ledger import ToolLedger
+from store.checkpoint import RedisCheckpointStore
+from actors.deployment import Deployment, HostDirectory
+from actors.recovery import Problem, Situation, decide_recovery
+from actors.resume import plan_resume
+from actors.watchdog import HardCancel, WatchdogRules
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_GROUP = "watchdog"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class WatchdogActor:
+    """The watchdog rules over the bus: soft -> ``idle_soft`` status event, hard -> cancel."""
+
+    def __init__(self, deployment_json: str) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.client = connect(self.dep.redis_url, max_connections=16)
+        self.bus = RedisBus(self.client, self.dep.keys)
+        self.hosts = HostDirectory(self.dep, self.client)
+        self.rules = WatchdogRules(self.dep.settings.watchdog)
+        self.consumer = f"watchdog-{uuid.uuid4().hex[:8]}"
+        self.soft = 0
+        self.hard = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def hello(self) -> dict[str, Any]:
+        self._ensure_running()
+        return {
+            "pid": os.getpid(),
+            "watched": self.rules.watched(),
+            "idle_soft": self.soft,
+            "hard_cancels": self.hard,
+        }
+
+    async def _run(self) -> None:
+        tick = self.dep.settings.watchdog.tick_s
+        while True:
+            try:
+                await self.bus.ensure_group(WATCHDOG_GROUP)
+                await self._rebuild()
+                last_reclaim = 0.0
+                while True:
+                    got = await self.bus.read(
+                        WATCHDOG_GROUP, self.consumer, block_ms=max(1, int(tick * 1000))
+                    )
+                    if time.monotonic() - last_reclaim > 5:
+                        got += await self.bus.reclaim(WATCHDOG_GROUP, self.consumer, min_idle_ms=5000)
+                        last_reclaim = time.monotonic()
+                    for d in got:
+                        if isinstance(d.event, Transition):
+                            self.rules.observe(d.event)
+                    await self.bus.ack(WATCHDOG_GROUP, got)
+                    await self._act(self.rules.tick(time.time()))
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("watchdog: %s; retrying", exc)
+                await asyncio.sleep(1)  # Redis or a host is away: back off, then rebuild
+
+    async def _rebuild(self) -> None:
+        """Arm timers for every turn running right now, from the hosts themselves."""
+        for slot in range(self.dep.hosts):
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue
+            try:
+                for fields in await host.phases.remote():
+                    self.rules.observe(decode_event(fields))
+            except RayActorError:
+                continue
+
+    async def _act(self, actions: list[Any]) -> None:
+        now_ms = int(time.time() * 1000)
+        events: list[StatusEvent] = []
+        for a in actions:
+            if isinstance(a, HardCancel):
+                self.hard += 1
+                host = await self.hosts.handle_for(a.turn_id)
+                if host is not None:
+                    try:
+                        await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
+                    except RayActorError:
+                        pass  # the host died; its turns are being resumed anyway
+                events.append(StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms))
+            else:
+                self.soft += 1
+                events.append(StatusEvent(a.turn_id, 0, "idle_soft", a.label, now_ms))
+        await self.bus.publish(events)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class RecoveryActor:
+    """Hosts the recovery policy and builds resume plans (checkpoint + ledger + inbox)."""
+
+    def __init__(self, deployment_json: str) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.client = connect(self.dep.redis_url, max_connections=32)
+        keys = self.dep.keys
+        self.store = RedisCheckpointStore(self.client, keys)
+        self.ledger = ToolLedger(self.client, keys)
+        self.inbox = Inbox(self.client, keys)
+        self.plans = 0
+
+    async def plan(self, turn_id: str) -> bytes:
+        """Claim ``turn_id`` for a new owner; the plan in msgpack wire form."""
+        self.plans += 1
+        return (await plan_resume(self.store, self.ledger, self.inbox, turn_id)).to_wire()
+
+    async def decide(self, problem: str, **situation: Any) -> dict[str, Any]:
+        """``decide_recovery`` for callers outside a turn loop (operators, tests)."""
+        d = decide_recovery(Situation(Problem(problem), **situation))
+        return {"action": d.action.value, "cause": d.cause, "backoff_s": d.backoff_s}
+
+    async def hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "plans": self.plans}

@@ -1,0 +1,186 @@
+"""The Supervisor: detached, restartable, stateless (everything it knows is in Redis or Ray).
+
+Every ``ping_interval_s`` it makes sure the singleton services exist (CheckpointActor,
+WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every host slot:
+
+* a host that is gone (``RayActorError``, or no actor under its name) is replaced at once;
+* a host that misses ``ping_misses`` pings in a row (hung, or SIGSTOPped) is replaced too;
+* a replacement is a new *generation* (a new named actor). It is recorded in Redis, asked to
+  adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
+  epoch, so the old incarnation is fenced), and the old actor is killed, best effort;
+* a host incarnation seen for the first time (e.g. after a restart of the whole deployment)
+  is asked to adopt as well, so turns left by a previous run are finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import defaultdict
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from bus.errors import PhaselineError
+from store.connection import connect, translated
+from actors.checkpointer import CheckpointActor
+from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.host import TurnHost
+from actors.ray_tools import ToolWorker, pool_name
+from actors.tools import BUILTIN_TOOLS
+from actors.services import RecoveryActor, WatchdogActor
+
+log = logging.getLogger(__name__)
+
+SERVICES = {"checkpoint": CheckpointActor, "watchdog": WatchdogActor, "recovery": RecoveryActor}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Supervisor:
+    def __init__(self, deployment_json: str) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.client = connect(self.dep.redis_url, max_connections=8)
+        self.hosts = HostDirectory(self.dep, self.client)
+        self._adopted: set[str] = set()
+        self._misses: dict[int, int] = defaultdict(int)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # -- public -------------------------------------------------------------------------------
+
+    async def ensure(self) -> dict[str, Any]:
+        """Bring the deployment up (idempotent) and keep watching it."""
+        await self._reconcile()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._watch())
+        return await self.hello()
+
+    async def hello(self) -> dict[str, Any]:
+        with translated("read supervisor stats"):
+            respawns = await self.client.hget(self.dep.keys.supervisor(), "respawns")
+        return {
+            "pid": os.getpid(),
+            "hosts": self.dep.hosts,
+            "respawns": int(respawns or 0),
+            "watching": self._task is not None and not self._task.done(),
+            "deployment": self.dep.to_wire(),
+        }
+
+    async def stop(self) -> None:
+        """Kill every actor of the deployment (not the supervisor itself)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        gens = await self.hosts.generations()
+        for slot, gen in gens.items():
+            _kill(self.dep.host_name(slot, gen))
+        for role in SERVICES:
+            _kill(self.dep.name(role))
+        for pool in _tool_pools():
+            for i in range(self.dep.settings.tools.workers):
+                _kill(self.dep.tool_worker_name(pool, i))
+
+    # -- the watch ----------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.dep.settings.supervisor.ping_interval_s)  # watch period
+            try:
+                await self._reconcile()
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("supervisor: %s; retrying", exc)
+
+    async def _reconcile(self) -> None:
+        cfg = self.dep.settings.supervisor
+        for role, cls in SERVICES.items():
+            handle = cls.options(  # type: ignore[attr-defined]
+                name=self.dep.name(role),
+                namespace=RAY_NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+            ).remote(self.dep.to_wire())
+            await _ping(handle, cfg.ping_timeout_s)  # also starts the watchdog's loop
+        for pool, resources in _tool_pools().items():
+            for i in range(self.dep.settings.tools.workers):
+                ToolWorker.options(  # type: ignore[attr-defined]
+                    name=self.dep.tool_worker_name(pool, i),
+                    namespace=RAY_NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    resources=resources or None,
+                ).remote(self.dep.to_wire())
+        gens = await self.hosts.generations()
+        for slot in range(self.dep.hosts):
+            gen = gens.get(slot)
+            if gen is None:
+                await self._spawn(slot, 0)
+                continue
+            handle = await self.hosts.handle(slot)
+            info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
+            if info is None:
+                dead = handle is None or not await _alive(handle)
+                self._misses[slot] += 1
+                if dead or self._misses[slot] >= cfg.ping_misses:
+                    log.warning("host slot %d gen %d %s: replacing", slot, gen,
+                                "died" if dead else "stopped answering")  # fmt: skip
+                    await self._replace(slot, gen, handle)
+                continue
+            self._misses[slot] = 0
+            if info["incarnation"] not in self._adopted:
+                await handle.adopt.remote()
+                self._adopted.add(info["incarnation"])
+
+    async def _spawn(self, slot: int, generation: int) -> Any:
+        handle = TurnHost.options(  # type: ignore[attr-defined]
+            name=self.dep.host_name(slot, generation),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+        ).remote(self.dep.to_wire(), slot, generation)
+        info = await handle.hello.remote()
+        await self.hosts.set_generation(slot, generation)
+        await handle.adopt.remote()
+        self._adopted.add(info["incarnation"])
+        self._misses[slot] = 0
+        return handle
+
+    async def _replace(self, slot: int, generation: int, old: Any) -> None:
+        await self._spawn(slot, generation + 1)
+        with translated("count respawns"):
+            await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
+        if old is not None:
+            try:
+                ray.kill(old, no_restart=True)
+            except (RayActorError, ValueError):
+                pass
+
+
+async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(handle.hello.remote().future()), timeout)  # type: ignore[no-any-return]
+    except (asyncio.TimeoutError, RayActorError):
+        return None
+
+
+async def _alive(handle: Any) -> bool:
+    """False once Ray itself says the actor is dead (a ping timeout alone is not death)."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(handle.hello.remote().future()), 0.05)
+    except RayActorError:
+        return False
+    except asyncio.TimeoutError:
+        return True
+    return True
+
+
+def _tool_pools() -> dict[str, dict[str, float]]:
+    return {pool_name(s.resources): dict(s.resources) for s in map(BUILTIN_TOOLS.get, BUILTIN_TOOLS.names())}
+
+
+def _kill(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
