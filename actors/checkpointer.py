@@ -22,12 +22,12 @@ import ray
 from pydantic import ValidationError
 from ray.exceptions import RayActorError
 
+from actors.deployment import Deployment
 from bus.errors import AlreadySaved, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore, SaveAck
 from store.codec import dump_model, pack, unpack
 from store.connection import connect
 from store.records import CheckpointRecord
-from actors.deployment import Deployment
 
 log = logging.getLogger(__name__)
 

@@ -53,6 +53,8 @@ class SupervisorSettings(_Section):
     """A ping unanswered for this long is a miss."""
     ping_misses: int = Field(default=3, ge=1)
     """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
+    kill_replaced: bool = True
+    """Kill a replaced host. Off only to observe a zombie being fenced (tests, chaos)."""
 
 
 class ToolSettings(_Section):

@@ -14,9 +14,9 @@ import ray
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.config import Settings
 from store.connection import text, translated
 from store.keys import KeyLayout
-from actors.config import Settings
 
 #: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
 RAY_NAMESPACE = "phaseline"

@@ -20,10 +20,6 @@ import psutil
 import ray
 from ray.exceptions import RayActorError
 
-from bus.errors import PhaselineError, RecordNotFound
-from bus.events import encode_event
-from bus.streams import BufferedPublisher, RedisBus
-from store.connection import connect
 from actors.checkpointer import CheckpointClient
 from actors.deployment import RAY_NAMESPACE, Deployment
 from actors.engine import LocalEngine
@@ -31,6 +27,10 @@ from actors.loop import TurnOutcome
 from actors.ray_tools import RayToolRunner
 from actors.resume import ResumePlan, plan_resume
 from actors.scenario import parse_scenario
+from bus.errors import PhaselineError, RecordNotFound
+from bus.events import encode_event
+from bus.streams import BufferedPublisher, RedisBus
+from store.connection import connect
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
+from actors.deployment import RAY_NAMESPACE, Deployment
+from actors.tools import BUILTIN_TOOLS, ToolContext, ToolSpec
 from store.connection import connect
 from store.effects import EffectCounters
 from store.records import ToolCall, ToolResult
-from actors.deployment import RAY_NAMESPACE, Deployment
-from actors.tools import BUILTIN_TOOLS, ToolContext, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ class RayToolRunner:
                 except TaskCancelledError:
                     return result("error", f"{call.name} was cancelled")
                 except RayActorError as exc:
-                    log.warning("tool worker died during %s (attempt %d): %s", call.name, attempt, exc)
+                    log.warning(
+                        "tool worker died during %s (attempt %d): %s", call.name, attempt, exc
+                    )
                     continue
                 except RayError as exc:  # the tool itself raised
                     return result("error", _last_line(exc))

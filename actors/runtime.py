@@ -19,18 +19,18 @@ from typing import Any
 import ray
 import redis.asyncio as aioredis
 
-from bus.errors import ConfigError, PhaselineError, StoreError
-from store.approvals import Approvals
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, text, translated
-from store.inbox import Inbox, InboxItem
-from store.records import CheckpointRecord
 from actors.config import Settings
 from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.engine import new_turn
 from actors.scenario import Scenario
 from actors.supervisor import Supervisor
 from actors.tools import BUILTIN_TOOLS
+from bus.errors import ConfigError, PhaselineError, StoreError
+from store.approvals import Approvals
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect, text, translated
+from store.inbox import Inbox, InboxItem
+from store.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,9 @@ class Runtime:
             if host is None:
                 continue
             try:
-                out.append(await asyncio.wait_for(asyncio.wrap_future(host.hello.remote().future()), 5))
+                out.append(
+                    await asyncio.wait_for(asyncio.wrap_future(host.hello.remote().future()), 5)
+                )
             except (asyncio.TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out

@@ -17,18 +17,18 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from bus.errors import PhaselineError
-from bus.events import StatusEvent, decode_event
-from bus.phase import Transition
-from bus.streams import RedisBus
-from store.connection import connect
-from store.inbox import Inbox
-from store.ledger import ToolLedger
-from store.checkpoint import RedisCheckpointStore
 from actors.deployment import Deployment, HostDirectory
 from actors.recovery import Problem, Situation, decide_recovery
 from actors.resume import plan_resume
 from actors.watchdog import HardCancel, WatchdogRules
+from bus.errors import PhaselineError
+from bus.events import StatusEvent, decode_event
+from bus.phase import Transition
+from bus.streams import RedisBus
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect
+from store.inbox import Inbox
+from store.ledger import ToolLedger
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class WatchdogActor:
         self.soft = 0
         self.hard = 0
         self._task: asyncio.Task[None] | None = None
+        # Start consuming as soon as the actor is up, also after Ray restarted it.
+        ray.get_runtime_context().current_actor.hello.remote()
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -75,7 +77,9 @@ class WatchdogActor:
                         WATCHDOG_GROUP, self.consumer, block_ms=max(1, int(tick * 1000))
                     )
                     if time.monotonic() - last_reclaim > 5:
-                        got += await self.bus.reclaim(WATCHDOG_GROUP, self.consumer, min_idle_ms=5000)
+                        got += await self.bus.reclaim(
+                            WATCHDOG_GROUP, self.consumer, min_idle_ms=5000
+                        )
                         last_reclaim = time.monotonic()
                     for d in got:
                         if isinstance(d.event, Transition):
@@ -110,7 +114,9 @@ class WatchdogActor:
                         await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
                     except RayActorError:
                         pass  # the host died; its turns are being resumed anyway
-                events.append(StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms))
+                events.append(
+                    StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
+                )
             else:
                 self.soft += 1
                 events.append(StatusEvent(a.turn_id, 0, "idle_soft", a.label, now_ms))

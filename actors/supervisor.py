@@ -23,14 +23,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from bus.errors import PhaselineError
-from store.connection import connect, translated
 from actors.checkpointer import CheckpointActor
 from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.host import TurnHost
 from actors.ray_tools import ToolWorker, pool_name
-from actors.tools import BUILTIN_TOOLS
 from actors.services import RecoveryActor, WatchdogActor
+from actors.tools import BUILTIN_TOOLS
+from bus.errors import PhaselineError
+from store.connection import connect, translated
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class Supervisor:
         self._misses: dict[int, int] = defaultdict(int)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # Boot itself, also after Ray restarted it: nobody else may be around to ask.
+        ray.get_runtime_context().current_actor.ensure.remote()
 
     # -- public -------------------------------------------------------------------------------
 
@@ -94,14 +96,15 @@ class Supervisor:
 
     async def _reconcile(self) -> None:
         cfg = self.dep.settings.supervisor
-        for role, cls in SERVICES.items():
-            handle = cls.options(  # type: ignore[attr-defined]
+        services = [
+            cls.options(  # type: ignore[attr-defined]
                 name=self.dep.name(role),
                 namespace=RAY_NAMESPACE,
                 lifetime="detached",
                 get_if_exists=True,
             ).remote(self.dep.to_wire())
-            await _ping(handle, cfg.ping_timeout_s)  # also starts the watchdog's loop
+            for role, cls in SERVICES.items()
+        ]
         for pool, resources in _tool_pools().items():
             for i in range(self.dep.settings.tools.workers):
                 ToolWorker.options(  # type: ignore[attr-defined]
@@ -112,25 +115,30 @@ class Supervisor:
                     resources=resources or None,
                 ).remote(self.dep.to_wire())
         gens = await self.hosts.generations()
-        for slot in range(self.dep.hosts):
-            gen = gens.get(slot)
-            if gen is None:
-                await self._spawn(slot, 0)
-                continue
-            handle = await self.hosts.handle(slot)
-            info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
-            if info is None:
-                dead = handle is None or not await _alive(handle)
-                self._misses[slot] += 1
-                if dead or self._misses[slot] >= cfg.ping_misses:
-                    log.warning("host slot %d gen %d %s: replacing", slot, gen,
-                                "died" if dead else "stopped answering")  # fmt: skip
-                    await self._replace(slot, gen, handle)
-                continue
-            self._misses[slot] = 0
-            if info["incarnation"] not in self._adopted:
-                await handle.adopt.remote()
-                self._adopted.add(info["incarnation"])
+        await asyncio.gather(
+            *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
+            *(self._check_slot(slot, gens.get(slot)) for slot in range(self.dep.hosts)),
+        )
+
+    async def _check_slot(self, slot: int, gen: int | None) -> None:
+        cfg = self.dep.settings.supervisor
+        if gen is None:
+            await self._spawn(slot, 0)
+            return
+        handle = await self.hosts.handle(slot)
+        info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
+        if handle is None or info is None:
+            dead = handle is None or not await _alive(handle)
+            self._misses[slot] += 1
+            if dead or self._misses[slot] >= cfg.ping_misses:
+                why = "died" if dead else "stopped answering"
+                log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
+                await self._replace(slot, gen, handle)
+            return
+        self._misses[slot] = 0
+        if info["incarnation"] not in self._adopted:
+            await handle.adopt.remote()
+            self._adopted.add(info["incarnation"])
 
     async def _spawn(self, slot: int, generation: int) -> Any:
         handle = TurnHost.options(  # type: ignore[attr-defined]
@@ -150,7 +158,7 @@ class Supervisor:
         await self._spawn(slot, generation + 1)
         with translated("count respawns"):
             await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
-        if old is not None:
+        if old is not None and self.dep.settings.supervisor.kill_replaced:
             try:
                 ray.kill(old, no_restart=True)
             except (RayActorError, ValueError):
@@ -176,7 +184,10 @@ async def _alive(handle: Any) -> bool:
 
 
 def _tool_pools() -> dict[str, dict[str, float]]:
-    return {pool_name(s.resources): dict(s.resources) for s in map(BUILTIN_TOOLS.get, BUILTIN_TOOLS.names())}
+    return {
+        pool_name(s.resources): dict(s.resources)
+        for s in map(BUILTIN_TOOLS.get, BUILTIN_TOOLS.names())
+    }
 
 
 def _kill(name: str) -> None:

@@ -52,3 +52,21 @@ async def any_client(
     client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One real local Ray cluster for the whole session."""
+    import ray
+
+    from actors.deployment import RAY_NAMESPACE
+
+    ray.init(
+        num_cpus=2,
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()

@@ -13,14 +13,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from actors.engine import LocalEngine
-from actors.loop import LoopSettings
-from actors.scenario import Scenario, load_scenario
+from actors.scenario import load_scenario
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
-from store.records import CheckpointRecord
+from tests.reference import FAST, reference
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
 
 
 def write_scenario(tmp: Path, llm_latency_ms: int, tools: str) -> Path:
@@ -57,16 +55,6 @@ async def wait_for_checkpoints(
             for entry_id, fields in entries:
                 cursors[stream.decode()] = entry_id.decode()
                 seen += fields[b"reason"] == b"tool_batch"
-
-
-async def reference(
-    client: aioredis.Redis, sc: Scenario, turn_ids: list[str]
-) -> dict[str, CheckpointRecord]:
-    """The fault-free run of the same scenario and turn ids, in its own namespace."""
-    keys = KeyLayout(f"ref{os.getpid()}{time.monotonic_ns()}", shards=4)
-    engine = LocalEngine(client, keys, loop_settings=FAST)
-    await engine.run_new(sc.model_copy(update={"llm_latency_ms": 0}), turn_ids)
-    return {t: await engine.store.load(t) for t in turn_ids}
 
 
 async def test_sigkill_between_checkpoints_then_resume_equals_fault_free_run(

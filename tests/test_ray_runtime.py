@@ -1,0 +1,305 @@
+"""The Ray runtime under real SIGKILLs: hosts, tool workers, checkpoint, watchdog, recovery and
+supervisor actors, a frozen zombie host, the watchdog on a hanging model, injected messages."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import psutil
+import pytest
+import ray
+import redis.asyncio as aioredis
+
+from actors.config import Settings
+from actors.runtime import Runtime
+from actors.scenario import Scenario, parse_scenario
+from bus.events import StatusEvent, decode_event
+from store.keys import KeyLayout
+from store.records import CheckpointRecord
+from tests.polling import eventually
+from tests.reference import reference
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+StartRuntime = Callable[..., Awaitable[Runtime]]
+
+
+def settings(namespace: str, **sections: dict[str, Any]) -> Settings:
+    base: dict[str, Any] = {
+        "redis": {"namespace": namespace},
+        "checkpoint": {"min_interval_s": 0},
+        "loop": {"strict": True, "backoff_scale": 0.01},
+        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0, "ping_misses": 3},
+        "approvals": {"poll_s": 0.02},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return Settings.model_validate(base)
+
+
+@pytest.fixture
+async def start_runtime(redis_url: str, namespace: str) -> AsyncIterator[StartRuntime]:
+    started: list[Runtime] = []
+
+    async def start(hosts: int = 2, **sections: dict[str, Any]) -> Runtime:
+        rt = await Runtime.start(settings(namespace, **sections), redis_url=redis_url, hosts=hosts)
+        started.append(rt)
+        return rt
+
+    yield start
+    for rt in started:
+        await rt.shutdown()
+
+
+def scenario(**kw: Any) -> Scenario:
+    base = {"name": "ray", "rounds": 5, "tools_per_round": 2, "tools": ["echo"],
+            "llm_latency_ms": 150, "tool_latency_ms": 10, "payload_bytes": 200}  # fmt: skip
+    return parse_scenario({**base, **kw})
+
+
+async def checkpoints_written(client: aioredis.Redis, keys: KeyLayout, at_least: int) -> None:
+    async def enough() -> bool:
+        total = 0
+        for s in keys.all_shards():
+            total += await client.xlen(keys.events(s))
+        return total >= at_least
+
+    await eventually(enough, timeout=60, what=f"{at_least} checkpoints")
+
+
+async def assert_all_correct(
+    rt: Runtime, client: aioredis.Redis, sc: Scenario, finals: dict[str, CheckpointRecord]
+) -> None:
+    ref = await reference(client, sc, sorted(finals))
+    for tid, final in finals.items():
+        assert not final.in_progress, tid
+        assert len(final.meta) == len(final.messages), tid
+        assert final.messages == ref[tid].messages, tid
+    assert await rt.store.list_in_progress() == []
+
+
+async def final_events(client: aioredis.Redis, keys: KeyLayout) -> dict[str, int]:
+    """How many final (in_progress = 0) saves each turn has in the events streams."""
+    counts: dict[str, int] = {}
+    for s in keys.all_shards():
+        for _, f in await client.xrange(keys.events(s)):
+            if f[b"in_progress"] == b"0":
+                tid = f[b"turn_id"].decode()
+                counts[tid] = counts.get(tid, 0) + 1
+    return counts
+
+
+async def test_sigkill_of_a_host_mid_turn(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(hosts=2)
+    sc = scenario()
+    ids = [f"h{i:03d}" for i in range(40)]
+    await rt.submit(sc, ids)
+    await checkpoints_written(real_client, rt.dep.keys, 40 + 60)
+    victim = rt.dep.slot_of(ids[0])
+    pid = await rt.kill_host(victim)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finals = await rt.wait(ids, timeout=180)
+    await assert_all_correct(rt, real_client, sc, finals)
+    resumed = [t for t, r in finals.items() if r.counters.resume_attempts]
+    assert resumed and all(rt.dep.slot_of(t) == victim for t in resumed)
+    assert all(finals[t].epoch >= 2 for t in resumed)
+    assert await rt.respawns() >= 1
+    assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}
+
+
+async def test_sigkill_of_tool_workers_mid_call(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(hosts=1)
+    sc = scenario(
+        rounds=1, tools=["counter_increment", "echo"], tool_latency_ms=3000, llm_latency_ms=10
+    )
+    ids = ["tool0", "tool1"]
+    await rt.submit(sc, ids)
+
+    async def in_flight() -> bool:
+        states = [e.state for t in ids for e in (await ledger(rt).entries(t)).values()]
+        return states.count("dispatched") == 4
+
+    await eventually(in_flight, timeout=60, what="4 tool calls in flight")
+    pids = [int(p["pid"]) for p in await tool_worker_info(rt)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    finals = await rt.wait(ids, timeout=120)
+    for tid in ids:
+        results = [m.tool_result for m in finals[tid].messages if m.tool_result]
+        by_name = {r.name: r.status for r in results}
+        assert by_name == {"counter_increment": "outcome_unknown", "echo": "ok"}, results
+        effects = await rt_effects(rt, tid)
+        assert all(n <= 1 for n in effects.values())  # never ran twice
+        states = {e.name: e.state for e in (await ledger(rt).entries(tid)).values()}
+        assert states == {"counter_increment": "outcome_unknown", "echo": "committed"}
+
+
+def ledger(rt: Runtime) -> Any:
+    from store.ledger import ToolLedger
+
+    return ToolLedger(rt.client, rt.dep.keys)
+
+
+async def rt_effects(rt: Runtime, turn_id: str) -> dict[str, int]:
+    from store.effects import EffectCounters
+
+    return await EffectCounters(rt.client, rt.dep.keys).counts(turn_id)
+
+
+async def tool_worker_info(rt: Runtime) -> list[dict[str, Any]]:
+    from actors.deployment import RAY_NAMESPACE
+
+    out = []
+    for i in range(rt.dep.settings.tools.workers):
+        handle = ray.get_actor(rt.dep.tool_worker_name("default", i), namespace=RAY_NAMESPACE)
+        out.append(await handle.hello.remote())
+    return out
+
+
+async def test_sigkill_of_the_checkpoint_actor_during_saves(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(hosts=2)
+    sc = scenario(llm_latency_ms=50, tool_latency_ms=5)
+    ids = [f"c{i:03d}" for i in range(60)]
+    await rt.submit(sc, ids)
+    await checkpoints_written(real_client, rt.dep.keys, 60 + 50)
+    old = await rt.service_pid("checkpoint")
+    os.kill(old, signal.SIGKILL)
+    finals = await rt.wait(ids, timeout=180)
+    assert await rt.service_pid("checkpoint") != old  # restarted by Ray
+    await assert_all_correct(rt, real_client, sc, finals)  # every record whole and right
+
+
+@pytest.mark.parametrize("role", ["watchdog", "recovery", "supervisor"])
+async def test_a_killed_service_actor_comes_back_and_works(
+    start_runtime: StartRuntime, real_client: aioredis.Redis, role: str
+) -> None:
+    rt = await start_runtime(
+        hosts=2, watchdog={"tick_s": 0.1, "soft_idle_s": 0.3, "hard_idle_s": 1.0}
+    )
+    old = await rt.service_pid(role)
+    os.kill(old, signal.SIGKILL)
+
+    async def new_pid() -> int | None:
+        try:
+            pid = await rt.service_pid(role)
+        except ray.exceptions.RayActorError:
+            return None
+        return pid if pid != old else None
+
+    await eventually(new_pid, timeout=60, what=f"{role} restarted")
+    # and it still does its job: a host dies (supervisor + recovery), a model hangs (watchdog)
+    sc = scenario()
+    ids = [f"{role}{i}" for i in range(10)]
+    hang = scenario(name="hang", faults=[{"at_call": 2, "kind": "hang"}])
+    await rt.submit(sc, ids)
+    await rt.submit(hang, [f"{role}-hang"])
+    await checkpoints_written(real_client, rt.dep.keys, 11 + 10)
+    await rt.kill_host(rt.dep.slot_of(ids[0]))
+    finals = await rt.wait([*ids, f"{role}-hang"], timeout=180)
+    assert finals[f"{role}-hang"].counters.outcome == "aborted:hard_idle_timeout"
+    del finals[f"{role}-hang"]
+    await assert_all_correct(rt, real_client, sc, finals)
+
+
+async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(
+        hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
+    )
+    sc = scenario(llm_latency_ms=300)
+    ids = [f"z{i:03d}" for i in range(20)]
+    await rt.submit(sc, ids)
+    await checkpoints_written(real_client, rt.dep.keys, 20 + 20)
+    slot = rt.dep.slot_of(ids[0])
+    zombie = await rt.hosts.handle(slot)
+    pid = await rt.kill_host(slot, signal.SIGSTOP)
+
+    async def replaced() -> bool:
+        return await rt.respawns() >= 1
+
+    try:
+        await eventually(replaced, timeout=60, what="the frozen host replaced")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    finals = await rt.wait(ids, timeout=180)
+    await assert_all_correct(rt, real_client, sc, finals)
+    assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}  # none twice
+
+    async def zombie_fenced() -> dict[str, Any] | None:
+        info = await zombie.hello.remote()
+        return info if info["running"] == 0 else None
+
+    info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
+    assert info["outcomes"].get("fenced", 0) >= 1  # it tried, and Redis refused it
+    assert "answered" not in info["outcomes"] or all(
+        finals[t].epoch == 1 for t in ids if rt.dep.slot_of(t) != slot
+    )
+    ray.kill(zombie, no_restart=True)
+
+
+async def test_watchdog_soft_then_hard_on_a_hanging_model(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(
+        hosts=1, watchdog={"tick_s": 0.1, "soft_idle_s": 0.5, "hard_idle_s": 2.0}
+    )
+    sc = scenario(name="hang", faults=[{"at_call": 3, "kind": "hang"}])
+    await rt.submit(sc, ["hung"])
+    (final,) = (await rt.wait(["hung"], timeout=60)).values()
+    assert final.counters.outcome == "aborted:hard_idle_timeout"
+    assert not final.in_progress and len(final.messages) == 2 + 2 * 3  # partial, saved
+    keys = rt.dep.keys
+    statuses = [
+        e for _, f in await real_client.xrange(keys.bus(keys.shard_of("hung")))
+        if isinstance(e := decode_event(f), StatusEvent)
+    ]  # fmt: skip
+    kinds = [s.status for s in statuses]
+    assert kinds.index("idle_soft") < kinds.index("hard_idle_timeout")
+    assert "waiting for the model" in statuses[kinds.index("idle_soft")].label
+
+
+async def test_injected_messages_during_a_turn_and_during_recovery(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(hosts=2)
+    sc = scenario(llm_latency_ms=300)
+    live, crashed = "inject-live", "inject-crash"
+    await rt.submit(sc, [live, crashed])
+    await checkpoints_written(real_client, rt.dep.keys, 2 + 2)
+    await rt.inject(live, "hello during the turn", message_id="m-live")
+    before = await rt.store.load(crashed)
+    await rt.kill_host(rt.dep.slot_of(crashed))
+    await rt.inject(crashed, "hello during recovery", message_id="m-crash")
+    finals = await rt.wait([live, crashed], timeout=120)
+    for tid, mid in ((live, "m-live"), (crashed, "m-crash")):
+        ids = [m.message_id for m in finals[tid].meta]
+        assert ids.count(mid) == 1, tid
+        assert ids.index(mid) >= 2
+        assert finals[tid].counters.inbox_offset == 1
+    # the recovered turn got it after its restored transcript, not inside it
+    assert [m.message_id for m in finals[crashed].meta].index("m-crash") >= len(before.messages)
+
+
+async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> None:
+    rt = await start_runtime(hosts=1)
+    sc = scenario(rounds=1, tools_per_round=1, require_approval=["echo"], llm_latency_ms=10)
+    await rt.submit(sc, ["gate"])
+
+    async def pending() -> list[str] | None:
+        return await rt.pending_approvals("gate") or None
+
+    (key,) = await eventually(pending, timeout=60, what="the approval request")
+    assert await rt.decide("gate", key, approve=True)
+    (final,) = (await rt.wait(["gate"], timeout=60)).values()
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.status == "ok"
