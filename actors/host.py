@@ -35,7 +35,7 @@ from store.connection import connect
 log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)
+@ray.remote(num_cpus=0, max_restarts=0)
 class TurnHost:
     def __init__(self, deployment_json: str, slot: int, generation: int) -> None:
         self.dep = Deployment.from_wire(deployment_json)

@@ -44,7 +44,7 @@ def pool_name(resources: Mapping[str, float]) -> str:
     return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=10_000)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ToolWorker:
     """Runs registered tools; one process serves many concurrent calls."""
 

@@ -28,7 +28,7 @@ from actors.tools import BUILTIN_TOOLS
 from bus.errors import ConfigError, PhaselineError, StoreError
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, text, translated
+from store.connection import connect, read_streams, text, translated
 from store.inbox import Inbox, InboxItem
 from store.records import CheckpointRecord
 
@@ -136,11 +136,11 @@ class Runtime:
             if time.monotonic() > deadline:
                 raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
             finished: set[str] = set()
-            with translated("watch checkpoint events"):
-                reply = await self.client.xread(cursors, count=5000, block=500)  # type: ignore[arg-type]
-            for stream, entries in reply or []:
+            for stream, entries in await read_streams(
+                self.client, cursors, count=5000, block_ms=500
+            ):
                 for entry_id, fields in entries:
-                    cursors[text(stream)] = text(entry_id)
+                    cursors[stream] = entry_id
                     tid = text(fields[b"turn_id"])
                     if tid in waiting and fields[b"in_progress"] == b"0":
                         finished.add(tid)

@@ -8,6 +8,7 @@ dead predecessor left pending); the recovery actor is a pure planner over Redis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -98,7 +99,9 @@ class WatchdogActor:
                 continue
             try:
                 for fields in await host.phases.remote():
-                    self.rules.observe(decode_event(fields))
+                    event = decode_event(fields)
+                    if isinstance(event, Transition):
+                        self.rules.observe(event)
             except RayActorError:
                 continue
 
@@ -110,10 +113,9 @@ class WatchdogActor:
                 self.hard += 1
                 host = await self.hosts.handle_for(a.turn_id)
                 if host is not None:
-                    try:
+                    # if the host died meanwhile, its turns are being resumed anyway
+                    with contextlib.suppress(RayActorError):
                         await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
-                    except RayActorError:
-                        pass  # the host died; its turns are being resumed anyway
                 events.append(
                     StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
                 )

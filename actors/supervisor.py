@@ -15,6 +15,7 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -112,6 +113,7 @@ class Supervisor:
                     namespace=RAY_NAMESPACE,
                     lifetime="detached",
                     get_if_exists=True,
+                    max_concurrency=10_000,
                     resources=resources or None,
                 ).remote(self.dep.to_wire())
         gens = await self.hosts.generations()
@@ -146,6 +148,7 @@ class Supervisor:
             namespace=RAY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
+            max_concurrency=10_000,
         ).remote(self.dep.to_wire(), slot, generation)
         info = await handle.hello.remote()
         await self.hosts.set_generation(slot, generation)
@@ -159,15 +162,16 @@ class Supervisor:
         with translated("count respawns"):
             await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
         if old is not None and self.dep.settings.supervisor.kill_replaced:
-            try:
+            with contextlib.suppress(RayActorError, ValueError):
                 ray.kill(old, no_restart=True)
-            except (RayActorError, ValueError):
-                pass
 
 
 async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(handle.hello.remote().future()), timeout)  # type: ignore[no-any-return]
+        reply: dict[str, Any] = await asyncio.wait_for(
+            asyncio.wrap_future(handle.hello.remote().future()), timeout
+        )
+        return reply
     except (asyncio.TimeoutError, RayActorError):
         return None
 
@@ -191,7 +195,5 @@ def _tool_pools() -> dict[str, dict[str, float]]:
 
 
 def _kill(name: str) -> None:
-    try:
+    with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
-    except ValueError:
-        pass

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from bus.errors import PhaselineError
 from bus.events import BadBusEntry, BusEvent, decode_event, encode_event
-from store.connection import raw, text, translated
+from store.connection import raw, read_streams, text, translated
 from store.keys import KeyLayout
 
 
@@ -83,18 +83,20 @@ class RedisBus:
     async def read(
         self, group: str, consumer: str, *, count: int = 500, block_ms: int = 1000
     ) -> list[Delivery]:
-        with translated(f"read bus group {group}"):
-            reply = await self.client.xreadgroup(
-                group, consumer, dict.fromkeys(self._streams, ">"), count=count, block=block_ms
-            )
+        reply = await read_streams(
+            self.client,
+            dict.fromkeys(self._streams, ">"),
+            count=count,
+            block_ms=block_ms,
+            group=(group, consumer),
+        )
         out: list[Delivery] = []
-        streams: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = reply or []  # type: ignore[assignment]
-        for stream, entries in streams:
-            out.extend(await self._decode(group, text(stream), entries))
+        for stream, entries in reply:
+            out.extend(await self._decode(group, stream, entries))
         return out
 
     async def _decode(
-        self, group: str, stream: str, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]
+        self, group: str, stream: str, entries: Sequence[tuple[str | bytes, Mapping[bytes, bytes]]]
     ) -> list[Delivery]:
         out: list[Delivery] = []
         bad: list[str] = []

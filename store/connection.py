@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -33,6 +34,33 @@ def translated(action: str) -> Iterator[None]:
         yield
     except (redis.RedisError, OSError) as exc:
         raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+
+
+StreamEntries = list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]
+"""XREAD/XREADGROUP reply: (stream, [(entry id, fields)]) with ids and names as str."""
+
+
+async def read_streams(
+    client: aioredis.Redis,
+    cursors: dict[str, str],
+    *,
+    count: int,
+    block_ms: int,
+    group: tuple[str, str] | None = None,
+) -> StreamEntries:
+    """XREAD (or XREADGROUP for ``group = (group, consumer)``), typed and translated."""
+    streams: dict[Any, Any] = dict(cursors)
+    with translated("read streams"):
+        if group is None:
+            reply: Any = await client.xread(streams, count=count, block=block_ms)
+        else:
+            reply = await client.xreadgroup(
+                group[0], group[1], streams, count=count, block=block_ms
+            )
+    return [
+        (text(stream), [(text(eid), fields) for eid, fields in entries])
+        for stream, entries in (reply or [])
+    ]
 
 
 def text(value: bytes | str) -> str:
