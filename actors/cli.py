@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from actors.config import Settings, load_settings
+from actors.demo import DemoReport, run_demo
 from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
+from actors.runtime import Runtime
 from actors.scenario import load_scenario
+from actors.tools import BUILTIN_TOOLS
 from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
@@ -34,6 +38,7 @@ from store.codec import dump_model
 from store.connection import connect, translated
 from store.embedded import EmbeddedRedis, attach_or_start
 from store.keys import KeyLayout, check_turn_id
+from store.records import CheckpointRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -97,16 +102,21 @@ def _redis(settings: Settings) -> Iterator[str]:
 
 def _run(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], settings: Settings) -> T:
     """Run ``coro_fn(client)`` on a fresh event loop against the configured Redis."""
+    return _run_with_url(lambda client, _url: coro_fn(client), settings)
+
+
+def _run_with_url(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], settings: Settings) -> T:
+    """Run ``coro_fn(client, url)`` on a fresh event loop against the configured Redis."""
     with _redis(settings) as url:
         return asyncio.run(_with_client(coro_fn, url))
 
 
-async def _with_client(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], url: str) -> T:
+async def _with_client(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], url: str) -> T:
     client = connect(url)
     try:
         with translated(f"cannot reach Redis at {url}"):
             await client.ping()
-        return await coro_fn(client)
+        return await coro_fn(client, url)
     finally:
         await client.aclose()
 
@@ -124,19 +134,22 @@ def main(log_level: str) -> None:
 
 
 class _Bar:
-    """A live progress bar counting turns that reached ``done``."""
+    """A live progress bar counting finished turns (quiet when not on a terminal)."""
 
-    def __init__(self, total: int, label: str) -> None:
+    def __init__(self, total: int, label: str, *, force: bool = False) -> None:
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=False,
-            disable=not console.is_terminal,
+            disable=not (force or console.is_terminal),
         )  # fmt: skip
         self.task = self.progress.add_task(label, total=total)
 
+    def advance(self, _turn_id: str = "") -> None:
+        self.progress.advance(self.task)
+
     def on_transition(self, t: Transition) -> None:
         if t.dst is TurnPhase.DONE:
-            self.progress.advance(self.task)
+            self.advance()
 
 
 def _summary(title: str, stats: RunStats, report: str | None) -> None:
@@ -149,70 +162,179 @@ def _summary(title: str, stats: RunStats, report: str | None) -> None:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _ray_options(fn: F) -> F:
+    fn = click.option(
+        "--ray-address", default=None, help="Join this Ray cluster ('auto': the running one)."
+    )(fn)
+    fn = click.option(
+        "--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+        help="Number of TurnHost actors.",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--in-process", is_flag=True, help="Run the turns in this process, without Ray."
+    )(fn)
+    return fn
+
+
+def _report_option(fn: F) -> F:
+    return click.option(
+        "--report", type=click.Path(dir_okay=False), default=None,
+        help="Write the summary as JSON here.",
+    )(fn)  # fmt: skip
+
+
+async def _on_ray(
+    client: aioredis.Redis, settings: Settings, url: str, hosts: int, ray_address: str | None,
+    work: Callable[[Runtime], Awaitable[T]],
+) -> T:  # fmt: skip
+    console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
+    rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
+    try:
+        return await work(rt)
+    finally:
+        await rt.shutdown()
+
+
+def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
+    stats = RunStats(wall_s=wall_s)
+    for record in finals.values():
+        stats.turns += 1
+        stats.outcomes[record.counters.outcome] += 1
+        stats.resumed += record.counters.resume_attempts > 0
+        stats.checkpoints += record.seq
+    return stats
+
+
 @main.command()
 @_common
-@click.option(
-    "--scenario",
-    "scenario_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="Scenario file (configs/scenarios/*.toml).",
-)
+@click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
+              help="Scenario file (configs/scenarios/*.toml).")  # fmt: skip
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
 @click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
-@click.option(
-    "--report",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the summary as JSON here.",
-)
+@_ray_options
+@_report_option
 def run(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str, turns: int, run_id: str | None, report: str | None,
+    scenario_path: str, turns: int, run_id: str | None, in_process: bool, hosts: int,
+    ray_address: str | None, report: str | None,
 ) -> None:  # fmt: skip
-    """Run TURNS scripted turns of a scenario concurrently, in this process."""
+    """Run TURNS scripted turns of a scenario concurrently (on Ray unless --in-process)."""
     settings = _settings(config_path, redis_url, namespace)
     scenario = load_scenario(scenario_path)
+    BUILTIN_TOOLS.require(scenario.tools)
     rid = check_turn_id(run_id) if run_id else new_run_id()
+    ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
 
-    async def go(client: aioredis.Redis) -> RunStats:
+    async def in_proc(client: aioredis.Redis) -> RunStats:
         engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
-        engine.registry.require(scenario.tools)
         with bar.progress:
-            return await engine.run_new(scenario, turn_ids(rid, turns))
+            return await engine.run_new(scenario, ids)
 
-    stats = _run(go, settings)
+    async def on_ray(rt: Runtime) -> RunStats:
+        started = time.monotonic()
+        with bar.progress:
+            await rt.submit(scenario, ids)
+            finals = await rt.wait(ids, timeout=24 * 3600, on_done=bar.advance)
+        stats = _stats_of(finals, time.monotonic() - started)
+        stats.host_rss_mib = [round(h["rss_bytes"] / 2**20, 1) for h in await rt.host_info()]
+        return stats
+
+    if in_process:
+        stats = _run(in_proc, settings)
+    else:
+        stats = _run_with_url(
+            lambda c, url: _on_ray(c, settings, url, hosts, ray_address, on_ray), settings
+        )
     _summary(f"run {rid}: {scenario.name}", stats, report)
-    if stats.outcomes.get("fenced"):
-        sys.exit(1)
 
 
 @main.command()
 @_common
-@click.option(
-    "--report",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the summary as JSON here.",
-)
+@_ray_options
+@_report_option
 def resume(
-    redis_url: str | None, namespace: str | None, config_path: str | None, report: str | None
-) -> None:
+    redis_url: str | None, namespace: str | None, config_path: str | None, in_process: bool,
+    hosts: int, ray_address: str | None, report: str | None,
+) -> None:  # fmt: skip
     """Resume every in-progress turn in the store and run it to the end."""
     settings = _settings(config_path, redis_url, namespace)
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
 
-    async def go(client: aioredis.Redis) -> RunStats:
-        keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    async def in_proc(client: aioredis.Redis) -> RunStats:
         bar = _Bar(len(await RedisCheckpointStore(client, keys).list_in_progress()), "resume")
         engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
             return await engine.resume_all()
 
-    stats = _run(go, settings)
+    async def on_ray(rt: Runtime) -> RunStats:
+        # The supervisor has every host adopt its slot's in-progress turns as it starts.
+        started = time.monotonic()
+        scan = await rt.store.load_in_progress()
+        ids = [r.turn_id for r in scan.records]
+        bar = _Bar(len(ids), "resume")
+        with bar.progress:
+            finals = await rt.wait(ids, timeout=24 * 3600, on_done=bar.advance)
+        stats = _stats_of(finals, time.monotonic() - started)
+        stats.quarantined.extend(e.key for e in scan.errors)
+        return stats
+
+    if in_process:
+        stats = _run(in_proc, settings)
+    else:
+        stats = _run_with_url(
+            lambda c, url: _on_ray(c, settings, url, hosts, ray_address, on_ray), settings
+        )
     _summary("resume", stats, report)
     if stats.quarantined:
         console.print(f"[red]quarantined: {', '.join(stats.quarantined)}")
+        sys.exit(1)
+
+
+@main.command()
+@_common
+@click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False),
+              default=str(Path(__file__).resolve().parents[1] / "configs/scenarios/tool_loop.toml"),
+              show_default="configs/scenarios/tool_loop.toml")  # fmt: skip
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
+@click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
+@click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
+              help="SIGKILL host 0 once this fraction of the turns has finished.")  # fmt: skip
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@_report_option
+def demo(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str, turns: int, hosts: int, kill_at: float, ray_address: str | None,
+    report: str | None,
+) -> None:  # fmt: skip
+    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis."""
+    rid = f"demo{new_run_id()}"
+    settings = _settings(config_path, redis_url, namespace or rid)
+    scenario = load_scenario(scenario_path)
+    BUILTIN_TOOLS.require(scenario.tools)
+    ids = turn_ids(rid, turns)
+    bar = _Bar(turns, f"demo {rid}", force=True)
+
+    async def go(rt: Runtime) -> DemoReport:
+        with bar.progress:
+            return await run_demo(rt, scenario, ids, kill_at=kill_at, on_done=bar.advance)
+
+    result = _run_with_url(
+        lambda c, url: _on_ray(c, settings, url, hosts, ray_address, go), settings
+    )
+    data = result.as_dict()
+    table = Table(title=f"demo {rid}: {turns} turns on {hosts} hosts", show_header=False)
+    for k in ("completed", "correct", "resumed", "checkpoints", "kills", "respawns", "wall_s",
+              "turns_per_s"):  # fmt: skip
+        value = data[k]
+        table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
+    table.add_row("verdict", "[green]ok" if result.ok else "[red]NOT OK")
+    out.print(table)
+    for line in result.wrong[:20]:
+        console.print(f"[red]{line}")
+    if report:
+        Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    if not result.ok:
         sys.exit(1)
 
 

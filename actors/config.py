@@ -53,6 +53,8 @@ class SupervisorSettings(_Section):
     """A ping unanswered for this long is a miss."""
     ping_misses: int = Field(default=3, ge=1)
     """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
+    adopt_interval_s: float = Field(default=10.0, gt=0)
+    """How often live hosts re-adopt in-progress turns of their slot that they do not run."""
     kill_replaced: bool = True
     """Kill a replaced host. Off only to observe a zombie being fenced (tests, chaos)."""
 

@@ -101,6 +101,8 @@ class RunStats:
     hard_cancels: int = 0
     quarantined: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    host_rss_mib: list[float] = field(default_factory=list)
+    """Resident memory of each TurnHost at the end of a Ray run (empty in-process)."""
 
     def add(self, outcome: TurnOutcome) -> None:
         self.turns += 1
@@ -120,6 +122,7 @@ class RunStats:
             "quarantined": self.quarantined,
             "wall_s": round(self.wall_s, 3),
             "turns_per_s": round(self.turns / self.wall_s, 2) if self.wall_s else None,
+            "host_rss_mib": self.host_rss_mib,
         }
 
 

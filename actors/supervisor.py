@@ -9,7 +9,8 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
   adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
   epoch, so the old incarnation is fenced), and the old actor is killed, best effort;
 * a host incarnation seen for the first time (e.g. after a restart of the whole deployment)
-  is asked to adopt as well, so turns left by a previous run are finished.
+  is asked to adopt as well, so turns left by a previous run are finished; every live host
+  is asked again each ``adopt_interval_s``, so no in-progress turn stays orphaned.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -46,6 +48,7 @@ class Supervisor:
         self.hosts = HostDirectory(self.dep, self.client)
         self._adopted: set[str] = set()
         self._misses: dict[int, int] = defaultdict(int)
+        self._last_adopt: dict[int, float] = defaultdict(float)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Boot itself, also after Ray restarted it: nobody else may be around to ask.
@@ -138,9 +141,14 @@ class Supervisor:
                 await self._replace(slot, gen, handle)
             return
         self._misses[slot] = 0
-        if info["incarnation"] not in self._adopted:
+        now = time.monotonic()
+        fresh = info["incarnation"] not in self._adopted
+        if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
+            # Also periodically: a turn in progress in Redis that its live host does not run
+            # (its task was cut short by a Redis failure, a lost call) is picked up again.
             await handle.adopt.remote()
             self._adopted.add(info["incarnation"])
+            self._last_adopt[slot] = now
 
     async def _spawn(self, slot: int, generation: int) -> Any:
         handle = TurnHost.options(  # type: ignore[attr-defined]
@@ -155,6 +163,7 @@ class Supervisor:
         await handle.adopt.remote()
         self._adopted.add(info["incarnation"])
         self._misses[slot] = 0
+        self._last_adopt[slot] = time.monotonic()
         return handle
 
     async def _replace(self, slot: int, generation: int, old: Any) -> None:

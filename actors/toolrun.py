@@ -86,59 +86,74 @@ class BatchExecutor:
         calls: Sequence[ToolCall],
         denied: frozenset[int] = frozenset(),
     ) -> list[ToolResult]:
-        keys = self.keys_for(turn_id, batch, calls)
-        prior = await self.ledger.get_many(turn_id, keys)
-        fresh = {
-            k: ("prepared", c.name, None)
-            for k, c in zip(keys, calls, strict=True)
-            if k not in prior
-        }
-        if fresh:
-            await self.ledger.mark(turn_id, fresh)  # type: ignore[arg-type]
-        return list(
-            await asyncio.gather(
-                *(
-                    self._one(turn_id, key, call, prior.get(key), i in denied)
-                    for i, (key, call) in enumerate(zip(keys, calls, strict=True))
-                )
-            )
-        )
+        """Journal, decide per call from the ledger, run what must run; results in order.
 
-    async def _one(
-        self, turn_id: str, key: str, call: ToolCall, entry: LedgerEntry | None, denied: bool
-    ) -> ToolResult:
+        Round trips: one to journal ``prepared`` and read prior entries, one to mark every
+        runnable call ``dispatched``, then one per call as it finishes.
+        """
+        keys = self.keys_for(turn_id, batch, calls)
+        entries = await self.ledger.prepare(
+            turn_id, [(k, c.name) for k, c in zip(keys, calls, strict=True)]
+        )
+        results: list[ToolResult | None] = [None] * len(calls)
+        settled: dict[str, tuple[LedgerState, str, ToolResult | None]] = {}
+        runnable: list[tuple[int, ToolSpec]] = []
+        for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
+            decided = self._decide(call, entries[key], i in denied)
+            if isinstance(decided, ToolSpec):
+                runnable.append((i, decided))
+                continue
+            state, res = decided
+            results[i] = res
+            if state is not None:
+                settled[key] = (state, call.name, res)
+        journal = dict(settled)
+        journal.update({keys[i]: ("dispatched", calls[i].name, None) for i, _ in runnable})
+        if journal:
+            await self.ledger.mark(turn_id, journal)
+        for (i, _), res in zip(
+            runnable,
+            await asyncio.gather(
+                *(self._run(turn_id, keys[i], calls[i], spec) for i, spec in runnable)
+            ),
+            strict=True,
+        ):
+            results[i] = res
+        return [r for r in results if r is not None]
+
+    def _decide(
+        self, call: ToolCall, entry: LedgerEntry, denied: bool
+    ) -> ToolSpec | tuple[LedgerState | None, ToolResult]:
+        """Pure: run it (its spec), or its result and the ledger state to journal (None: keep)."""
+
         def result(status: str, output: str) -> ToolResult:
             return ToolResult.model_validate(
                 {"call_id": call.id, "name": call.name, "status": status, "output": output}
             )
 
-        async def journal(state: LedgerState, res: ToolResult) -> ToolResult:
-            await self.ledger.mark(turn_id, {key: (state, call.name, res)})
-            return res
-
         try:
             spec = self.registry.get(call.name)
         except UnknownTool as exc:
-            return await journal("failed", result("error", str(exc)))
+            return "failed", result("error", str(exc))
         verdict = resume_verdict(entry, spec.idempotent)
         if verdict == "reuse":
-            assert entry is not None and entry.result is not None
+            assert entry.result is not None
             # The model-assigned call id may differ on replay; the outcome is what is reused.
-            return entry.result.model_copy(update={"call_id": call.id})
+            return None, entry.result.model_copy(update={"call_id": call.id})
         if verdict == "unknown":
-            return await journal(
+            return "outcome_unknown", result(
                 "outcome_unknown",
-                result(
-                    "outcome_unknown",
-                    f"{call.name} was running when its host died; it may or may not have "
-                    "taken effect and will not be re-run",
-                ),
+                f"{call.name} was running when its host died; it may or may not have "
+                "taken effect and will not be re-run",
             )
         if denied:
-            return await journal("committed", result("denied", f"{call.name} was not approved"))
-        await self.ledger.mark(turn_id, {key: ("dispatched", call.name, None)})
+            return "committed", result("denied", f"{call.name} was not approved")
+        return spec
+
+    async def _run(self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec) -> ToolResult:
         res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":
             state = "outcome_unknown"
-        return await journal(state, res)
+        await self.ledger.mark(turn_id, {key: (state, call.name, res)})
+        return res

@@ -12,15 +12,21 @@ import redis.asyncio as aioredis
 from bus.errors import StoreError
 
 
-def connect(url: str, *, max_connections: int = 64, wait_s: float = 30.0) -> aioredis.Redis:
+def connect(url: str, *, max_connections: int = 64) -> aioredis.Redis:
     """An asyncio client on a bounded pool; bytes in, bytes out (records are binary).
 
-    The pool blocks (up to ``wait_s``) when all connections are busy instead of failing, so
-    thousands of turns can share a few dozen connections.
+    When every connection is busy a caller waits for one (backpressure: thousands of turns
+    share a few dozen connections, and a busy Redis only slows them down). A Redis that is
+    gone fails fast instead, through the connect and socket timeouts.
     """
     try:
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=wait_s, health_check_interval=30
+            url,
+            max_connections=max_connections,
+            timeout=None,
+            socket_connect_timeout=5,
+            socket_timeout=30,
+            health_check_interval=30,
         )
         return aioredis.Redis(connection_pool=pool, decode_responses=False)
     except ValueError as exc:

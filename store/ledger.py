@@ -59,6 +59,25 @@ class ToolLedger:
             if v is not None
         }
 
+    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerEntry]:
+        """Journal ``prepared`` for each (call key, tool name) not yet in the ledger and return
+        every call's entry (prior or just prepared), in one round trip (HSETNX + HMGET)."""
+        if not calls:
+            return {}
+        key = self.keys.tools(turn_id)
+        now = int(time.time() * 1000)
+        with translated(f"prepare ledger {turn_id}"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for call_key_, name in calls:
+                    entry = LedgerEntry(state="prepared", name=name, updated_at=now)
+                    pipe.hsetnx(key, call_key_, pack_model(entry))
+                pipe.hmget(key, [k for k, _ in calls])
+                replies = await pipe.execute()
+        return {
+            k: self._decode(key, k, raw_bytes(v))
+            for (k, _), v in zip(calls, replies[-1], strict=True)
+        }
+
     @staticmethod
     def _decode(key: str, field: str, raw: bytes) -> LedgerEntry:
         return unpack_model(LedgerEntry, raw, key=f"{key}#{field}")

@@ -80,7 +80,8 @@ def test_unreachable_redis_is_a_clear_error() -> None:
 def test_run_then_inspect(redis_url: str, namespace: str, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     code, out = invoke(
-        "run", "--redis-url", redis_url, "--namespace", namespace, "--config", TEST_CONFIG,
+        "run", "--in-process", "--redis-url", redis_url, "--namespace", namespace,
+        "--config", TEST_CONFIG,
         "--scenario", PLAIN, "--turns", "3", "--run-id", "cli", "--report", str(report),
     )  # fmt: skip
     assert code == 0, out
@@ -101,5 +102,5 @@ def test_run_then_inspect(redis_url: str, namespace: str, tmp_path: Path) -> Non
 
 
 def test_resume_with_nothing_to_do(redis_url: str, namespace: str) -> None:
-    code, out = invoke("resume", "--redis-url", redis_url, "--namespace", namespace)
+    code, out = invoke("resume", "--in-process", "--redis-url", redis_url, "--namespace", namespace)
     assert code == 0 and "resumed" in out

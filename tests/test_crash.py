@@ -34,7 +34,7 @@ def spawn_run(
     url: str, ns: str, scenario: Path, turns: int, run_id: str
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--redis-url", url, "--namespace", ns,
+        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url, "--namespace", ns,
          "--config", str(ROOT / "configs" / "test.toml"), "--scenario", str(scenario),
          "--turns", str(turns), "--run-id", run_id],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -115,7 +115,7 @@ async def test_cli_run_killed_mid_run_is_completed_by_cli_resume(
 
     resume = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "actors.cli", "resume", "--redis-url", redis_url,
+        [sys.executable, "-m", "actors.cli", "resume", "--in-process", "--redis-url", redis_url,
          "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
