@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.loop import LoopSettings
 from actors.tomlfile import read_toml
 from actors.watchdog import WatchdogConfig
 from bus.errors import ConfigError
+from store.keys import KeyLayout
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 
@@ -32,6 +33,14 @@ class RedisSettings(_Section):
     """Shard hash tags; fixed for the life of a namespace."""
     data_dir: str = ".phaseline/redis"
     """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RedisSettings:
+        try:
+            KeyLayout(self.namespace, self.shards)  # the one place keys are validated
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
 
 
 class CheckpointSettings(_Section):

@@ -34,8 +34,9 @@ def spawn_run(
     url: str, ns: str, scenario: Path, turns: int, run_id: str
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url, "--namespace", ns,
-         "--config", str(ROOT / "configs" / "test.toml"), "--scenario", str(scenario),
+        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url,
+         "--namespace", ns, "--config", str(ROOT / "configs" / "test.toml"),
+         "--scenario", str(scenario),
          "--turns", str(turns), "--run-id", run_id],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
