@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
+from actors.chaos import plot as plot_chaos
 from actors.config import Settings, load_settings
 from actors.demo import DemoReport, run_demo
 from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
@@ -335,6 +338,81 @@ def demo(
     if report:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if not result.ok:
+        sys.exit(1)
+
+
+@main.command()
+@_common
+@click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
+              help="Scenario file (configs/scenarios/*.toml).")  # fmt: skip
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
+@click.option("--duration", type=click.FloatRange(1, 86_400), default=30, show_default=True,
+              help="Seconds of fault injection (turns arrive during the first half).")  # fmt: skip
+@click.option("--kill-interval", type=click.FloatRange(0.1, 3600), default=2, show_default=True,
+              help="Mean seconds between faults.")  # fmt: skip
+@click.option("--targets", default="all", show_default=True,
+              help=f"Comma-separated fault targets: {', '.join(TARGETS)}.")  # fmt: skip
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True)
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@click.option("--report", type=click.Path(dir_okay=False), required=True,
+              help="Write the JSON report here.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write the PNG timeline here.")  # fmt: skip
+def chaos(
+    redis_url: str | None, namespace: str | None, config_path: str | None, scenario_path: str,
+    turns: int, duration: float, kill_interval: float, targets: str, seed: int, hosts: int,
+    ray_address: str | None, report: str, plot: str | None,
+) -> None:  # fmt: skip
+    """Kill runtime processes at random under load; exit 1 unless the evidence is clean."""
+    settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
+    scenario = load_scenario(scenario_path)
+    BUILTIN_TOOLS.require(scenario.tools)
+    chosen = parse_targets(targets, embedded=settings.redis.url is None)
+    cfg = ChaosConfig(scenario, turns, duration, kill_interval, chosen, seed)
+    bar = _Bar(turns, f"chaos seed {seed}", force=True)
+
+    async def go(server: EmbeddedRedis | None, url: str) -> ChaosReport:
+        # Orphaned turns (cut off by a Redis restart) are re-adopted every 2 s, not 10.
+        sup = settings.supervisor.model_copy(update={"adopt_interval_s": 2.0})
+        tuned = settings.model_copy(update={"supervisor": sup})
+        rt = await Runtime.start(tuned, redis_url=url, hosts=hosts, ray_address=ray_address)
+        try:
+            with bar.progress:
+                return await run_chaos(
+                    rt, server, cfg, on_submitted=lambda n: None, on_done=bar.advance
+                )
+        finally:
+            await rt.shutdown()
+
+    if settings.redis.url:
+        result = asyncio.run(go(None, settings.redis.url))
+    else:
+        with (
+            tempfile.TemporaryDirectory(prefix="phaseline-chaos-") as tmp,
+            EmbeddedRedis(data_dir=tmp, appendfsync="always") as server,
+        ):
+            result = asyncio.run(go(server, server.url))
+    data = result.as_dict()
+    Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    if plot:
+        plot_chaos(result, plot)
+    v = data["verdict"]
+    table = Table(
+        title=f"chaos seed {seed}: {turns} turns, {len(result.faults)} faults", show_header=False
+    )
+    for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
+              "duplicate_side_effects", "stale_writes_accepted", "outcome_unknown_results",
+              "resumed_turns"):  # fmt: skip
+        table.add_row(k, str(v[k]))
+    table.add_row("kills", json.dumps(data["kills_per_target"]))
+    table.add_row(
+        "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
+    )
+    table.add_row("turns/s", str(data["turns_per_s"]))
+    table.add_row("verdict", "[green]ok" if data["ok"] else "[red]NOT OK")
+    out.print(table)
+    if not data["ok"]:
         sys.exit(1)
 
 

@@ -7,9 +7,9 @@ processes (docs/ARCHITECTURE.md). A ToolWorker runs hundreds of calls concurrent
 process and the pool spreads over the cluster (and grows with ``[tools] workers``).
 
 Per call: the host enforces the tool's concurrency limit and timeout (cancelling the actor
-task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, an
-idempotent tool is retried on another worker, a non-idempotent one is reported
-``outcome_unknown`` and never re-run.
+task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, or the
+tool's store fails under it, an idempotent tool is retried (on another worker), a
+non-idempotent one is reported ``outcome_unknown`` and never re-run.
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
 from actors.deployment import RAY_NAMESPACE, Deployment
+from actors.toolrun import IDEMPOTENT_ATTEMPTS, lost_call
 from actors.tools import BUILTIN_TOOLS, ToolContext, ToolSpec
+from bus.errors import StoreError
 from store.connection import connect
 from store.effects import EffectCounters
 from store.records import ToolCall, ToolResult
 
 log = logging.getLogger(__name__)
-
-#: Attempts of an idempotent call whose worker died.
-IDEMPOTENT_ATTEMPTS = 3
 
 
 def pool_name(resources: Mapping[str, float]) -> str:
@@ -113,15 +112,16 @@ class RayToolRunner:
                         "tool worker died during %s (attempt %d): %s", call.name, attempt, exc
                     )
                     continue
-                except RayError as exc:  # the tool itself raised
-                    return result("error", _last_line(exc))
+                except RayError as exc:
+                    if not isinstance(getattr(exc, "cause", None), StoreError):
+                        return result("error", _last_line(exc))  # the tool's own failure
+                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                    if not spec.idempotent:
+                        return lost_call(call, "lost its store mid-call")
+                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
         if spec.idempotent:
-            return result("error", f"{call.name}: tool workers kept dying ({attempts} attempts)")
-        return result(
-            "outcome_unknown",
-            f"{call.name}'s worker died mid-call; it may or may not have taken effect "
-            "and will not be re-run",
-        )
+            return result("error", f"{call.name}: its executor kept failing ({attempts} attempts)")
+        return lost_call(call, "had its worker die mid-call")
 
 
 def _last_line(exc: BaseException) -> str:

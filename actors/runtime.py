@@ -135,27 +135,44 @@ class Runtime:
         while waiting:
             if time.monotonic() > deadline:
                 raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
-            finished: set[str] = set()
-            for stream, entries in await read_streams(
-                self.client, cursors, count=5000, block_ms=500
-            ):
-                for entry_id, fields in entries:
-                    cursors[stream] = entry_id
-                    tid = text(fields[b"turn_id"])
-                    if tid in waiting and fields[b"in_progress"] == b"0":
-                        finished.add(tid)
-            if time.monotonic() - last_scan > 5:  # events may be trimmed: confirm from records
+            try:
+                await self._collect(
+                    waiting, done, cursors, scan=time.monotonic() - last_scan > 5, on_done=on_done
+                )
+            except StoreError as exc:  # Redis restarting: keep waiting
+                log.warning("waiting through a Redis error: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if time.monotonic() - last_scan > 5:
                 last_scan = time.monotonic()
-                finished |= waiting - set(await self.store.list_in_progress())
-            for tid in finished & waiting:
-                record = await self.store.load(tid)
-                if record.in_progress:
-                    continue
-                done[tid] = record
-                waiting.discard(tid)
-                if on_done is not None:
-                    on_done(tid)
         return done
+
+    async def _collect(
+        self,
+        waiting: set[str],
+        done: dict[str, CheckpointRecord],
+        cursors: dict[str, str],
+        *,
+        scan: bool,
+        on_done: Callable[[str], None] | None,
+    ) -> None:
+        finished: set[str] = set()
+        for stream, entries in await read_streams(self.client, cursors, count=5000, block_ms=500):
+            for entry_id, fields in entries:
+                cursors[stream] = entry_id
+                tid = text(fields[b"turn_id"])
+                if tid in waiting and fields[b"in_progress"] == b"0":
+                    finished.add(tid)
+        if scan:  # events may be trimmed: confirm from the records
+            finished |= waiting - set(await self.store.list_in_progress())
+        for tid in finished & waiting:
+            record = await self.store.load(tid)
+            if record.in_progress:
+                continue
+            done[tid] = record
+            waiting.discard(tid)
+            if on_done is not None:
+                on_done(tid)
 
     # -- the deployment -----------------------------------------------------------------------
 

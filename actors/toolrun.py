@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
-from bus.errors import UnknownTool
+from bus.errors import StoreError, UnknownTool
 from store.ledger import ToolLedger, call_key
 from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult
 
@@ -26,29 +26,60 @@ class ToolRunner(Protocol):
         ...
 
 
+#: Attempts of an idempotent call whose executor failed under it (worker died, Redis dropped).
+IDEMPOTENT_ATTEMPTS = 3
+
+
+def lost_call(call: ToolCall, why: str) -> ToolResult:
+    """The result of a non-idempotent call whose executor failed under it: nobody can tell
+    whether its effect happened, so the model is told so and the call is never re-run."""
+    return ToolResult(
+        call_id=call.id,
+        name=call.name,
+        status="outcome_unknown",
+        output=f"{call.name} {why}; it may or may not have taken effect and will not be re-run",
+    )
+
+
 class LocalToolRunner:
-    """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout."""
+    """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout.
+
+    A tool that fails because the store under it failed (``StoreError``) is an infrastructure
+    failure, not the tool's answer: an idempotent tool is retried, a non-idempotent one is
+    reported ``outcome_unknown``.
+    """
 
     def __init__(self) -> None:
         self._limits: dict[str, asyncio.Semaphore] = {}
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
         async with limit:
-            try:
-                output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
-            except asyncio.TimeoutError:
-                return ToolResult(
-                    call_id=call.id, name=call.name, status="timeout",
-                    output=f"{call.name} timed out after {spec.timeout_s:g} s",
-                )  # fmt: skip
-            except Exception as exc:  # a tool's bug is the model's problem, not the turn's
-                log.info("tool %s failed: %r", call.name, exc)
-                return ToolResult(
-                    call_id=call.id, name=call.name, status="error",
-                    output=f"{type(exc).__name__}: {exc}",
-                )  # fmt: skip
-        return ToolResult(call_id=call.id, name=call.name, status="ok", output=output)
+            for attempt in range(attempts):
+                try:
+                    output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
+                    return ToolResult(call_id=call.id, name=call.name, status="ok", output=output)
+                except asyncio.TimeoutError:
+                    return ToolResult(
+                        call_id=call.id, name=call.name, status="timeout",
+                        output=f"{call.name} timed out after {spec.timeout_s:g} s",
+                    )  # fmt: skip
+                except StoreError as exc:
+                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                    if not spec.idempotent:
+                        return lost_call(call, "lost its store mid-call")
+                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
+                except Exception as exc:  # a tool's bug is the model's problem, not the turn's
+                    log.info("tool %s failed: %r", call.name, exc)
+                    return ToolResult(
+                        call_id=call.id, name=call.name, status="error",
+                        output=f"{type(exc).__name__}: {exc}",
+                    )  # fmt: skip
+        return ToolResult(
+            call_id=call.id, name=call.name, status="error",
+            output=f"{call.name}: its store kept failing ({attempts} attempts)",
+        )  # fmt: skip
 
 
 def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:
@@ -141,11 +172,7 @@ class BatchExecutor:
             # The model-assigned call id may differ on replay; the outcome is what is reused.
             return None, entry.result.model_copy(update={"call_id": call.id})
         if verdict == "unknown":
-            return "outcome_unknown", result(
-                "outcome_unknown",
-                f"{call.name} was running when its host died; it may or may not have "
-                "taken effect and will not be re-run",
-            )
+            return "outcome_unknown", lost_call(call, "was running when its host died")
         if denied:
             return "committed", result("denied", f"{call.name} was not approved")
         return spec

@@ -69,6 +69,13 @@ async def read_streams(
     ]
 
 
+async def read_range(client: aioredis.Redis, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every entry of a stream (XRANGE - +), typed and translated."""
+    with translated(f"read stream {stream}"):
+        reply: Any = await client.xrange(stream)
+    return [(text(eid), fields) for eid, fields in reply or [] if fields is not None]
+
+
 def text(value: bytes | str) -> str:
     """A Redis reply as str (redis-py types replies as ``bytes | str``)."""
     return value.decode() if isinstance(value, bytes) else value

@@ -92,6 +92,25 @@ class EmbeddedRedis:
             raise DataDirBusy(
                 f"{self.data_dir} is in use by another embedded redis-server"
             ) from None
+        try:
+            return self._launch()
+        except StoreError:
+            self._unlock()
+            raise
+
+    def restart(self) -> float:
+        """SIGKILL the server and start it again on the same port and data (the AOF).
+
+        For chaos runs: clients see their connections drop. Returns seconds it was down.
+        """
+        if self.process is None or self._lock is None:
+            raise StoreError("embedded Redis is not started")
+        down = time.monotonic()
+        self._reap()
+        self._launch()
+        return time.monotonic() - down
+
+    def _launch(self) -> str:
         binary = find_redis_server()
         attempts = 1 if self.port else 5
         for _ in range(attempts):
@@ -111,7 +130,6 @@ class EmbeddedRedis:
                 (self.data_dir / "url").write_text(self.url)
                 return self.url
             self._reap()
-        self._unlock()
         raise StoreError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
 
     def _wait_ready(self, port: int) -> bool:

@@ -1,0 +1,344 @@
+"""``phaseline chaos``: kill runtime processes at random under load, then judge from Redis.
+
+Modelled on the resource killers Ray runs in its own release tests: a seeded loop picks a
+target kind and a victim at random intervals and kills it, while turns keep arriving. Targets:
+
+* ``host``, ``tool``, ``checkpoint``, ``watchdog``, ``recovery``, ``supervisor``: SIGKILL of
+  that actor's process (a random one of its kind);
+* ``redis``: SIGKILL of the embedded redis-server and a restart on its AOF
+  (``appendfsync always``), so every client sees its connections drop;
+* ``freeze``: SIGSTOP of a host until the supervisor has replaced it and the successor has
+  claimed its turns, then SIGCONT: the old incarnation wakes up as a zombie.
+
+The verdict (``actors.verdict``) is read from Redis afterwards against a fault-free run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.deployment import RAY_NAMESPACE
+from actors.runtime import Runtime
+from actors.scenario import Scenario
+from actors.verdict import Verdict, judge, reference_transcript
+from bus.errors import ConfigError, PhaselineError
+from bus.events import decode_event
+from bus.phase import Transition
+from store.connection import read_range
+from store.embedded import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze")
+
+
+def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
+    names = (
+        TARGETS if spec in ("all", "") else tuple(t.strip() for t in spec.split(",") if t.strip())
+    )
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
+    if "redis" in names and not embedded:
+        if spec in ("all", ""):
+            return tuple(t for t in names if t != "redis")
+        raise ConfigError("target 'redis' restarts the embedded server; drop --redis-url for it")
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosConfig:
+    scenario: Scenario
+    """What every turn runs."""
+    turns: int
+    """Turns submitted, spread evenly over the first half of ``duration_s``."""
+    duration_s: float
+    """How long faults are injected."""
+    kill_interval_s: float
+    """Mean seconds between two faults (each interval is drawn from 0.5x..1.5x)."""
+    targets: tuple[str, ...]
+    """Kinds of victim."""
+    seed: int
+    """Seeds the victim and interval choices, so a failing run can be replayed."""
+
+
+@dataclass(slots=True)
+class Fault:
+    at_s: float
+    target: str
+    victim: str
+    pid: int | None
+    affected: dict[str, int] = field(default_factory=dict)
+    """For host faults: in-progress turn -> its epoch at the kill."""
+    note: str = ""
+
+
+@dataclass(slots=True)
+class ChaosReport:
+    config: dict[str, Any]
+    verdict: Verdict
+    faults: list[Fault]
+    wall_s: float
+    respawns: int
+    started_at: float
+    latency_ms: list[float]
+    moves: list[Transition]
+    """Every transition read from the bus (for the timeline; not in the JSON)."""
+    recovered: list[tuple[str, float, float]]
+    """(turn, seconds since start, latency ms) per recovered turn."""
+    turn_ids: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        lat = sorted(self.latency_ms)
+
+        def pct(p: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
+
+        return {
+            "ok": self.verdict.ok,
+            "config": self.config,
+            "verdict": self.verdict.as_dict(),
+            "kills_per_target": dict(
+                Counter(f.target for f in self.faults if f.pid is not None or f.target == "redis")
+            ),
+            "faults": [
+                {
+                    "at_s": round(f.at_s, 2),
+                    "target": f.target,
+                    "victim": f.victim,
+                    "pid": f.pid,
+                    "affected_turns": len(f.affected),
+                    "note": f.note,
+                }
+                for f in self.faults
+            ],
+            "recovery_latency_ms": {
+                "n": len(lat),
+                "p50": pct(0.5),
+                "p99": pct(0.99),
+                "max": round(lat[-1], 1) if lat else None,
+                "mean": round(statistics.fmean(lat), 1) if lat else None,
+            },
+            "respawns": self.respawns,
+            "wall_s": round(self.wall_s, 2),
+            "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
+        }
+
+
+def plot(report: ChaosReport, path: str) -> None:
+    """The timeline PNG: affected turns first, then a sample of the rest."""
+    from actors.timeline import plot_timeline
+
+    affected = sorted({t for f in report.faults for t in f.affected})
+    rest = [t for t in report.turn_ids if t not in set(affected)]
+    sample = affected[:30] + random.Random(0).sample(
+        rest, min(len(rest), 40 - min(30, len(affected)))
+    )
+    kills = [
+        (f.at_s, f"{f.target}") for f in report.faults if f.pid is not None or f.target == "redis"
+    ]
+    plot_timeline(
+        report.moves, kills, [(t, at) for t, at, _ in report.recovered], report.started_at, path,
+        sample=sample,
+        title=f"phaseline chaos: {report.verdict.turns} turns, {len(kills)} faults, "
+        f"verdict {'ok' if report.verdict.ok else 'NOT OK'}",
+    )  # fmt: skip
+
+
+class ChaosMonkey:
+    """Injects the faults of one run."""
+
+    def __init__(self, rt: Runtime, server: EmbeddedRedis | None, cfg: ChaosConfig) -> None:
+        self.rt = rt
+        self.server = server
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.faults: list[Fault] = []
+        self.t0 = time.monotonic()
+
+    async def run(self) -> None:
+        deadline = self.t0 + self.cfg.duration_s
+        while True:
+            pause = self.rng.uniform(0.5, 1.5) * self.cfg.kill_interval_s
+            if time.monotonic() + pause > deadline:
+                return
+            await asyncio.sleep(pause)  # the fault schedule itself, not a synchronisation
+            target = self.rng.choice(self.cfg.targets)
+            try:
+                self.faults.append(await self.inject(target))
+            except (
+                PhaselineError,
+                ray.exceptions.RayActorError,
+                ValueError,
+                ProcessLookupError,
+            ) as exc:
+                self.faults.append(
+                    Fault(self.now(), target, "-", None, note=f"skipped: {exc}"[:200])
+                )
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def _affected(self, slot: int) -> dict[str, int]:
+        out = {}
+        for tid in await self.rt.store.list_in_progress():
+            if self.rt.dep.slot_of(tid) == slot:
+                out[tid] = (await self.rt.store.load(tid)).epoch
+        return out
+
+    async def inject(self, target: str) -> Fault:
+        rt = self.rt
+        if target in ("host", "freeze"):
+            slot = self.rng.randrange(rt.dep.hosts)
+            affected = await self._affected(slot)
+            at = self.now()
+            if target == "host":
+                pid = await rt.kill_host(slot)
+                return Fault(at, target, f"host{slot}", pid, affected)
+            before = await rt.respawns()
+            pid = await rt.kill_host(slot, signal.SIGSTOP)
+            try:
+                await self._until_claimed(before, affected)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return Fault(at, target, f"host{slot}", pid, affected, note="stopped until replaced")
+        if target == "tool":
+            index = self.rng.randrange(rt.dep.settings.tools.workers)
+            handle = ray.get_actor(
+                rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE
+            )
+            pid = int((await handle.hello.remote())["pid"])
+            os.kill(pid, signal.SIGKILL)
+            return Fault(self.now(), target, f"tools{index}", pid)
+        if target == "redis":
+            assert self.server is not None
+            at = self.now()
+            down = await asyncio.to_thread(self.server.restart)
+            return Fault(at, target, "redis-server", None, note=f"down {down:.2f} s")
+        pid = await rt.service_pid(target)
+        os.kill(pid, signal.SIGKILL)
+        return Fault(self.now(), target, target, pid)
+
+    async def _until_claimed(self, respawns_before: int, affected: dict[str, int]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if await self.rt.respawns() > respawns_before:
+                    records = [await self.rt.store.load(t) for t in affected]
+                    if all(r.epoch > affected[r.turn_id] or not r.in_progress for r in records):
+                        return
+            except PhaselineError:
+                pass
+            await asyncio.sleep(0.1)  # polling the successor's claims, with a deadline
+        raise PhaselineError("frozen host was not replaced within 60 s")
+
+
+async def submit_over(
+    rt: Runtime,
+    scenario: Scenario,
+    ids: list[str],
+    seconds: float,
+    on_submitted: Callable[[int], None],
+) -> None:
+    """Submit ``ids`` in one-second waves spread over ``seconds`` (retrying through outages)."""
+    waves = max(1, int(seconds))
+    per = -(-len(ids) // waves)
+    for start in range(0, len(ids), per):
+        wave = ids[start : start + per]
+        while True:
+            try:
+                await rt.submit(scenario, wave)
+                break
+            except PhaselineError as exc:
+                if "already exists" in str(exc):
+                    break
+                await asyncio.sleep(0.5)  # Redis restarting: retry the wave
+        on_submitted(len(wave))
+        await asyncio.sleep(1)  # the arrival schedule
+
+
+async def read_moves(rt: Runtime) -> list[Transition]:
+    """Every phase transition still in the bus streams, in time order."""
+    keys = rt.dep.keys
+    moves: list[Transition] = []
+    for shard in keys.all_shards():
+        for _, fields in await read_range(rt.client, keys.bus(shard)):
+            event = decode_event(fields)
+            if isinstance(event, Transition):
+                moves.append(event)
+    moves.sort(key=lambda t: t.at_ms)
+    return moves
+
+
+def recoveries(
+    moves: list[Transition], faults: list[Fault], t0_unix: float
+) -> list[tuple[str, float, float]]:
+    """(turn, seconds since start, latency ms): the first move of each affected turn under a
+    newer epoch after its host was killed or frozen."""
+    out = []
+    for f in faults:
+        kill_ms = (t0_unix + f.at_s) * 1000
+        for tid, epoch in f.affected.items():
+            first = next(
+                (t for t in moves if t.turn_id == tid and t.epoch > epoch and t.at_ms >= kill_ms),
+                None,
+            )
+            if first is not None:
+                out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms))
+    return out
+
+
+async def run_chaos(
+    rt: Runtime,
+    server: EmbeddedRedis | None,
+    cfg: ChaosConfig,
+    *,
+    on_submitted: Callable[[int], None],
+    on_done: Callable[[str], None],
+) -> ChaosReport:
+    expected = await reference_transcript(rt.client, cfg.scenario, f"{rt.dep.keys.namespace}-ref")
+    ids = [f"chaos{cfg.seed}-t{i:06d}" for i in range(cfg.turns)]
+    t0_unix = time.time()
+    monkey = ChaosMonkey(rt, server, cfg)
+    started = monkey.t0
+    await asyncio.gather(
+        submit_over(rt, cfg.scenario, ids, cfg.duration_s / 2, on_submitted), monkey.run()
+    )
+    await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
+    wall = time.monotonic() - started
+    verdict = await judge(rt.client, rt.dep.keys, ids, expected)
+    moves = await read_moves(rt)
+    recovered = recoveries(moves, monkey.faults, t0_unix)
+    return ChaosReport(
+        config={
+            "scenario": cfg.scenario.name,
+            "turns": cfg.turns,
+            "duration_s": cfg.duration_s,
+            "kill_interval_s": cfg.kill_interval_s,
+            "targets": list(cfg.targets),
+            "seed": cfg.seed,
+            "hosts": rt.dep.hosts,
+            "namespace": rt.dep.keys.namespace,
+        },
+        verdict=verdict,
+        faults=monkey.faults,
+        wall_s=wall,
+        respawns=await rt.respawns(),
+        started_at=t0_unix,
+        latency_ms=[ms for _, _, ms in recovered],
+        moves=moves,
+        recovered=recovered,
+        turn_ids=ids,
+    )
