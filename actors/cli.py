@@ -333,8 +333,9 @@ def demo(
         table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
     table.add_row("verdict", "[green]ok" if result.ok else "[red]NOT OK")
     out.print(table)
-    for line in result.wrong[:20]:
-        console.print(f"[red]{line}")
+    for kind, examples in result.verdict.as_dict()["examples"].items():  # type: ignore[attr-defined]
+        for line in examples:
+            console.print(f"[red]{kind}: {line}")
     if report:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if not result.ok:

@@ -1,8 +1,9 @@
 """``phaseline demo``: many concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict.
 
-The verdict is read from Redis, not from the runtime's counters: every turn must have a final
-record, its transcript must equal a fault-free in-process run of the same scenario message for
-message, meta must be index-aligned, and nothing may be left in progress.
+The verdict is :func:`actors.verdict.judge`, read from Redis, not from the runtime's counters:
+every turn has a final record, its transcript equals a fault-free in-process run of the same
+scenario message for message, meta is index-aligned, nothing is left in progress, no side
+effect ran twice and no stale write was accepted.
 """
 
 from __future__ import annotations
@@ -12,58 +13,43 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
-from actors.engine import LocalEngine
-from actors.loop import LoopSettings
 from actors.runtime import Runtime
 from actors.scenario import Scenario
-from store.keys import KeyLayout
+from actors.verdict import Verdict, judge, reference_transcript
 
 
 @dataclass(slots=True)
 class DemoReport:
-    turns: int
-    completed: int = 0
-    correct: int = 0
-    resumed: int = 0
-    checkpoints: int = 0
+    verdict: Verdict
     kills: list[dict[str, float | int]] = field(default_factory=list)
     respawns: int = 0
-    wrong: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.completed == self.correct == self.turns and not self.wrong
+        return self.verdict.ok
 
     def as_dict(self) -> dict[str, object]:
+        v = self.verdict
         return {
             "ok": self.ok,
-            "turns": self.turns,
-            "completed": self.completed,
-            "correct": self.correct,
-            "resumed": self.resumed,
-            "checkpoints": self.checkpoints,
+            "turns": v.turns,
+            "completed": v.turns - len(v.lost) - len(v.in_progress),
+            "correct": v.turns
+            - len(
+                set(v.lost)
+                | set(v.in_progress)
+                | {d.split(":")[0] for d in v.differ}
+                | set(v.meta_drift)
+            ),
+            "resumed": v.resumed,
+            "checkpoints": v.checkpoints,
             "kills": self.kills,
             "respawns": self.respawns,
-            "wrong": self.wrong[:20],
+            "verdict": v.as_dict(),
             "wall_s": round(self.wall_s, 2),
-            "turns_per_s": round(self.turns / self.wall_s, 1) if self.wall_s else None,
+            "turns_per_s": round(v.turns / self.wall_s, 1) if self.wall_s else None,
         }
-
-
-async def reference_transcript(
-    client: aioredis.Redis, scenario: Scenario, namespace: str
-) -> tuple[object, ...]:
-    """The fault-free transcript (the scripted model's output depends on the scenario only)."""
-    engine = LocalEngine(
-        client,
-        KeyLayout(namespace, shards=1),
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
-    )
-    await engine.run_new(scenario.model_copy(update={"llm_latency_ms": 0}), ["reference"])
-    return (await engine.store.load("reference")).messages
 
 
 async def run_demo(
@@ -74,47 +60,28 @@ async def run_demo(
     kill_at: float,
     on_done: Callable[[str], None],
 ) -> DemoReport:
-    report = DemoReport(turns=len(ids))
     expected = await reference_transcript(rt.client, scenario, f"{rt.dep.keys.namespace}-ref")
     started = time.monotonic()
     done = 0
-    killed = asyncio.Event()
+    due = asyncio.Event()
+    kills: list[dict[str, float | int]] = []
 
     def finished(turn_id: str) -> None:
         nonlocal done
         done += 1
         on_done(turn_id)
-        if done >= kill_at * len(ids) and not killed.is_set():
-            killed.set()
+        if done >= kill_at * len(ids):
+            due.set()
 
     await rt.submit(scenario, ids)
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
-    await asyncio.wait(
-        [waiter, asyncio.ensure_future(killed.wait())], return_when=asyncio.FIRST_COMPLETED
-    )
+    kill_due = asyncio.ensure_future(due.wait())
+    await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
+    kill_due.cancel()
     if not waiter.done():
-        slot = 0
-        pid = await rt.kill_host(slot)
-        report.kills.append(
-            {"slot": slot, "pid": pid, "at_s": round(time.monotonic() - started, 2)}
-        )
-    finals = await waiter
-    report.wall_s = time.monotonic() - started
-    report.respawns = await rt.respawns()
-    for tid in ids:
-        record = finals.get(tid)
-        if record is None or record.in_progress:
-            report.wrong.append(f"{tid}: lost")
-            continue
-        report.completed += 1
-        report.resumed += record.counters.resume_attempts > 0
-        report.checkpoints += record.seq
-        if record.messages != expected:
-            report.wrong.append(f"{tid}: transcript differs from the fault-free run")
-        elif len(record.meta) != len(record.messages):
-            report.wrong.append(f"{tid}: meta drift")
-        else:
-            report.correct += 1
-    if await rt.store.list_in_progress():
-        report.wrong.append("turns left in progress")
-    return report
+        pid = await rt.kill_host(0)
+        kills.append({"slot": 0, "pid": pid, "at_s": round(time.monotonic() - started, 2)})
+    await waiter
+    wall = time.monotonic() - started
+    verdict = await judge(rt.client, rt.dep.keys, ids, expected)
+    return DemoReport(verdict, kills, await rt.respawns(), wall)

@@ -1,0 +1,103 @@
+"""The chaos verdict must catch planted faults: a harness that cannot fail proves nothing."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from actors.engine import LocalEngine
+from actors.scenario import parse_scenario
+from actors.verdict import judge, reference_transcript
+from store.codec import encode_record
+from store.effects import EffectCounters
+from store.keys import KeyLayout
+from store.records import Message, ToolResult
+from tests.reference import FAST
+
+SC = parse_scenario(
+    {"name": "v", "rounds": 3, "tools_per_round": 2, "tools": ["echo", "counter_increment"]}
+)
+IDS = [f"v{i}" for i in range(6)]
+
+
+async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, ...]:
+    await LocalEngine(client, keys, loop_settings=FAST).run_new(SC, IDS)
+    return await reference_transcript(client, SC, f"{keys.namespace}-ref")
+
+
+async def test_a_clean_run_is_ok(real_client: aioredis.Redis, keys: KeyLayout) -> None:
+    expected = await clean_run(real_client, keys)
+    v = await judge(real_client, keys, IDS, expected)
+    assert v.ok and v.turns == 6 and not v.differ
+
+
+async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: KeyLayout) -> None:
+    expected = await clean_run(real_client, keys)
+    store = LocalEngine(real_client, keys).store
+    # 1. a transcript altered in Redis
+    r = await store.load("v0")
+    altered = r.model_copy(
+        update={"messages": (*r.messages[:-1], Message(role="assistant", text="forged"))}
+    )
+    await real_client.hset(keys.turn("v0"), mapping=encode_record(altered))  # type: ignore[arg-type]
+    # 2. a duplicated side effect
+    effects = EffectCounters(real_client, keys)
+    (key, _), *_ = (await effects.counts("v1")).items()
+    await effects.increment("v1", key)
+    # 3. a turn deleted
+    await real_client.delete(keys.turn("v2"))
+    # 4. meta drift: the pre-turn user message's meta rewritten
+    r = await store.load("v3")
+    bad_meta = (r.meta[0], r.meta[1].model_copy(update={"message_id": "rewritten"}), *r.meta[2:])
+    await real_client.hset(
+        keys.turn("v3"), mapping=encode_record(r.model_copy(update={"meta": bad_meta}))
+    )  # type: ignore[arg-type]
+    # 5. a stale write accepted: an older epoch's event after the final one
+    await real_client.xadd(
+        keys.events_of("v4"),
+        {
+            "turn_id": "v4",
+            "epoch": 0,
+            "seq": 1,
+            "phase": "done",
+            "reason": "final",
+            "in_progress": 0,
+        },
+    )
+    # 6. a turn left in progress
+    r = await store.load("v5")
+    await store.save(
+        r.model_copy(update={"seq": r.seq + 1, "in_progress": True, "reason": "tool_batch"})
+    )
+
+    v = await judge(real_client, keys, IDS, expected)
+    assert not v.ok
+    assert [d.split(":")[0] for d in v.differ] == ["v0"]
+    assert "forged" in v.differ[0]
+    assert v.duplicate_effects == ["v1"]
+    assert v.lost == ["v2"]
+    assert v.meta_drift == ["v3"]
+    assert v.stale_accepted == ["v4"]
+    assert v.in_progress == ["v5"]
+
+
+async def test_outcome_unknown_in_place_of_a_result_is_accepted(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    expected = await clean_run(real_client, keys)
+    store = LocalEngine(real_client, keys).store
+    r = await store.load("v0")
+    i = next(
+        i
+        for i, m in enumerate(r.messages)
+        if m.tool_result and m.tool_result.name == "counter_increment"
+    )
+    res = r.messages[i].tool_result
+    assert res is not None
+    lost = ToolResult(call_id=res.call_id, name=res.name, status="outcome_unknown", output="?")
+    unknown = Message(role="tool", tool_result=lost)
+    msgs = (*r.messages[:i], unknown, *r.messages[i + 1 :])
+    await real_client.hset(
+        keys.turn("v0"), mapping=encode_record(r.model_copy(update={"messages": msgs}))
+    )  # type: ignore[arg-type]
+    v = await judge(real_client, keys, IDS, expected)
+    assert v.ok and v.outcome_unknown == 1
