@@ -259,11 +259,10 @@ async def submit_over(
         wave = ids[start : start + per]
         while True:
             try:
-                await rt.submit(scenario, wave)
+                await rt.submit(scenario, wave)  # idempotent: repeating a wave is safe
                 break
             except PhaselineError as exc:
-                if "already exists" in str(exc):
-                    break
+                log.warning("submission interrupted, repeating the wave: %s", exc)
                 await asyncio.sleep(0.5)  # Redis restarting: retry the wave
         on_submitted(len(wave))
         await asyncio.sleep(1)  # the arrival schedule
@@ -316,7 +315,10 @@ async def run_chaos(
     await asyncio.gather(
         submit_over(rt, cfg.scenario, ids, cfg.duration_s / 2, on_submitted), monkey.run()
     )
-    await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
+    try:
+        await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
+    except PhaselineError as exc:  # the verdict below reports what never finished
+        log.error("chaos run: %s", exc)
     wall = time.monotonic() - started
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
     moves = await read_moves(rt)

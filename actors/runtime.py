@@ -25,7 +25,7 @@ from actors.engine import new_turn
 from actors.scenario import Scenario
 from actors.supervisor import Supervisor
 from actors.tools import BUILTIN_TOOLS
-from bus.errors import ConfigError, PhaselineError, StoreError
+from bus.errors import ConfigError, PhaselineError, StoreError, TurnExists
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, read_streams, text, translated
@@ -88,15 +88,26 @@ class Runtime:
     # -- turns --------------------------------------------------------------------------------
 
     async def submit(self, scenario: Scenario, turn_ids: Iterable[str]) -> list[str]:
-        """Create the turns in Redis and hand each to its host slot."""
+        """Create the turns in Redis and hand each to its host slot; returns the new ones.
+
+        Idempotent: a turn that already exists is left alone, so a submission cut short by a
+        Redis failure can simply be repeated. Any other failure raises after the turns that
+        were created have been handed over.
+        """
         BUILTIN_TOOLS.require(scenario.tools)
         turns = [new_turn(scenario, t) for t in turn_ids]
-        for result in await self.store.submit_many(turns):
-            if isinstance(result, Exception):
-                raise result
+        created: list[str] = []
+        failure: StoreError | None = None
+        for (spec, _), result in zip(turns, await self.store.submit_many(turns), strict=True):
+            if isinstance(result, TurnExists):
+                continue
+            if isinstance(result, StoreError):
+                failure = failure or result
+                continue
+            created.append(spec.turn_id)
         by_slot: dict[int, list[str]] = defaultdict(list)
-        for spec, _ in turns:
-            by_slot[self.dep.slot_of(spec.turn_id)].append(spec.turn_id)
+        for tid in created:
+            by_slot[self.dep.slot_of(tid)].append(tid)
         for slot, ids in by_slot.items():
             host = await self.hosts.handle(slot)
             if host is None:
@@ -105,7 +116,9 @@ class Runtime:
                 await host.run_turns.remote(ids)
             except ray.exceptions.RayActorError:
                 log.warning("host slot %d died while taking turns; its successor adopts them", slot)
-        return [spec.turn_id for spec, _ in turns]
+        if failure is not None:
+            raise failure
+        return created
 
     async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
         """Queue a user message; it enters the turn at its next boundary, exactly once."""
