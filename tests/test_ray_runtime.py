@@ -311,3 +311,4 @@ async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> Non
     (final,) = (await rt.wait(["gate"], timeout=60)).values()
     (result,) = [m.tool_result for m in final.messages if m.tool_result]
     assert result.status == "ok"
+    assert await rt.submit(sc, ["gate"]) == []  # resubmitting is a no-op, not a second run
