@@ -186,16 +186,33 @@ def _report_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
-async def _on_ray(
-    client: aioredis.Redis, settings: Settings, url: str, hosts: int, ray_address: str | None,
-    work: Callable[[Runtime], Awaitable[T]],
-) -> T:  # fmt: skip
-    console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
-    rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
-    try:
-        return await work(rt)
-    finally:
-        await rt.shutdown()
+def _run_on_ray(
+    settings: Settings, hosts: int, ray_address: str | None, work: Callable[[Runtime], Awaitable[T]]
+) -> T:
+    """Start (or join) the Ray runtime on the configured Redis, run ``work``, shut it down."""
+
+    async def go(_client: aioredis.Redis, url: str) -> T:
+        console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
+        rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
+        try:
+            return await work(rt)
+        finally:
+            await rt.shutdown()
+
+    return _run_with_url(go, settings)
+
+
+def _either(
+    in_process: bool,
+    in_proc: Callable[[aioredis.Redis], Awaitable[T]],
+    on_ray: Callable[[Runtime], Awaitable[T]],
+    settings: Settings,
+    hosts: int,
+    ray_address: str | None,
+) -> T:
+    if in_process:
+        return _run(in_proc, settings)
+    return _run_on_ray(settings, hosts, ray_address, on_ray)
 
 
 def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
@@ -243,12 +260,7 @@ def run(
         stats.host_rss_mib = [round(h["rss_bytes"] / 2**20, 1) for h in await rt.host_info()]
         return stats
 
-    if in_process:
-        stats = _run(in_proc, settings)
-    else:
-        stats = _run_with_url(
-            lambda c, url: _on_ray(c, settings, url, hosts, ray_address, on_ray), settings
-        )
+    stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
     _summary(f"run {rid}: {scenario.name}", stats, report)
 
 
@@ -282,12 +294,7 @@ def resume(
         stats.quarantined.extend(e.key for e in scan.errors)
         return stats
 
-    if in_process:
-        stats = _run(in_proc, settings)
-    else:
-        stats = _run_with_url(
-            lambda c, url: _on_ray(c, settings, url, hosts, ray_address, on_ray), settings
-        )
+    stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
     _summary("resume", stats, report)
     if stats.quarantined:
         console.print(f"[red]quarantined: {', '.join(stats.quarantined)}")
@@ -322,9 +329,7 @@ def demo(
         with bar.progress:
             return await run_demo(rt, scenario, ids, kill_at=kill_at, on_done=bar.advance)
 
-    result = _run_with_url(
-        lambda c, url: _on_ray(c, settings, url, hosts, ray_address, go), settings
-    )
+    result = _run_on_ray(settings, hosts, ray_address, go)
     data = result.as_dict()
     table = Table(title=f"demo {rid}: {turns} turns on {hosts} hosts", show_header=False)
     for k in ("completed", "correct", "resumed", "checkpoints", "kills", "respawns", "wall_s",

@@ -27,7 +27,7 @@ from actors.loop import TurnOutcome
 from actors.ray_tools import RayToolRunner
 from actors.resume import ResumePlan, plan_resume
 from actors.scenario import parse_scenario
-from bus.errors import PhaselineError, RecordNotFound
+from bus.errors import PhaselineError
 from bus.events import encode_event
 from bus.streams import BufferedPublisher, RedisBus
 from store.connection import connect
@@ -122,7 +122,7 @@ class TurnHost:
         store = self.engine.store
         try:
             record = await store.load(turn_id)
-        except (RecordNotFound, PhaselineError) as exc:
+        except PhaselineError as exc:  # not found, undecodable, or Redis away
             log.error("turn %s cannot start: %s", turn_id, exc)
             return TurnOutcome(turn_id, "unusable", 0, 0, 0, 0)
         if record.reason == "submitted" and record.epoch == 1 and record.in_progress:
