@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 from pydantic import ValidationError
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from actors.deployment import Deployment
 from bus.errors import AlreadySaved, StaleOwner, StoreError
@@ -128,6 +128,13 @@ class CheckpointClient:
             try:
                 answers: list[Answer] = await self._actor().save_batch.remote(blobs)
                 break
+            except (RayTaskError, ValueError) as exc:
+                # The actor raised, or is not registered (yet): fail this batch, never hang
+                # it. Each loop retries its save at the next site.
+                for _, fut, _ in batch:
+                    if not fut.done():
+                        fut.set_exception(StoreError(f"checkpoint batch failed: {exc}"))
+                return
             except RayActorError as exc:
                 # The actor died with the batch in flight; its restarted incarnation gets it
                 # again. Saves that had landed come back as AlreadySaved, i.e. acked.
