@@ -7,6 +7,7 @@ restarted anywhere and find its peers by name. Host slots map turns to hosts by 
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from typing import Any
 
@@ -77,9 +78,11 @@ class HostDirectory:
         with translated("write host generation"):
             await self.client.hset(self.deployment.keys.hosts(), str(slot), str(generation))
 
-    async def handle(self, slot: int) -> Any | None:
-        """The live host actor of ``slot``, or None if it has none right now."""
-        generation = (await self.generations()).get(slot)
+    async def handle(self, slot: int, generation: int | None = None) -> Any | None:
+        """The live host actor of ``slot`` (of ``generation`` when the caller has already read
+        it), or None if it has none right now."""
+        if generation is None:
+            generation = (await self.generations()).get(slot)
         if generation is None:
             return None
         key = (slot, generation)
@@ -94,3 +97,17 @@ class HostDirectory:
 
     async def handle_for(self, turn_id: str) -> Any | None:
         return await self.handle(self.deployment.slot_of(turn_id))
+
+    async def handles(self) -> dict[int, Any]:
+        """Every slot's live host actor, from one read of the generations."""
+        out = {}
+        for slot, generation in sorted((await self.generations()).items()):
+            handle = await self.handle(slot, generation)
+            if handle is not None:
+                out[slot] = handle
+        return out
+
+
+async def ask(ref: Any, timeout: float) -> Any:
+    """Await a Ray call for at most ``timeout`` seconds (``asyncio.TimeoutError`` past it)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)

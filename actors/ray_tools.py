@@ -25,8 +25,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
-from actors.deployment import RAY_NAMESPACE, Deployment
-from actors.toolrun import IDEMPOTENT_ATTEMPTS, lost_call
+from actors.deployment import RAY_NAMESPACE, Deployment, ask
+from actors.toolrun import IDEMPOTENT_ATTEMPTS, lost_call, timed_out, tool_result
 from actors.tools import BUILTIN_TOOLS, ToolContext, ToolSpec
 from bus.errors import StoreError
 from store.connection import connect
@@ -78,11 +78,6 @@ class RayToolRunner:
         )
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        def result(status: str, output: str) -> ToolResult:
-            return ToolResult.model_validate(
-                {"call_id": call.id, "name": call.name, "status": status, "output": output}
-            )
-
         limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
         args = json.dumps(call.args)
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
@@ -95,18 +90,16 @@ class RayToolRunner:
                     continue
                 ref = worker.call.remote(call.name, args, ctx.turn_id, ctx.call_key)
                 try:
-                    output = await asyncio.wait_for(
-                        asyncio.wrap_future(ref.future()), spec.timeout_s
-                    )
-                    return result("ok", str(output))
+                    output = await ask(ref, spec.timeout_s)
+                    return tool_result(call, "ok", str(output))
                 except asyncio.TimeoutError:
                     ray.cancel(ref)
-                    return result("timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
+                    return timed_out(call, spec)
                 except asyncio.CancelledError:
                     ray.cancel(ref)
                     raise
                 except TaskCancelledError:
-                    return result("error", f"{call.name} was cancelled")
+                    return tool_result(call, "error", f"{call.name} was cancelled")
                 except RayActorError as exc:
                     log.warning(
                         "tool worker died during %s (attempt %d): %s", call.name, attempt, exc
@@ -114,13 +107,15 @@ class RayToolRunner:
                     continue
                 except RayError as exc:
                     if not isinstance(getattr(exc, "cause", None), StoreError):
-                        return result("error", _last_line(exc))  # the tool's own failure
+                        return tool_result(call, "error", _last_line(exc))  # the tool's own failure
                     log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
                     if not spec.idempotent:
                         return lost_call(call, "lost its store mid-call")
                     await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
         if spec.idempotent:
-            return result("error", f"{call.name}: its executor kept failing ({attempts} attempts)")
+            return tool_result(
+                call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
+            )
         return lost_call(call, "had its worker die mid-call")
 
 

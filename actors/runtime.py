@@ -20,7 +20,7 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.config import Settings
-from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
 from actors.engine import new_turn
 from actors.scenario import Scenario
 from actors.supervisor import Supervisor
@@ -146,18 +146,17 @@ class Runtime:
         deadline = time.monotonic() + timeout
         last_scan = 0.0
         while waiting:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
+            scan = now - last_scan > 5  # events may be trimmed: every 5 s, confirm from records
+            if scan:
+                last_scan = now
             try:
-                await self._collect(
-                    waiting, done, cursors, scan=time.monotonic() - last_scan > 5, on_done=on_done
-                )
+                await self._collect(waiting, done, cursors, scan=scan, on_done=on_done)
             except StoreError as exc:  # Redis restarting: keep waiting
                 log.warning("waiting through a Redis error: %s", exc)
                 await asyncio.sleep(0.5)
-                continue
-            if time.monotonic() - last_scan > 5:
-                last_scan = time.monotonic()
         return done
 
     async def _collect(
@@ -191,14 +190,9 @@ class Runtime:
 
     async def host_info(self) -> list[dict[str, Any]]:
         out = []
-        for slot in range(self.dep.hosts):
-            host = await self.hosts.handle(slot)
-            if host is None:
-                continue
+        for host in (await self.hosts.handles()).values():
             try:
-                out.append(
-                    await asyncio.wait_for(asyncio.wrap_future(host.hello.remote().future()), 5)
-                )
+                out.append(await ask(host.hello.remote(), 5))
             except (asyncio.TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out

@@ -93,10 +93,7 @@ class WatchdogActor:
 
     async def _rebuild(self) -> None:
         """Arm timers for every turn running right now, from the hosts themselves."""
-        for slot in range(self.dep.hosts):
-            host = await self.hosts.handle(slot)
-            if host is None:
-                continue
+        for host in (await self.hosts.handles()).values():
             try:
                 for fields in await host.phases.remote():
                     event = decode_event(fields)

@@ -27,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.checkpointer import CheckpointActor
-from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
 from actors.host import TurnHost
 from actors.ray_tools import ToolWorker, pool_name
 from actors.services import RecoveryActor, WatchdogActor
@@ -130,7 +130,7 @@ class Supervisor:
         if gen is None:
             await self._spawn(slot, 0)
             return
-        handle = await self.hosts.handle(slot)
+        handle = await self.hosts.handle(slot, gen)
         info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
         if handle is None or info is None:
             dead = handle is None or not await _alive(handle)
@@ -177,9 +177,7 @@ class Supervisor:
 
 async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
     try:
-        reply: dict[str, Any] = await asyncio.wait_for(
-            asyncio.wrap_future(handle.hello.remote().future()), timeout
-        )
+        reply: dict[str, Any] = await ask(handle.hello.remote(), timeout)
         return reply
     except (asyncio.TimeoutError, RayActorError):
         return None
@@ -188,7 +186,7 @@ async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
 async def _alive(handle: Any) -> bool:
     """False once Ray itself says the actor is dead (a ping timeout alone is not death)."""
     try:
-        await asyncio.wait_for(asyncio.wrap_future(handle.hello.remote().future()), 0.05)
+        await ask(handle.hello.remote(), 0.05)
     except RayActorError:
         return False
     except asyncio.TimeoutError:

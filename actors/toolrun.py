@@ -15,7 +15,7 @@ from typing import Protocol
 from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, UnknownTool
 from store.ledger import ToolLedger, call_key
-from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult
+from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +30,22 @@ class ToolRunner(Protocol):
 IDEMPOTENT_ATTEMPTS = 3
 
 
+def tool_result(call: ToolCall, status: ToolStatus, output: str) -> ToolResult:
+    """The result of ``call`` as the model will read it."""
+    return ToolResult(call_id=call.id, name=call.name, status=status, output=output)
+
+
+def timed_out(call: ToolCall, spec: ToolSpec) -> ToolResult:
+    return tool_result(call, "timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
+
+
 def lost_call(call: ToolCall, why: str) -> ToolResult:
     """The result of a non-idempotent call whose executor failed under it: nobody can tell
     whether its effect happened, so the model is told so and the call is never re-run."""
-    return ToolResult(
-        call_id=call.id,
-        name=call.name,
-        status="outcome_unknown",
-        output=f"{call.name} {why}; it may or may not have taken effect and will not be re-run",
+    return tool_result(
+        call,
+        "outcome_unknown",
+        f"{call.name} {why}; it may or may not have taken effect and will not be re-run",
     )
 
 
@@ -59,12 +67,9 @@ class LocalToolRunner:
             for attempt in range(attempts):
                 try:
                     output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
-                    return ToolResult(call_id=call.id, name=call.name, status="ok", output=output)
+                    return tool_result(call, "ok", output)
                 except asyncio.TimeoutError:
-                    return ToolResult(
-                        call_id=call.id, name=call.name, status="timeout",
-                        output=f"{call.name} timed out after {spec.timeout_s:g} s",
-                    )  # fmt: skip
+                    return timed_out(call, spec)
                 except StoreError as exc:
                     log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
                     if not spec.idempotent:
@@ -72,14 +77,10 @@ class LocalToolRunner:
                     await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
                 except Exception as exc:  # a tool's bug is the model's problem, not the turn's
                     log.info("tool %s failed: %r", call.name, exc)
-                    return ToolResult(
-                        call_id=call.id, name=call.name, status="error",
-                        output=f"{type(exc).__name__}: {exc}",
-                    )  # fmt: skip
-        return ToolResult(
-            call_id=call.id, name=call.name, status="error",
-            output=f"{call.name}: its store kept failing ({attempts} attempts)",
-        )  # fmt: skip
+                    return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
+        return tool_result(
+            call, "error", f"{call.name}: its store kept failing ({attempts} attempts)"
+        )
 
 
 def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:
@@ -157,15 +158,10 @@ class BatchExecutor:
     ) -> ToolSpec | tuple[LedgerState | None, ToolResult]:
         """Pure: run it (its spec), or its result and the ledger state to journal (None: keep)."""
 
-        def result(status: str, output: str) -> ToolResult:
-            return ToolResult.model_validate(
-                {"call_id": call.id, "name": call.name, "status": status, "output": output}
-            )
-
         try:
             spec = self.registry.get(call.name)
         except UnknownTool as exc:
-            return "failed", result("error", str(exc))
+            return "failed", tool_result(call, "error", str(exc))
         verdict = resume_verdict(entry, spec.idempotent)
         if verdict == "reuse":
             assert entry.result is not None
@@ -174,7 +170,7 @@ class BatchExecutor:
         if verdict == "unknown":
             return "outcome_unknown", lost_call(call, "was running when its host died")
         if denied:
-            return "committed", result("denied", f"{call.name} was not approved")
+            return "committed", tool_result(call, "denied", f"{call.name} was not approved")
         return spec
 
     async def _run(self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec) -> ToolResult:
