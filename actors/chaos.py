@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import signal
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,13 +29,13 @@ from typing import Any
 import ray
 
 from actors.deployment import RAY_NAMESPACE
+from actors.moves import first_moves_after, read_moves
+from actors.percentiles import summarize
 from actors.runtime import Runtime
 from actors.scenario import Scenario
 from actors.verdict import Verdict, judge, reference_transcript
 from bus.errors import ConfigError, PhaselineError
-from bus.events import decode_event
 from bus.phase import Transition
-from store.connection import read_range
 from store.embedded import EmbeddedRedis
 
 log = logging.getLogger(__name__)
@@ -101,11 +100,6 @@ class ChaosReport:
     turn_ids: list[str]
 
     def as_dict(self) -> dict[str, Any]:
-        lat = sorted(self.latency_ms)
-
-        def pct(p: float) -> float | None:
-            return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
-
         return {
             "ok": self.verdict.ok,
             "config": self.config,
@@ -124,13 +118,7 @@ class ChaosReport:
                 }
                 for f in self.faults
             ],
-            "recovery_latency_ms": {
-                "n": len(lat),
-                "p50": pct(0.5),
-                "p99": pct(0.99),
-                "max": round(lat[-1], 1) if lat else None,
-                "mean": round(statistics.fmean(lat), 1) if lat else None,
-            },
+            "recovery_latency_ms": summarize(self.latency_ms),
             "respawns": self.respawns,
             "wall_s": round(self.wall_s, 2),
             "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
@@ -268,19 +256,6 @@ async def submit_over(
         await asyncio.sleep(1)  # the arrival schedule
 
 
-async def read_moves(rt: Runtime) -> list[Transition]:
-    """Every phase transition still in the bus streams, in time order."""
-    keys = rt.dep.keys
-    moves: list[Transition] = []
-    for shard in keys.all_shards():
-        for _, fields in await read_range(rt.client, keys.bus(shard)):
-            event = decode_event(fields)
-            if isinstance(event, Transition):
-                moves.append(event)
-    moves.sort(key=lambda t: t.at_ms)
-    return moves
-
-
 def recoveries(
     moves: list[Transition], faults: list[Fault], t0_unix: float
 ) -> list[tuple[str, float, float]]:
@@ -289,13 +264,8 @@ def recoveries(
     out = []
     for f in faults:
         kill_ms = (t0_unix + f.at_s) * 1000
-        for tid, epoch in f.affected.items():
-            first = next(
-                (t for t in moves if t.turn_id == tid and t.epoch > epoch and t.at_ms >= kill_ms),
-                None,
-            )
-            if first is not None:
-                out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms))
+        for tid, first in first_moves_after(moves, f.affected, kill_ms).items():
+            out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms))
     return out
 
 
@@ -321,7 +291,7 @@ async def run_chaos(
         log.error("chaos run: %s", exc)
     wall = time.monotonic() - started
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
-    moves = await read_moves(rt)
+    moves = await read_moves(rt.client, rt.dep.keys)
     recovered = recoveries(moves, monkey.faults, t0_unix)
     return ChaosReport(
         config={

@@ -6,6 +6,10 @@ checkpoint throughput is not capped by one Ray call per save. The actor validate
 and writes the batch with :meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one
 WATCH + MULTI/EXEC per shard). Records cross Ray as msgpack, never as pickles.
 
+Where a batch goes is a :data:`BatchSender`: :func:`actor_sender` (the CheckpointActor, what
+hosts use) or :func:`local_sender` (the same validation and transactions in this process, the
+Ray-free ceiling ``phaseline bench`` compares against).
+
 If the actor dies mid-batch the client resends the batch to its restarted incarnation; a save
 that had already landed comes back as ``AlreadySaved`` and counts as acked.
 """
@@ -13,19 +17,19 @@ that had already landed comes back as ``AlreadySaved`` and counts as acked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
-from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.deployment import Deployment
-from bus.errors import AlreadySaved, StaleOwner, StoreError
+from bus.errors import AlreadySaved, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore, SaveAck
-from store.codec import dump_model, pack, unpack
+from store.codec import EncodedRecord
 from store.connection import connect
 from store.records import CheckpointRecord
 
@@ -36,21 +40,26 @@ Answer = tuple[str, str]
 
 _Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
 
+BatchSender = Callable[[list[bytes]], Awaitable[list[Answer]]]
+"""Saves a batch of wire records, one answer each. Raises :class:`ServiceRestarting` when the
+batch may be sent again, :class:`StoreError` when it failed as a whole."""
+
 
 def record_to_wire(record: CheckpointRecord) -> bytes:
-    return pack(dump_model(record))
+    """The wire form: the record's Redis hash, encoded once, by the host."""
+    return EncodedRecord.of(record).to_wire()
 
 
 async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> list[Answer]:
-    """Validate and save a batch of wire records; one answer per record, in order."""
+    """Check and save a batch of wire records; one answer per record, in order."""
     answers: list[Answer | None] = [None] * len(blobs)
-    records: list[CheckpointRecord] = []
+    records: list[EncodedRecord] = []
     where: list[int] = []
     for i, blob in enumerate(blobs):
         try:
-            records.append(CheckpointRecord.model_validate(unpack(blob)))
+            records.append(EncodedRecord.from_wire(blob))
             where.append(i)
-        except (ValueError, TypeError, ValidationError) as exc:
+        except ValueError as exc:
             answers[i] = ("error", f"invalid record: {exc}")
     for i, result in zip(where, await store.save_many(records), strict=True):
         if isinstance(result, SaveAck):
@@ -84,18 +93,39 @@ class CheckpointActor:
         return {"pid": os.getpid(), "batches": self._batches, "saves": self._saves}
 
 
+def actor_sender(actor: Callable[[], Any]) -> BatchSender:
+    """Send batches to the CheckpointActor; ``actor`` returns its current handle (looked up
+    again after a death)."""
+
+    async def send(blobs: list[bytes]) -> list[Answer]:
+        try:
+            answers: list[Answer] = await actor().save_batch.remote(blobs)
+        except RayActorError as exc:
+            # Died with the batch in flight; its restarted incarnation may get it again.
+            raise ServiceRestarting(f"checkpoint actor unavailable: {exc}") from exc
+        except (RayTaskError, ValueError) as exc:  # it raised, or is not registered (yet)
+            raise StoreError(f"checkpoint batch failed: {exc}") from exc
+        return answers
+
+    return send
+
+
+def local_sender(store: RedisCheckpointStore) -> BatchSender:
+    """Validate and save batches in this process: the CheckpointActor's work without Ray."""
+    return functools.partial(save_wire_batch, store)
+
+
 class CheckpointClient:
-    """A :class:`~actors.loop.Checkpointer` that batches saves through the CheckpointActor."""
+    """A :class:`~actors.loop.Checkpointer` that group-commits saves through a sender."""
 
     def __init__(
         self,
-        actor: Callable[[], Any],
+        send: BatchSender,
         *,
         max_batch: int = 1024,
         retry_for_s: float = 60.0,
     ) -> None:
-        """``actor`` returns the current actor handle (it is looked up again after a death)."""
-        self._actor = actor
+        self._send_batch = send
         self.max_batch = max_batch
         self.retry_for_s = retry_for_s
         self._queue: list[_Pending] = []
@@ -126,23 +156,17 @@ class CheckpointClient:
         blobs = [blob for blob, _, _ in batch]
         while True:
             try:
-                answers: list[Answer] = await self._actor().save_batch.remote(blobs)
+                answers = await self._send_batch(blobs)
                 break
-            except (RayTaskError, ValueError) as exc:
-                # The actor raised, or is not registered (yet): fail this batch, never hang
-                # it. Each loop retries its save at the next site.
-                for _, fut, _ in batch:
-                    if not fut.done():
-                        fut.set_exception(StoreError(f"checkpoint batch failed: {exc}"))
+            except StoreError as exc:
+                # Fail this batch, never hang it: each loop retries its save at the next site.
+                _fail(batch, exc)
                 return
-            except RayActorError as exc:
-                # The actor died with the batch in flight; its restarted incarnation gets it
-                # again. Saves that had landed come back as AlreadySaved, i.e. acked.
+            except ServiceRestarting as exc:
+                # Saves that had landed come back as AlreadySaved on the resend, i.e. acked.
                 self.resends += 1
                 if loop.time() > deadline:
-                    for _, fut, _ in batch:
-                        if not fut.done():
-                            fut.set_exception(StoreError(f"checkpoint actor unavailable: {exc}"))
+                    _fail(batch, StoreError(str(exc)))
                     return
                 await asyncio.sleep(0.2)  # backoff while Ray restarts the actor
         self.batches += 1
@@ -155,3 +179,9 @@ class CheckpointClient:
                 fut.set_exception(StaleOwner(detail))
             else:
                 fut.set_exception(StoreError(detail))
+
+
+def _fail(batch: list[_Pending], exc: StoreError) -> None:
+    for _, fut, _ in batch:
+        if not fut.done():
+            fut.set_exception(exc)

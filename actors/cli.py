@@ -20,18 +20,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import ray
 import redis.asyncio as aioredis
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
 from actors.chaos import plot as plot_chaos
 from actors.config import Settings, load_settings
 from actors.demo import DemoReport, run_demo
 from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
-from actors.runtime import Runtime
+from actors.runtime import Runtime, ensure_ray
 from actors.scenario import load_scenario
 from actors.tools import BUILTIN_TOOLS
 from bus.errors import ConfigError, PhaselineError
@@ -101,6 +103,21 @@ def _redis(settings: Settings) -> Iterator[str]:
     finally:
         if server is not None:
             server.stop()
+
+
+@contextmanager
+def _scratch_redis(
+    settings: Settings, label: str, *, appendfsync: str = "everysec"
+) -> Iterator[tuple[EmbeddedRedis | None, str]]:
+    """The configured Redis, else a throw-away embedded server (so runs never mix data)."""
+    if settings.redis.url:
+        yield None, settings.redis.url
+        return
+    with (
+        tempfile.TemporaryDirectory(prefix=f"phaseline-{label}-") as tmp,
+        EmbeddedRedis(data_dir=tmp, appendfsync=appendfsync) as server,
+    ):
+        yield server, server.url
 
 
 def _run(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], settings: Settings) -> T:
@@ -391,14 +408,8 @@ def chaos(
         finally:
             await rt.shutdown()
 
-    if settings.redis.url:
-        result = asyncio.run(go(None, settings.redis.url))
-    else:
-        with (
-            tempfile.TemporaryDirectory(prefix="phaseline-chaos-") as tmp,
-            EmbeddedRedis(data_dir=tmp, appendfsync="always") as server,
-        ):
-            result = asyncio.run(go(server, server.url))
+    with _scratch_redis(settings, "chaos", appendfsync="always") as (server, url):
+        result = asyncio.run(go(server, url))
     data = result.as_dict()
     Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if plot:
@@ -420,6 +431,46 @@ def chaos(
     out.print(table)
     if not data["ok"]:
         sys.exit(1)
+
+
+@main.command()
+@_common
+@click.option("--quick", is_flag=True, help="The small sizes (a few minutes; what CI runs).")
+@click.option("--figures", default="all", show_default=True,
+              help=f"Comma-separated subset of: {', '.join(FIGURES)}.")  # fmt: skip
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@click.option("--report", type=click.Path(dir_okay=False), required=True,
+              help="Write the JSON report here.")  # fmt: skip
+def bench(
+    redis_url: str | None, namespace: str | None, config_path: str | None, quick: bool,
+    figures: str, ray_address: str | None, report: str,
+) -> None:  # fmt: skip
+    """Measure what durability costs, each figure beside a baseline from the same run."""
+    settings = _settings(config_path, redis_url, namespace)
+    chosen = parse_figures(figures)
+    cfg = QUICK if quick else FULL
+
+    def show(name: str, data: Any) -> None:
+        console.print(f"[bold]{name}[/]: {json.dumps(data)[:400]}")
+
+    with _scratch_redis(settings, "bench") as (_server, url):
+        owns_ray = ensure_ray(ray_address)
+        try:
+            console.print(f"[dim]bench ({'quick' if quick else 'full'}): {', '.join(chosen)}")
+            data = asyncio.run(run_bench(settings, url, cfg, figures=chosen, on_figure=show))
+        finally:
+            if owns_ray:
+                ray.shutdown()
+    data["command"] = "phaseline " + " ".join(sys.argv[1:])
+    data["quick"] = quick
+    Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    table = Table(title=f"phaseline bench ({'quick' if quick else 'full'})")
+    for col in ("target", "value", "wanted", "met"):
+        table.add_column(col)
+    for t in data["targets"]:
+        met = "[green]yes" if t["met"] else "[red]no"
+        table.add_row(t["name"], str(t["value"]), t["target"], met)
+    out.print(table)
 
 
 @main.command()

@@ -46,6 +46,10 @@ class RedisSettings(_Section):
 class CheckpointSettings(_Section):
     min_interval_s: float = Field(default=2.0, ge=0)
     """Minimum seconds between mid-turn saves of one turn."""
+    mid_turn: bool = True
+    """False writes only the submission and final records, so a crash loses the turn's model
+    progress (committed tool calls are still reused from the ledger). It exists to measure
+    what durability costs (``phaseline bench``); never turn it off in production."""
 
 
 class ApprovalSettings(_Section):
@@ -93,6 +97,7 @@ class Settings(_Section):
         return LoopSettings(
             strict=self.loop.strict,
             checkpoint_min_interval_s=self.checkpoint.min_interval_s,
+            checkpoint_mid_turn=self.checkpoint.mid_turn,
             approval_timeout_s=self.approvals.timeout_s,
             approval_poll_s=self.approvals.poll_s,
             backoff_scale=self.loop.backoff_scale,

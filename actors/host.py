@@ -20,7 +20,7 @@ import psutil
 import ray
 from ray.exceptions import RayActorError
 
-from actors.checkpointer import CheckpointClient
+from actors.checkpointer import CheckpointClient, actor_sender
 from actors.deployment import RAY_NAMESPACE, Deployment
 from actors.engine import LocalEngine
 from actors.loop import TurnOutcome
@@ -44,7 +44,7 @@ class TurnHost:
         self.incarnation = uuid.uuid4().hex
         self.client = connect(self.dep.redis_url, max_connections=128)
         self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
-        self.checkpoints = CheckpointClient(self._checkpoint_actor)
+        self.checkpoints = CheckpointClient(actor_sender(self._checkpoint_actor))
         self.engine = LocalEngine.from_settings(
             self.client,
             self.dep.settings,

@@ -81,6 +81,9 @@ class LoopSettings:
     """Illegal phase transitions raise (tests) instead of being logged and counted."""
     checkpoint_min_interval_s: float = 2.0
     """Minimum seconds between mid-turn saves (0 in tests); never delays the final save."""
+    checkpoint_mid_turn: bool = True
+    """False skips every mid-turn save (only the final one is written): what ``phaseline
+    bench`` compares against to price durability. Never off in production."""
     approval_timeout_s: float = 300.0
     """Cap on ``awaiting_approval``; the call is denied past it."""
     approval_poll_s: float = 0.2
@@ -452,7 +455,7 @@ class TurnLoop:
         )
 
     async def _checkpoint(self, reason: str, *, final: bool = False) -> None:
-        if not self._dirty:
+        if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
             return
         now = self._clock()
         interval = self.settings.checkpoint_min_interval_s

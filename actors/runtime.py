@@ -35,6 +35,20 @@ from store.records import CheckpointRecord
 log = logging.getLogger(__name__)
 
 
+def ensure_ray(address: str | None = None) -> bool:
+    """Start a local Ray (or join ``address``) unless one is up; True if this started it."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address,
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return address is None
+
+
 class Runtime:
     def __init__(self, dep: Deployment, client: aioredis.Redis, supervisor: Any, owns_ray: bool):
         self.dep = dep
@@ -56,16 +70,7 @@ class Runtime:
         ray_address: str | None = None,
     ) -> Runtime:
         """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
-        owns_ray = False
-        if not ray.is_initialized():
-            ray.init(
-                address=ray_address,
-                namespace=RAY_NAMESPACE,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-            owns_ray = ray_address is None
+        owns_ray = ensure_ray(ray_address)
         dep = Deployment(redis_url=redis_url, settings=settings, hosts=hosts)
         client = connect(redis_url)
         with translated(f"cannot reach Redis at {redis_url}"):

@@ -86,3 +86,8 @@ class UnknownTool(ToolError):
 
 class TurnExists(StoreError):
     """A turn with this id was already submitted."""
+
+
+class ServiceRestarting(PhaselineError):
+    """A Ray service actor died with a call in flight; Ray is restarting it, so the call may be
+    repeated (translated ``RayActorError``)."""

@@ -28,7 +28,7 @@ from bus.errors import (
     StoreError,
     TurnExists,
 )
-from store.codec import decode_record, encode_record, pack_model, unpack_model
+from store.codec import EncodedRecord, decode_record, pack_model, unpack_model
 from store.connection import raw as raw_bytes
 from store.connection import text, translated
 from store.keys import KeyLayout
@@ -53,7 +53,7 @@ class SaveAck:
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    record: CheckpointRecord
+    record: EncodedRecord
     extra: tuple[str, bytes] | None = None
     """For a submission: the spec key and value, written with the record if neither exists."""
 
@@ -96,7 +96,7 @@ class RedisCheckpointStore:
     ) -> list[SaveAck | StoreError]:
         """Create turns: spec and first record in one transaction per shard; refuse duplicates."""
         writes = [
-            _Write(rec, extra=(self.keys.spec(spec.turn_id), pack_model(spec)))
+            _Write(EncodedRecord.of(rec), extra=(self.keys.spec(spec.turn_id), pack_model(spec)))
             for spec, rec in turns
         ]
         return await self._commit(writes)
@@ -108,12 +108,14 @@ class RedisCheckpointStore:
             raise result
         return result
 
-    async def save_many(self, records: Sequence[CheckpointRecord]) -> list[SaveAck | StoreError]:
+    async def save_many(
+        self, records: Sequence[CheckpointRecord | EncodedRecord]
+    ) -> list[SaveAck | StoreError]:
         """Group commit: the records of one shard go in one WATCH + MULTI/EXEC, shards run
         concurrently. Each record gets its own answer, in order: an ack, :class:`StaleOwner`
         (:class:`AlreadySaved` for a replay of a save that already landed), or another
         :class:`StoreError`. A refused record never holds back the others."""
-        return await self._commit([_Write(r) for r in records])
+        return await self._commit([_Write(_encoded(r)) for r in records])
 
     async def _commit(self, writes: Sequence[_Write]) -> list[SaveAck | StoreError]:
         results: list[SaveAck | StoreError | None] = [None] * len(writes)
@@ -210,7 +212,7 @@ class RedisCheckpointStore:
         return live
 
     @staticmethod
-    def _check_fence(key: str, record: CheckpointRecord, stored: list[bytes | None]) -> None:
+    def _check_fence(key: str, record: EncodedRecord, stored: list[bytes | None]) -> None:
         epoch_raw, seq_raw = stored
         if epoch_raw is None and seq_raw is None:
             return
@@ -229,17 +231,20 @@ class RedisCheckpointStore:
                 f"turn {record.turn_id}: seq {record.seq} is not newer than stored {seq}"
             )
 
-    def queue_save(self, pipe: aioredis.client.Pipeline, record: CheckpointRecord) -> None:
+    def queue_save(
+        self, pipe: aioredis.client.Pipeline, record: CheckpointRecord | EncodedRecord
+    ) -> None:
         """Queue the three writes of one save on a pipeline already in MULTI."""
+        record = _encoded(record)
         turn_id = record.turn_id
-        pipe.hset(self.keys.turn(turn_id), mapping=encode_record(record))  # type: ignore[arg-type]
+        pipe.hset(self.keys.turn(turn_id), mapping=record.fields)  # type: ignore[arg-type]
         pipe.xadd(
             self.keys.events_of(turn_id),
             {
                 "turn_id": turn_id,
                 "epoch": record.epoch,
                 "seq": record.seq,
-                "phase": record.phase.value,
+                "phase": record.phase,
                 "reason": record.reason,
                 "in_progress": int(record.in_progress),
             },
@@ -319,6 +324,10 @@ class RedisCheckpointStore:
                 for k, v in (await self.client.hgetall(self.keys.quarantine(shard))).items():
                     out[text(k)] = text(v)
         return out
+
+
+def _encoded(record: CheckpointRecord | EncodedRecord) -> EncodedRecord:
+    return record if isinstance(record, EncodedRecord) else EncodedRecord.of(record)
 
 
 def _opt_bytes(value: bytes | str | None) -> bytes | None:

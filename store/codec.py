@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from bus.errors import RecordError, UnknownSchema
 from bus.phase import TurnPhase
@@ -19,6 +20,11 @@ from store.records import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+
+# Whole lists in one pydantic-core call each: per-message model calls were a third of a save's
+# CPU in ``phaseline bench``.
+_MESSAGES = TypeAdapter(tuple[Message, ...])
+_METAS = TypeAdapter(tuple[MessageMeta, ...])
 
 #: The hash fields of a checkpoint record; every save writes all of them.
 RECORD_FIELDS = (
@@ -65,12 +71,85 @@ def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
         "phase": record.phase.value,
         "in_progress": 1 if record.in_progress else 0,
         "reason": record.reason,
-        "messages": pack([dump_model(m) for m in record.messages]),
-        "meta": pack([dump_model(m) for m in record.meta]),
+        "messages": pack(_dump_list(_MESSAGES, record.messages)),
+        "meta": pack(_dump_list(_METAS, record.meta)),
         "baseline": record.baseline,
         "counters": pack_model(record.counters),
         "updated_at": record.updated_at,
     }
+
+
+def _dump_list(adapter: TypeAdapter[Any], items: Any) -> Any:
+    return adapter.dump_python(items, mode="json", by_alias=True, exclude_defaults=True)
+
+
+_INT_FIELDS = ("schema", "epoch", "seq", "baseline", "updated_at")
+_STR_FIELDS = ("turn_id", "session_id", "phase", "reason")
+_BLOB_FIELDS = ("messages", "meta", "counters")
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """A checkpoint record in its Redis hash form, with the fields a save and its fence read.
+
+    Hosts encode their records once and ship this form to the CheckpointActor, which checks
+    its framing (:meth:`from_wire`) instead of rebuilding pydantic models: the content was
+    produced from a validated :class:`~store.records.CheckpointRecord`, and every read
+    validates it in full again (:func:`decode_record`, quarantine on failure).
+    """
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """Owner epoch (the fencing token)."""
+    seq: int
+    """Checkpoint number."""
+    phase: str
+    """Phase value, as stored."""
+    reason: str
+    """Why this checkpoint was taken."""
+    in_progress: bool
+    """Whether the turn is still running."""
+    fields: dict[str, bytes | str | int]
+    """Every hash field (:data:`RECORD_FIELDS`), ready for HSET."""
+
+    @classmethod
+    def of(cls, record: CheckpointRecord) -> EncodedRecord:
+        return cls(
+            record.turn_id, record.epoch, record.seq, record.phase.value, record.reason,
+            record.in_progress, encode_record(record),
+        )  # fmt: skip
+
+    def to_wire(self) -> bytes:
+        return pack(self.fields)
+
+    @classmethod
+    def from_wire(cls, blob: bytes) -> EncodedRecord:
+        """Check the framing of a shipped hash; ``ValueError`` says what is wrong."""
+        try:
+            fields = unpack(blob)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ValueError(f"not msgpack: {exc}") from exc
+        if not isinstance(fields, dict) or set(fields) != set(RECORD_FIELDS):
+            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+            raise ValueError(f"hash fields must be {list(RECORD_FIELDS)}, got {got}")
+        for name, kind in (
+            [(f, int) for f in _INT_FIELDS]
+            + [(f, str) for f in _STR_FIELDS]
+            + [(f, bytes) for f in _BLOB_FIELDS]
+        ):
+            value = fields[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"field {name} must be {kind.__name__}, got {value!r:.80}")
+        if fields["schema"] != SCHEMA_VERSION:
+            raise ValueError(f"schema {fields['schema']} (this build writes {SCHEMA_VERSION})")
+        TurnPhase(fields["phase"])  # ValueError for an unknown phase
+        if fields["in_progress"] not in (0, 1) or fields["epoch"] < 1 or fields["seq"] < 0:
+            raise ValueError("in_progress must be 0 or 1, epoch >= 1 and seq >= 0")
+        return cls(
+            fields["turn_id"], fields["epoch"], fields["seq"], fields["phase"], fields["reason"],
+            fields["in_progress"] == 1, fields,
+        )  # fmt: skip
 
 
 def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
@@ -104,8 +183,8 @@ def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
             phase=TurnPhase(text["phase"]),
             in_progress=_flag(fields["in_progress"]),
             reason=text["reason"],
-            messages=tuple(Message.model_validate(m) for m in messages),
-            meta=tuple(MessageMeta.model_validate(m) for m in meta),
+            messages=_MESSAGES.validate_python(messages),
+            meta=_METAS.validate_python(meta),
             baseline=int(fields["baseline"]),
             counters=Counters.model_validate(counters),
             updated_at=int(fields["updated_at"]),

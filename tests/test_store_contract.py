@@ -16,6 +16,7 @@ from bus.errors import (
     UnknownSchema,
 )
 from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.codec import EncodedRecord
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnSpec
 from tests.records_helpers import record
@@ -116,7 +117,9 @@ async def test_a_save_interrupted_before_exec_leaves_the_previous_record_whole(
     any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     class DiesBeforeExec(RedisCheckpointStore):
-        def queue_save(self, pipe: aioredis.client.Pipeline, rec: CheckpointRecord) -> None:
+        def queue_save(
+            self, pipe: aioredis.client.Pipeline, rec: CheckpointRecord | EncodedRecord
+        ) -> None:
             super().queue_save(pipe, rec)
             raise ConnectionError("process died between MULTI and EXEC")
 
