@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,25 @@ from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnSpec
 
 log = logging.getLogger(__name__)
+
+
+_COMMIT_SLOTS: weakref.WeakKeyDictionary[aioredis.Redis, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _commit_slots(client: aioredis.Redis) -> asyncio.Semaphore:
+    """How many shard commits may run at once on ``client``'s pool: half of it.
+
+    A commit holds two pooled connections at once (the WATCHed one and a pipelined reader).
+    Unbounded, enough concurrent commits each take one and wait forever for a second: 500
+    resume claims at once froze the RecoveryActor that way (``phaseline bench``).
+    """
+    slots = _COMMIT_SLOTS.get(client)
+    if slots is None:
+        size = getattr(client.connection_pool, "max_connections", None) or 64
+        slots = _COMMIT_SLOTS[client] = asyncio.Semaphore(max(1, min(size, 2**16) // 2))
+    return slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +148,24 @@ class RedisCheckpointStore:
             if n == len(rounds):
                 rounds.append(defaultdict(list))
             rounds[n][self.keys.shard_of(w.record.turn_id)].append(i)
+        slots = _commit_slots(self.client)
         for by_shard in rounds:
             await asyncio.gather(
-                *(self._commit_shard(writes, idx, results) for idx in by_shard.values())
+                *(self._commit_shard(writes, idx, results, slots) for idx in by_shard.values())
             )
         return [r if r is not None else StoreError("not written") for r in results]
 
     async def _commit_shard(
+        self,
+        writes: Sequence[_Write],
+        idx: list[int],
+        results: list[SaveAck | StoreError | None],
+        slots: asyncio.Semaphore,
+    ) -> None:
+        async with slots:
+            await self._commit_shard_now(writes, idx, results)
+
+    async def _commit_shard_now(
         self,
         writes: Sequence[_Write],
         idx: list[int],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 import redis.asyncio as aioredis
@@ -17,6 +19,7 @@ from bus.errors import (
 )
 from store.checkpoint import RedisCheckpointStore, SaveAck
 from store.codec import EncodedRecord
+from store.connection import connect
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnSpec
 from tests.records_helpers import record
@@ -198,3 +201,36 @@ async def test_keys_of_a_turn_share_one_hash_tag(keys: KeyLayout) -> None:
                   keys.in_progress_of("x"), keys.inbox("x"), keys.quarantined("x"))
     }  # fmt: skip
     assert len(tags) == 1 and tags.pop().startswith(f"{keys.namespace}:{{s")
+
+
+async def test_many_concurrent_commits_on_a_small_pool_all_finish(
+    redis_url: str, keys: KeyLayout
+) -> None:
+    # Each commit holds two connections at once; without a bound, 50 of them on a pool of 4
+    # each take one and wait forever for the second.
+    client = connect(redis_url, max_connections=4)
+    try:
+        store = RedisCheckpointStore(client, keys)
+        saves = [store.save(record(f"p{i}", seq=1)) for i in range(50)]
+        acks = await asyncio.wait_for(asyncio.gather(*saves), 30)
+        assert {a.turn_id for a in acks} == {f"p{i}" for i in range(50)}
+    finally:
+        await client.aclose()
+
+
+def test_wire_form_rejects_a_bad_hash_and_keeps_a_good_one() -> None:
+    good = EncodedRecord.of(record("w1", seq=2))
+    again = EncodedRecord.from_wire(good.to_wire())
+    assert (again.turn_id, again.epoch, again.seq, again.in_progress) == ("w1", 1, 2, True)
+    assert again.fields == good.fields
+    for bad in (
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb({**good.fields, "extra": 1}),
+        msgpack.packb({**good.fields, "epoch": "1"}),
+        msgpack.packb({**good.fields, "phase": "dancing"}),
+        msgpack.packb({**good.fields, "schema": 99}),
+        msgpack.packb({**good.fields, "in_progress": 2}),
+    ):
+        with pytest.raises(ValueError):
+            EncodedRecord.from_wire(bad)
