@@ -68,6 +68,9 @@ class SupervisorSettings(_Section):
     """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
     adopt_interval_s: float = Field(default=10.0, gt=0)
     """How often live hosts re-adopt in-progress turns of their slot that they do not run."""
+    standby: bool = True
+    """Keep each slot's next host generation started and idle, so a replacement is ready at
+    once (one more idle process per slot)."""
     kill_replaced: bool = True
     """Kill a replaced host. Off only to observe a zombie being fenced (tests, chaos)."""
 

@@ -80,10 +80,19 @@ class TurnHost:
         return sum(self._spawn(t, self._run_submitted(t)) for t in turn_ids)
 
     async def adopt(self) -> int:
-        """Resume every in-progress turn of this slot that is not running here."""
+        """Resume every in-progress turn of this slot that is not running here, planned in
+        one batch (each turn starts as soon as the batch is planned)."""
         ids = await self.engine.store.list_in_progress()
-        mine = [t for t in ids if self.dep.slot_of(t) == self.slot]
-        return sum(self._spawn(t, self._resume(t)) for t in mine)
+        mine = [t for t in ids if self.dep.slot_of(t) == self.slot and t not in self._tasks]
+        if not mine:
+            return 0
+        plans = asyncio.ensure_future(self._plan(mine))
+        return sum(self._spawn(t, self._resume_planned(t, i, plans)) for i, t in enumerate(mine))
+
+    async def park(self) -> None:
+        """Never returns: the Supervisor keeps one call parked here, so Ray tells it the moment
+        this process dies (the call fails) instead of at its next ping."""
+        await asyncio.Event().wait()
 
     async def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
         return self.engine.cancel_llm(turn_id, epoch, cause)
@@ -132,14 +141,24 @@ class TurnHost:
         return await self._resume(turn_id)
 
     async def _resume(self, turn_id: str) -> TurnOutcome:
-        return await self.engine.resume(turn_id, await self._plan(turn_id))
+        (plan,) = await self._plan([turn_id])
+        return await self.engine.resume(turn_id, plan)
 
-    async def _plan(self, turn_id: str) -> ResumePlan:
+    async def _resume_planned(
+        self, turn_id: str, index: int, plans: asyncio.Future[list[ResumePlan]]
+    ) -> TurnOutcome:
+        return await self.engine.resume(turn_id, (await plans)[index])
+
+    async def _plan(self, turn_ids: list[str]) -> list[ResumePlan]:
         """Ask the RecoveryActor; while it restarts, plan here with the same function."""
         try:
             actor = ray.get_actor(self.dep.name("recovery"), namespace=RAY_NAMESPACE)
-            return ResumePlan.from_wire(await actor.plan.remote(turn_id))
+            return [ResumePlan.from_wire(w) for w in await actor.plan_many.remote(turn_ids)]
         except (RayActorError, ValueError) as exc:
-            log.warning("recovery actor unavailable (%s); planning %s locally", exc, turn_id)
+            log.warning("recovery actor unavailable (%s); planning %d locally", exc, len(turn_ids))
             e = self.engine
-            return await plan_resume(e.store, e.ledger, e.inbox, turn_id)
+            return list(
+                await asyncio.gather(
+                    *(plan_resume(e.store, e.ledger, e.inbox, t) for t in turn_ids)
+                )
+            )

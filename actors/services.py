@@ -135,10 +135,14 @@ class RecoveryActor:
         self.inbox = Inbox(self.client, keys)
         self.plans = 0
 
-    async def plan(self, turn_id: str) -> bytes:
-        """Claim ``turn_id`` for a new owner; the plan in msgpack wire form."""
-        self.plans += 1
-        return (await plan_resume(self.store, self.ledger, self.inbox, turn_id)).to_wire()
+    async def plan_many(self, turn_ids: list[str]) -> list[bytes]:
+        """Claim each turn for a new owner; the plans in msgpack wire form, in order. One call
+        for a whole host's turns: a new host adopts hundreds at once."""
+        self.plans += len(turn_ids)
+        plans = await asyncio.gather(
+            *(plan_resume(self.store, self.ledger, self.inbox, t) for t in turn_ids)
+        )
+        return [p.to_wire() for p in plans]
 
     async def decide(self, problem: str, **situation: Any) -> dict[str, Any]:
         """``decide_recovery`` for callers outside a turn loop (operators, tests)."""

@@ -3,9 +3,12 @@
 Every ``ping_interval_s`` it makes sure the singleton services exist (CheckpointActor,
 WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every host slot:
 
-* a host that is gone (``RayActorError``, or no actor under its name) is replaced at once;
+* a host that is gone (``RayActorError``, or no actor under its name) is replaced at once: a
+  call parked on each host fails the moment Ray sees its process die, which triggers the
+  check without waiting for the next ping;
 * a host that misses ``ping_misses`` pings in a row (hung, or SIGSTOPped) is replaced too;
-* a replacement is a new *generation* (a new named actor). It is recorded in Redis, asked to
+* a replacement is a new *generation* (a new named actor), already started as an idle standby
+  when the previous one was spawned (``standby``). It is recorded in Redis, asked to
   adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
   epoch, so the old incarnation is fenced), and the old actor is killed, best effort;
 * a host incarnation seen for the first time (e.g. after a restart of the whole deployment)
@@ -49,6 +52,8 @@ class Supervisor:
         self._adopted: set[str] = set()
         self._misses: dict[int, int] = defaultdict(int)
         self._last_adopt: dict[int, float] = defaultdict(float)
+        self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Boot itself, also after Ray restarted it: nobody else may be around to ask.
@@ -82,6 +87,7 @@ class Supervisor:
         gens = await self.hosts.generations()
         for slot, gen in gens.items():
             _kill(self.dep.host_name(slot, gen))
+            _kill(self.dep.host_name(slot, gen + 1))  # the standby
         for role in SERVICES:
             _kill(self.dep.name(role))
         for pool in _tool_pools():
@@ -119,13 +125,17 @@ class Supervisor:
                     max_concurrency=10_000,
                     resources=resources or None,
                 ).remote(self.dep.to_wire())
-        gens = await self.hosts.generations()
         await asyncio.gather(
             *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
-            *(self._check_slot(slot, gens.get(slot)) for slot in range(self.dep.hosts)),
+            *(self._check_slot(slot) for slot in range(self.dep.hosts)),
         )
 
-    async def _check_slot(self, slot: int, gen: int | None) -> None:
+    async def _check_slot(self, slot: int) -> None:
+        """One check at a time per slot (the watch loop and a death notice may both ask)."""
+        async with self._locks[slot]:
+            await self._check_slot_now(slot, (await self.hosts.generations()).get(slot))
+
+    async def _check_slot_now(self, slot: int, gen: int | None) -> None:
         cfg = self.dep.settings.supervisor
         if gen is None:
             await self._spawn(slot, 0)
@@ -141,6 +151,7 @@ class Supervisor:
                 await self._replace(slot, gen, handle)
             return
         self._misses[slot] = 0
+        self._park(slot, gen, handle)
         now = time.monotonic()
         fresh = info["incarnation"] not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
@@ -151,20 +162,44 @@ class Supervisor:
             self._last_adopt[slot] = now
 
     async def _spawn(self, slot: int, generation: int) -> Any:
-        handle = TurnHost.options(  # type: ignore[attr-defined]
+        handle = self._host(slot, generation)
+        info = await handle.hello.remote()
+        await self.hosts.set_generation(slot, generation)
+        self._park(slot, generation, handle)
+        await handle.adopt.remote()
+        self._adopted.add(info["incarnation"])
+        self._misses[slot] = 0
+        self._last_adopt[slot] = time.monotonic()
+        if self.dep.settings.supervisor.standby:
+            # The next generation, started now and idle until it is needed: replacing a dead
+            # host then costs no process start and no imports.
+            self._host(slot, generation + 1)
+        return handle
+
+    def _host(self, slot: int, generation: int) -> Any:
+        return TurnHost.options(  # type: ignore[attr-defined]
             name=self.dep.host_name(slot, generation),
             namespace=RAY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
             max_concurrency=10_000,
         ).remote(self.dep.to_wire(), slot, generation)
-        info = await handle.hello.remote()
-        await self.hosts.set_generation(slot, generation)
-        await handle.adopt.remote()
-        self._adopted.add(info["incarnation"])
-        self._misses[slot] = 0
-        self._last_adopt[slot] = time.monotonic()
-        return handle
+
+    def _park(self, slot: int, generation: int, handle: Any) -> None:
+        """Keep a call parked on the slot's host; its failure is the death notice."""
+        parked = self._parked.get(slot)
+        if parked is not None and parked[0] == generation and not parked[1].done():
+            return
+        self._parked[slot] = (generation, asyncio.ensure_future(self._on_death(slot, handle)))
+
+    async def _on_death(self, slot: int, handle: Any) -> None:
+        with contextlib.suppress(RayActorError):
+            await handle.park.remote()
+        if not self._stopping:
+            try:
+                await self._check_slot(slot)
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("supervisor: %s; the watch loop retries", exc)
 
     async def _replace(self, slot: int, generation: int, old: Any) -> None:
         await self._spawn(slot, generation + 1)
