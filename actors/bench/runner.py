@@ -7,19 +7,21 @@ to itself (with its baseline measured right beside it).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import ray
+from ray.exceptions import RayError
 
 from actors.bench.probe import BenchProbe
 from actors.bench.recovery import host_kill_recovery, ray_restart_ms
@@ -28,7 +30,7 @@ from actors.bench.workload import deployed, durability_overhead, host_capacity, 
 from actors.config import Settings
 from actors.percentiles import summarize
 from actors.scenario import load_scenario
-from bus.errors import ConfigError
+from bus.errors import ConfigError, PhaselineError
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, translated
 from store.keys import KeyLayout
@@ -164,55 +166,53 @@ async def run_bench(
     fast = load_scenario(SCENARIOS / "bench.toml")
     slow = load_scenario(SCENARIOS / "bench_slow.toml")
 
-    def done(name: str, data: Any) -> None:
-        fig[name] = data
-        on_figure(name, data)
-
-    if "sizes" in figures:
+    async def sizes() -> Any:
         client = connect(url)
         try:
-            keys = KeyLayout(f"benchsize{int(started)}", base.redis.shards)
-            store = RedisCheckpointStore(client, keys)
-            done(
-                "bytes_per_checkpoint",
-                await checkpoint_sizes(
-                    client, store, lengths=cfg.size_lengths, payload_bytes=cfg.payload_bytes
-                ),
+            store = RedisCheckpointStore(client, KeyLayout(f"benchsize{int(started)}"))
+            return await checkpoint_sizes(
+                client, store, lengths=cfg.size_lengths, payload_bytes=cfg.payload_bytes
             )
         finally:
             await client.aclose()
-    if {"latency", "throughput"} & set(figures):
-        for name, data in (await _probe_figures(base, url, cfg, figures)).items():
-            done(name, data)
-    if "durability" in figures:
-        done(
-            "durability_overhead",
-            await durability_overhead(
-                base, url, fast, turns=cfg.durability_turns, reps=cfg.durability_reps, hosts=2
-            ),
-        )
-    if "scaling" in figures:
-        done(
-            "turns_per_s_by_hosts",
-            await host_scaling(
-                base, url, fast, turns=cfg.scaling_turns, host_counts=cfg.host_counts
-            ),
-        )
-    if "capacity" in figures:
-        done(
-            "host_capacity",
-            await host_capacity(
-                base, url, slow, ladder=cfg.capacity_ladder, slowdown_max=cfg.slowdown_max
-            ),
-        )
-    if "recovery" in figures:
+
+    async def recovery() -> Any:
         restarts = await ray_restart_ms(cfg.ray_restarts)
         kill = await host_kill_recovery(base, url, slow, turns=cfg.recovery_turns)
         baseline = statistics.median(restarts)
         kill["baseline_ray_restart_ms"] = summarize(restarts)
         kill["ratio_p50"] = _ratio(kill["latency_ms"]["p50"], baseline)
         kill["ratio_p99"] = _ratio(kill["latency_ms"]["p99"], baseline)
-        done("recovery", kill)
+        return kill
+
+    plan: list[tuple[str, str, Callable[[], Awaitable[Any]]]] = [
+        ("sizes", "bytes_per_checkpoint", sizes),
+        ("probe", "checkpoint_latency+checkpoint_throughput",
+         lambda: _probe_figures(base, url, cfg, figures)),
+        ("durability", "durability_overhead",
+         lambda: durability_overhead(base, url, fast, turns=cfg.durability_turns,
+                                     reps=cfg.durability_reps, hosts=2)),
+        ("scaling", "turns_per_s_by_hosts",
+         lambda: host_scaling(base, url, fast, turns=cfg.scaling_turns,
+                              host_counts=cfg.host_counts)),
+        ("capacity", "host_capacity",
+         lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder,
+                               slowdown_max=cfg.slowdown_max)),
+        ("recovery", "recovery", recovery),
+    ]  # fmt: skip
+    for figure, name, measure in plan:
+        wanted = {"latency", "throughput"} if figure == "probe" else {figure}
+        if not wanted & set(figures):
+            continue
+        try:
+            data = await measure()
+        except (PhaselineError, RayError, asyncio.TimeoutError) as exc:
+            # Reported, not fatal: the other figures are still worth having.
+            data = {"error": f"{type(exc).__name__}: {exc}"}
+        results = data if figure == "probe" and "error" not in data else {name: data}
+        for key, value in results.items():
+            fig[key] = value
+            on_figure(key, value)
     return {
         "machine": await machine(url),
         "config": dataclasses.asdict(cfg),
@@ -230,73 +230,71 @@ def _target(name: str, value: float | None, op: str, bound: float, note: str) ->
 
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
     """The four targets of issue 5 (the first and the last have two parts each), for the
-    figures measured; a target whose figure was not measured is absent."""
+    figures measured; a figure that failed gives its targets no value, and its error."""
     out = []
+
+    def add(name: str, value: Any, op: str, bound: float, note: str, data: dict[str, Any]) -> None:
+        out.append(_target(name, value, op, bound, data.get("error", note)))
+
     thr = fig.get("checkpoint_throughput")
-    row = next((r for r in thr["rows"] if r["turns"] == 1000), None) if thr else None
-    if row is not None:
-        out.append(
-            _target(
-                "checkpoint_saves_per_s_at_1000_turns",
-                row["batched_saves_per_s"],
-                ">=",
-                10_000,
-                "batched path, through the CheckpointActor",
-            )
+    if thr is not None:
+        row: dict[str, Any] = next((r for r in thr.get("rows", []) if r["turns"] == 1000), {})
+        add(
+            "checkpoint_saves_per_s_at_1000_turns",
+            row.get("batched_saves_per_s"),
+            ">=",
+            10_000,
+            "batched path, through the CheckpointActor",
+            thr,
         )
-        out.append(
-            _target(
-                "checkpoint_batched_vs_unbatched_at_1000_turns",
-                row["ratio_to_unbatched"],
-                ">=",
-                5,
-                "ratio of saves/s",
-            )
+        add(
+            "checkpoint_batched_vs_unbatched_at_1000_turns",
+            row.get("ratio_to_unbatched"),
+            ">=",
+            5,
+            "ratio of saves/s",
+            thr,
         )
     dur = fig.get("durability_overhead")
     if dur is not None:
-        out.append(
-            _target(
-                "durability_overhead_pct",
-                dur["overhead_pct"],
-                "<=",
-                10,
-                f"{dur['turns']} concurrent turns of {dur['scenario']}",
-            )
+        add(
+            "durability_overhead_pct",
+            dur.get("overhead_pct"),
+            "<=",
+            10,
+            f"{dur.get('turns')} concurrent turns of {dur.get('scenario')}",
+            dur,
         )
     rec = fig.get("recovery")
     if rec is not None:
-        out.append(
-            _target(
-                "recovery_p99_vs_ray_restart",
-                rec["ratio_p99"],
-                "<=",
-                2,
-                f"{rec['turns']} turns on the killed host; baseline: the median "
-                "empty-actor restart",
-            )
+        add(
+            "recovery_p99_vs_ray_restart",
+            rec.get("ratio_p99"),
+            "<=",
+            2,
+            f"{rec.get('turns')} turns on the killed host; baseline: the median empty-actor "
+            "restart",
+            rec,
         )
     cap = fig.get("host_capacity")
     if cap is not None:
-        steps = [r["turns"] for r in cap["rows"]]
-        out.append(
-            _target(
-                "concurrent_turns_per_host",
-                cap["max_turns_held"],
-                ">=",
-                5000,
-                f"largest step held of {steps}",
-            )
+        steps = [r["turns"] for r in cap.get("rows", [])]
+        add(
+            "concurrent_turns_per_host",
+            cap.get("max_turns_held"),
+            ">=",
+            5000,
+            f"largest step held of {steps}",
+            cap,
         )
-        b = cap["bytes_per_turn_at_max"]
-        out.append(
-            _target(
-                "memory_kib_per_turn_beyond_transcript",
-                None if b is None else round(b / 1024, 1),
-                "<=",
-                50,
-                "at the largest step held",
-            )
+        b = cap.get("bytes_per_turn_at_max")
+        add(
+            "memory_kib_per_turn_beyond_transcript",
+            None if b is None else round(b / 1024, 1),
+            "<=",
+            50,
+            "at the largest step held",
+            cap,
         )
     return out  # fmt: skip
 

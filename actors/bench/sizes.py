@@ -99,7 +99,7 @@ async def checkpoint_sizes(
         record = bench_record(f"bench-size-{n}", messages=n, payload_bytes=payload_bytes)
         await store.save(record)
         with translated("measure record memory"):
-            memory = await client.memory_usage(store.keys.turn(record.turn_id))
+            memory = await client.memory_usage(store.keys.turn(record.turn_id), samples=0)
         base = transcript_bytes(record)
         stored = hash_bytes(record)
         rows.append(

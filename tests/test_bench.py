@@ -1,0 +1,101 @@
+"""The bench: its figure arithmetic and targets alone, then a miniature run on real Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import redis.asyncio as aioredis
+
+from actors.bench.runner import FIGURES, QUICK, parse_figures, run_bench, targets
+from actors.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
+from actors.config import Settings
+from actors.percentiles import summarize
+from bus.errors import ConfigError
+from store.checkpoint import RedisCheckpointStore
+from store.keys import KeyLayout
+
+
+def test_figures_parse_and_refuse_unknown_names() -> None:
+    assert parse_figures("all") == FIGURES
+    assert parse_figures(" sizes, recovery ") == ("sizes", "recovery")
+    for bad in ("sizes,speed", "", ","):
+        with pytest.raises(ConfigError):
+            parse_figures(bad)
+
+
+def test_summary_is_nearest_rank() -> None:
+    s = summarize(float(i) for i in range(1, 101))
+    assert (s["n"], s["p50"], s["p99"], s["max"], s["mean"]) == (100, 51.0, 100.0, 100.0, 50.5)
+    assert summarize([])["p99"] is None
+
+
+def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
+    fig = {
+        "checkpoint_throughput": {
+            "rows": [{"turns": 1000, "batched_saves_per_s": 12_000, "ratio_to_unbatched": 4.0}]
+        },
+        "durability_overhead": {"overhead_pct": 8.0, "turns": 1000, "scenario": "bench"},
+        "recovery": {"error": "PhaselineError: boom"},
+        "host_capacity": {"max_turns_held": 5000, "bytes_per_turn_at_max": 60 * 1024, "rows": []},
+    }
+    got = {t["name"]: t for t in targets(fig)}
+    assert got["checkpoint_saves_per_s_at_1000_turns"]["met"] is True
+    assert got["checkpoint_batched_vs_unbatched_at_1000_turns"]["met"] is False
+    assert got["durability_overhead_pct"]["met"] is True
+    assert got["recovery_p99_vs_ray_restart"] == {
+        "name": "recovery_p99_vs_ray_restart", "value": None, "target": "<= 2", "met": False,
+        "note": "PhaselineError: boom",
+    }  # fmt: skip
+    assert got["concurrent_turns_per_host"]["met"] is True
+    assert got["memory_kib_per_turn_beyond_transcript"]["value"] == 60.0
+    assert got["memory_kib_per_turn_beyond_transcript"]["met"] is False
+    assert set(t["name"] for t in targets({})) == set()
+
+
+def test_bench_records_have_the_length_asked_and_weigh_more_than_their_text() -> None:
+    for n in (2, 10, 11, 500):
+        r = bench_record("b", messages=n, payload_bytes=100)
+        assert len(r.messages) == len(r.meta) == n
+    r = bench_record("b", messages=50, payload_bytes=500)
+    assert transcript_bytes(r) >= 48 * 500
+    assert hash_bytes(r) > transcript_bytes(r)
+
+
+async def test_checkpoint_sizes_grow_with_the_transcript(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    rows = await checkpoint_sizes(
+        real_client, RedisCheckpointStore(real_client, keys), lengths=(10, 100), payload_bytes=500
+    )
+    assert [r["messages"] for r in rows] == [10, 100]
+    small, big = rows
+    assert big["hash_bytes"] > 5 * small["hash_bytes"]
+    assert big["redis_memory_bytes"] > big["hash_bytes"] > big["transcript_bytes"]
+    assert 1.0 < big["ratio_hash_to_transcript"] < 2.0
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_a_miniature_bench_measures_each_figure_beside_its_baseline(redis_url: str) -> None:
+    cfg = dataclasses.replace(
+        QUICK, latency_saves=20, throughput_turns=(1, 20), throughput_s=0.3,
+        recovery_turns=20, ray_restarts=1,
+    )  # fmt: skip
+    report = await run_bench(
+        Settings(), redis_url, cfg, figures=("latency", "throughput", "recovery")
+    )
+    fig = report["figures"]
+    lat = fig["checkpoint_latency"]
+    assert lat["actor_ms"]["n"] == lat["baseline_bare_multi_exec_ms"]["n"] == 20
+    assert lat["ratio_p50"] > 0
+    rows = fig["checkpoint_throughput"]["rows"]
+    assert [r["turns"] for r in rows] == [1, 20]
+    assert all(r["batched_saves_per_s"] > 0 and r["ratio_to_raw"] > 0 for r in rows)
+    rec = fig["recovery"]
+    assert "error" not in rec
+    assert rec["recovered"] == rec["answered"] == rec["in_flight_at_kill"] == 20
+    assert rec["latency_ms"]["n"] == 20 and rec["baseline_ray_restart_ms"]["n"] == 1
+    got = {t["name"]: t for t in report["targets"]}
+    assert got["recovery_p99_vs_ray_restart"]["value"] == rec["ratio_p99"]
+    assert got["checkpoint_saves_per_s_at_1000_turns"]["value"] is None  # not measured here
+    assert report["machine"]["cpus"] >= 1
