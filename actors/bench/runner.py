@@ -64,8 +64,6 @@ class BenchConfig:
     """Host counts of the host-count figure."""
     capacity_ladder: tuple[int, ...]
     """Concurrent turns tried on one host."""
-    slowdown_max: float = 2.0
-    """A capacity step is held if the median turn is at most this much slower than scripted."""
     recovery_turns: int = 500
     """Turns in flight on the host that is killed."""
     ray_restarts: int
@@ -196,8 +194,7 @@ async def run_bench(
          lambda: host_scaling(base, url, fast, turns=cfg.scaling_turns,
                               host_counts=cfg.host_counts)),
         ("capacity", "host_capacity",
-         lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder,
-                               slowdown_max=cfg.slowdown_max)),
+         lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder)),
         ("recovery", "recovery", recovery),
     ]  # fmt: skip
     for figure, name, measure in plan:

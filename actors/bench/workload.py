@@ -112,12 +112,15 @@ async def host_scaling(
 
 
 async def host_capacity(
-    base: Settings, url: str, scenario: Scenario, *, ladder: tuple[int, ...], slowdown_max: float
+    base: Settings, url: str, scenario: Scenario, *, ladder: tuple[int, ...]
 ) -> dict[str, Any]:
     """Figure 5a: one host, ``n`` concurrent turns per step. A step is *held* when every turn
-    answers and the median turn takes at most ``slowdown_max`` times its scripted duration.
-    Memory per turn is the host's peak RSS growth over its idle RSS, per turn, minus the
-    encoded transcript and meta of a finished turn."""
+    answers and the host was never replaced (it kept answering the Supervisor's pings while
+    it held them all). How much slower than scripted the turns ran is reported beside it
+    (``slowdown``, the median turn over its scripted duration), not folded into "held": a
+    host can hold more turns than its CPU can drive at full speed. Memory per turn is the
+    host's peak RSS growth over its idle RSS, per turn, minus the encoded transcript and meta
+    of a finished turn."""
     ideal_ms = (scenario.rounds + 1) * scenario.llm_latency_ms + (
         scenario.rounds * scenario.tool_latency_ms
     )
@@ -132,6 +135,7 @@ async def host_capacity(
             finally:
                 done.set()
                 peak = await sampler
+            respawns = await rt.respawns()
         durations = [r.updated_at - r.meta[0].at_ms for r in finals.values()]
         slowdown = statistics.median(durations) / ideal_ms
         encoded = encode_record(next(iter(finals.values())))
@@ -150,14 +154,14 @@ async def host_capacity(
                 "slowdown": round(slowdown, 2),
                 "wall_s": round(wall, 2),
                 "outcomes": outcomes,
-                "held": outcomes == {"answered": n} and slowdown <= slowdown_max,
+                "respawns": respawns,
+                "held": outcomes == {"answered": n} and respawns == 0,
             }
         )
     held = [r for r in rows if r["held"]]
     best = max(held, key=lambda r: r["turns"]) if held else None
     return {
         "scenario": scenario.name,
-        "slowdown_max": slowdown_max,
         "max_turns_held": best["turns"] if best else 0,
         "bytes_per_turn_at_max": best["bytes_per_turn_beyond_transcript"] if best else None,
         "rows": rows,
