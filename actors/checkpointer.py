@@ -4,7 +4,7 @@ Hosts never write checkpoints themselves: a :class:`CheckpointClient` queues eac
 snapshot and sends whatever has queued while the previous call was in flight as one batch, so
 checkpoint throughput is not capped by one Ray call per save. The actor validates each record
 and writes the batch with :meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one
-WATCH + MULTI/EXEC per shard). Records cross Ray as msgpack, never as pickles.
+pipeline of fenced save scripts). Records cross Ray as msgpack, never as pickles.
 
 Where a batch goes is a :data:`BatchSender`: :func:`actor_sender` (the CheckpointActor, what
 hosts use) or :func:`local_sender` (the same validation and transactions in this process, the

@@ -1,24 +1,21 @@
 """The checkpoint store: atomic, fenced saves of whole turn records.
 
-A save is one ``MULTI/EXEC`` under ``WATCH`` of the record: ``HSET`` of every field, ``XADD`` of
-the checkpoint event, and the in-progress index update, all or nothing. Before ``MULTI`` the
-stored ``epoch`` and ``seq`` are compared with the writer's: an older epoch (a zombie owner) or a
-seq that is not newer (a replayed or racing save) is refused with :class:`StaleOwner`. If another
-writer touches the record between ``WATCH`` and ``EXEC`` the transaction aborts and the check is
-redone, so the refusal is decided on what is really stored.
+A save is one server-side script (:data:`_SAVE_LUA`) that reads the stored ``epoch`` and
+``seq``, refuses an older epoch (a zombie owner) or a seq that is not newer (a replayed or
+racing save) with :class:`StaleOwner`, and otherwise does ``HSET`` of every field, ``XADD`` of
+the checkpoint event and the in-progress index update. Redis runs a script to the end before
+any other command, so the check and the writes are one atomic step, exactly what DESIGN's
+``WATCH`` + ``MULTI/EXEC`` gives, in one round trip instead of three and with no retry when
+another writer races (docs/ARCHITECTURE.md says why the script, with the measurement).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import weakref
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis
 import redis.asyncio as aioredis
 
 from bus.errors import (
@@ -37,24 +34,37 @@ from store.records import CheckpointRecord, TurnSpec
 
 log = logging.getLogger(__name__)
 
-
-_COMMIT_SLOTS: weakref.WeakKeyDictionary[aioredis.Redis, asyncio.Semaphore] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _commit_slots(client: aioredis.Redis) -> asyncio.Semaphore:
-    """How many shard commits may run at once on ``client``'s pool: half of it.
-
-    A commit holds two pooled connections at once (the WATCHed one and a pipelined reader).
-    Unbounded, enough concurrent commits each take one and wait forever for a second: 500
-    resume claims at once froze the RecoveryActor that way (``phaseline bench``).
-    """
-    slots = _COMMIT_SLOTS.get(client)
-    if slots is None:
-        size = getattr(client.connection_pool, "max_connections", None) or 64
-        slots = _COMMIT_SLOTS[client] = asyncio.Semaphore(max(1, min(size, 2**16) // 2))
-    return slots
+_SAVE_LUA = """
+-- KEYS: record hash, shard events stream, shard in-progress set [, spec key of a submission]
+-- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
+--       spec value (or ''), then the record's hash fields as field, value, ...
+local record = KEYS[1]
+if KEYS[4] and redis.call('EXISTS', record, KEYS[4]) > 0 then
+  return {'exists'}
+end
+local stored = redis.call('HMGET', record, 'epoch', 'seq')
+if stored[1] or stored[2] then
+  local e, s = tonumber(stored[1]), tonumber(stored[2])
+  if not e or not s then
+    return {'unreadable', stored[1] or '', stored[2] or ''}
+  end
+  local epoch, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
+  if e > epoch then return {'stale_epoch', stored[1], stored[2]} end
+  if e == epoch and s == seq then return {'already', stored[1], stored[2]} end
+  if seq <= s then return {'stale_seq', stored[1], stored[2]} end
+end
+redis.call('HSET', record, unpack(ARGV, 9))
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*',
+  'turn_id', ARGV[3], 'epoch', ARGV[1], 'seq', ARGV[2], 'phase', ARGV[4],
+  'reason', ARGV[5], 'in_progress', ARGV[6])
+if ARGV[6] == '1' then
+  redis.call('SADD', KEYS[3], ARGV[3])
+else
+  redis.call('SREM', KEYS[3], ARGV[3])
+end
+if KEYS[4] then redis.call('SET', KEYS[4], ARGV[8]) end
+return {'ok', id}
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +84,7 @@ class SaveAck:
 @dataclass(frozen=True, slots=True)
 class _Write:
     record: EncodedRecord
-    extra: tuple[str, bytes] | None = None
+    spec: tuple[str, bytes] | None = None
     """For a submission: the spec key and value, written with the record if neither exists."""
 
 
@@ -92,17 +102,12 @@ class RedisCheckpointStore:
     """Checkpoint records in Redis, keyed by :class:`~store.keys.KeyLayout`."""
 
     def __init__(
-        self,
-        client: aioredis.Redis,
-        keys: KeyLayout,
-        *,
-        events_maxlen: int = 100_000,
-        watch_retries: int = 16,
+        self, client: aioredis.Redis, keys: KeyLayout, *, events_maxlen: int = 100_000
     ) -> None:
         self.client = client
         self.keys = keys
         self.events_maxlen = events_maxlen
-        self.watch_retries = watch_retries
+        self._save_script = client.register_script(_SAVE_LUA)
 
     async def submit(self, spec: TurnSpec, record: CheckpointRecord) -> SaveAck:
         """Create one turn (see :meth:`submit_many`); raises :class:`TurnExists`."""
@@ -114,9 +119,9 @@ class RedisCheckpointStore:
     async def submit_many(
         self, turns: Sequence[tuple[TurnSpec, CheckpointRecord]]
     ) -> list[SaveAck | StoreError]:
-        """Create turns: spec and first record in one transaction per shard; refuse duplicates."""
+        """Create turns: spec and first record in one atomic step each; refuse duplicates."""
         writes = [
-            _Write(EncodedRecord.of(rec), extra=(self.keys.spec(spec.turn_id), pack_model(spec)))
+            _Write(EncodedRecord.of(rec), spec=(self.keys.spec(spec.turn_id), pack_model(spec)))
             for spec, rec in turns
         ]
         return await self._commit(writes)
@@ -131,162 +136,67 @@ class RedisCheckpointStore:
     async def save_many(
         self, records: Sequence[CheckpointRecord | EncodedRecord]
     ) -> list[SaveAck | StoreError]:
-        """Group commit: the records of one shard go in one WATCH + MULTI/EXEC, shards run
-        concurrently. Each record gets its own answer, in order: an ack, :class:`StaleOwner`
-        (:class:`AlreadySaved` for a replay of a save that already landed), or another
-        :class:`StoreError`. A refused record never holds back the others."""
+        """Group commit: every save of the batch in one pipeline (one round trip), applied
+        in order, each atomic and fenced on its own. Each record gets its own answer, in
+        order: an ack, :class:`StaleOwner` (:class:`AlreadySaved` for a replay of a save
+        that already landed), or another :class:`StoreError`. A refused record never holds
+        back the others."""
         return await self._commit([_Write(_encoded(r)) for r in records])
 
     async def _commit(self, writes: Sequence[_Write]) -> list[SaveAck | StoreError]:
-        results: list[SaveAck | StoreError | None] = [None] * len(writes)
-        # One round per occurrence of a turn, so two saves of one turn never share a MULTI.
-        rounds: list[dict[int, list[int]]] = []
-        seen: dict[str, int] = defaultdict(int)
-        for i, w in enumerate(writes):
-            n = seen[w.record.turn_id]
-            seen[w.record.turn_id] += 1
-            if n == len(rounds):
-                rounds.append(defaultdict(list))
-            rounds[n][self.keys.shard_of(w.record.turn_id)].append(i)
-        slots = _commit_slots(self.client)
-        for by_shard in rounds:
-            await asyncio.gather(
-                *(self._commit_shard(writes, idx, results, slots) for idx in by_shard.values())
-            )
-        return [r if r is not None else StoreError("not written") for r in results]
-
-    async def _commit_shard(
-        self,
-        writes: Sequence[_Write],
-        idx: list[int],
-        results: list[SaveAck | StoreError | None],
-        slots: asyncio.Semaphore,
-    ) -> None:
-        async with slots:
-            await self._commit_shard_now(writes, idx, results)
-
-    async def _commit_shard_now(
-        self,
-        writes: Sequence[_Write],
-        idx: list[int],
-        results: list[SaveAck | StoreError | None],
-    ) -> None:
-        keys = [self.keys.turn(writes[i].record.turn_id) for i in idx]
-        extras = [writes[i].extra for i in idx]
-        watched = keys + [e[0] for e in extras if e is not None]
+        if not writes:
+            return []
         try:
-            with translated(f"save {len(idx)} records"):
-                for _ in range(self.watch_retries):
-                    async with self.client.pipeline(transaction=True) as pipe:
-                        try:
-                            await pipe.watch(*watched)
-                            async with self.client.pipeline(transaction=False) as reader:
-                                for key, extra in zip(keys, extras, strict=True):
-                                    reader.hmget(key, "epoch", "seq")
-                                    if extra is not None:
-                                        reader.exists(key, extra[0])
-                                stored = await reader.execute()
-                            live = self._admit(writes, idx, keys, stored, results)
-                            if not live:
-                                await pipe.reset()  # type: ignore[no-untyped-call]
-                                return
-                            pipe.multi()  # type: ignore[no-untyped-call]
-                            for i in live:
-                                self.queue_save(pipe, writes[i].record)
-                                extra = writes[i].extra
-                                if extra is not None:
-                                    pipe.set(extra[0], extra[1])
-                            replies = await pipe.execute()
-                        except redis.WatchError:
-                            continue
-                    per = [4 if writes[i].extra is not None else 3 for i in live]
-                    pos = 0
-                    for i, n in zip(live, per, strict=True):
-                        rec = writes[i].record
-                        results[i] = SaveAck(
-                            rec.turn_id, rec.epoch, rec.seq, text(replies[pos + 1])
-                        )
-                        pos += n
-                    return
-            raise StoreError("records kept changing under WATCH")
+            with translated(f"save {len(writes)} records"):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for w in writes:
+                        await self.queue_save(pipe, w.record, spec=w.spec)
+                    replies = await pipe.execute(raise_on_error=False)
         except StoreError as exc:
-            for i in idx:
-                if results[i] is None:
-                    results[i] = exc
+            return [exc] * len(writes)
+        return [self._answer(w.record, r) for w, r in zip(writes, replies, strict=True)]
 
-    def _admit(
+    async def queue_save(
         self,
-        writes: Sequence[_Write],
-        idx: list[int],
-        keys: list[str],
-        stored: list[object],
-        results: list[SaveAck | StoreError | None],
-    ) -> list[int]:
-        """Indices that pass the fence (or the must-not-exist check); the rest get an error."""
-        live: list[int] = []
-        pos = 0
-        for i, key in zip(idx, keys, strict=True):
-            w = writes[i]
-            fence = stored[pos]
-            pos += 1
-            try:
-                if w.extra is not None:
-                    pos += 1
-                    if stored[pos - 1]:
-                        raise TurnExists(f"turn {w.record.turn_id} already exists")
-                self._check_fence(key, w.record, [_opt_bytes(v) for v in fence])  # type: ignore[attr-defined]
-            except StoreError as exc:
-                results[i] = exc
-                continue
-            results[i] = None
-            live.append(i)
-        return live
-
-    @staticmethod
-    def _check_fence(key: str, record: EncodedRecord, stored: list[bytes | None]) -> None:
-        epoch_raw, seq_raw = stored
-        if epoch_raw is None and seq_raw is None:
-            return
-        try:
-            epoch, seq = int(epoch_raw or b""), int(seq_raw or b"")
-        except ValueError as exc:
-            raise RecordError(key, f"stored epoch/seq unreadable: {stored!r}") from exc
-        if epoch > record.epoch:
-            raise StaleOwner(
-                f"turn {record.turn_id}: epoch {record.epoch} is stale, owner is epoch {epoch}"
-            )
-        if (epoch, seq) == (record.epoch, record.seq):
-            raise AlreadySaved(f"turn {record.turn_id}: epoch {epoch} seq {seq} already stored")
-        if record.seq <= seq:
-            raise StaleOwner(
-                f"turn {record.turn_id}: seq {record.seq} is not newer than stored {seq}"
-            )
-
-    def queue_save(
-        self, pipe: aioredis.client.Pipeline, record: CheckpointRecord | EncodedRecord
+        pipe: aioredis.client.Pipeline,
+        record: EncodedRecord,
+        *,
+        spec: tuple[str, bytes] | None = None,
     ) -> None:
-        """Queue the three writes of one save on a pipeline already in MULTI."""
-        record = _encoded(record)
+        """Queue one fenced save (and, for a submission, its spec) on ``pipe``."""
         turn_id = record.turn_id
-        pipe.hset(self.keys.turn(turn_id), mapping=record.fields)  # type: ignore[arg-type]
-        pipe.xadd(
-            self.keys.events_of(turn_id),
-            {
-                "turn_id": turn_id,
-                "epoch": record.epoch,
-                "seq": record.seq,
-                "phase": record.phase,
-                "reason": record.reason,
-                "in_progress": int(record.in_progress),
-            },
-            maxlen=self.events_maxlen,
-            approximate=True,
-        )
-        index = self.keys.in_progress_of(turn_id)
-        if record.in_progress:
-            pipe.sadd(index, turn_id)
-        else:
-            pipe.srem(index, turn_id)
+        keys = [self.keys.turn(turn_id), self.keys.events_of(turn_id)]
+        keys += [self.keys.in_progress_of(turn_id)] + ([spec[0]] if spec else [])
+        args: list[bytes | str | int] = [
+            record.epoch, record.seq, turn_id, record.phase, record.reason,
+            int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
+        ]  # fmt: skip
+        for name, value in record.fields.items():
+            args += (name, value)
+        await self._save_script(keys=keys, args=args, client=pipe)
+
+    def _answer(self, record: EncodedRecord, reply: object) -> SaveAck | StoreError:
+        """Turn the script's reply for one save into an ack or the typed refusal."""
+        turn, key = record.turn_id, self.keys.turn(record.turn_id)
+        if isinstance(reply, Exception):
+            return StoreError(f"save of {turn} failed in Redis: {reply}")
+        if not isinstance(reply, list) or not reply:
+            return StoreError(f"save of {turn}: unexpected reply {reply!r:.80}")
+        status, *rest = (text(v) if isinstance(v, bytes | str) else str(v) for v in reply)
+        if status == "ok":
+            return SaveAck(turn, record.epoch, record.seq, rest[0])
+        if status == "exists":
+            return TurnExists(f"turn {turn} already exists")
+        stored = f"stored epoch {rest[0]!r} seq {rest[1]!r}" if len(rest) == 2 else "?"
+        if status == "unreadable":
+            return RecordError(key, f"stored epoch/seq unreadable: {stored}")
+        if status == "stale_epoch":
+            return StaleOwner(f"turn {turn}: epoch {record.epoch} is stale, {stored}")
+        if status == "already":
+            return AlreadySaved(f"turn {turn}: seq {record.seq} already stored, {stored}")
+        if status == "stale_seq":
+            return StaleOwner(f"turn {turn}: seq {record.seq} is not newer, {stored}")
+        return StoreError(f"save of {turn}: unknown script answer {status!r}")
 
     async def load(self, turn_id: str) -> CheckpointRecord:
         """The stored record; a record that fails to decode is quarantined and reported."""
@@ -359,7 +269,3 @@ class RedisCheckpointStore:
 
 def _encoded(record: CheckpointRecord | EncodedRecord) -> EncodedRecord:
     return record if isinstance(record, EncodedRecord) else EncodedRecord.of(record)
-
-
-def _opt_bytes(value: bytes | str | None) -> bytes | None:
-    return None if value is None else raw_bytes(value)

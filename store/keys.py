@@ -18,7 +18,7 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{global}:supervisor        hash    supervisor counters (respawns)
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
-written with, in one Redis Cluster slot, so one MULTI/EXEC can touch them all.
+written with, in one Redis Cluster slot, so one save script can touch them all.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from store.checkpoint import RedisCheckpointStore, SaveAck
 from store.codec import EncodedRecord
 from store.connection import connect
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, TurnSpec
+from store.records import TurnSpec
 from tests.records_helpers import record
 
 
@@ -116,22 +116,26 @@ async def test_newer_epoch_takes_over_with_a_newer_seq(store: RedisCheckpointSto
     assert (await store.load("t1")).epoch == 2
 
 
-async def test_a_save_interrupted_before_exec_leaves_the_previous_record_whole(
+async def test_a_save_interrupted_before_it_is_sent_leaves_the_previous_record_whole(
     any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    class DiesBeforeExec(RedisCheckpointStore):
-        def queue_save(
-            self, pipe: aioredis.client.Pipeline, rec: CheckpointRecord | EncodedRecord
+    class DiesBeforeSending(RedisCheckpointStore):
+        async def queue_save(
+            self,
+            pipe: aioredis.client.Pipeline,
+            rec: EncodedRecord,
+            *,
+            spec: tuple[str, bytes] | None = None,
         ) -> None:
-            super().queue_save(pipe, rec)
-            raise ConnectionError("process died between MULTI and EXEC")
+            await super().queue_save(pipe, rec, spec=spec)
+            raise ConnectionError("process died before the save was sent")
 
     good = RedisCheckpointStore(any_client, keys)
     before = record(seq=1, n_turn_messages=2)
     await good.save(before)
     n_events = len(await events(any_client, keys, "t1"))
-    with pytest.raises(StoreError, match="died between MULTI and EXEC"):
-        await DiesBeforeExec(any_client, keys).save(record(seq=2, n_turn_messages=7))
+    with pytest.raises(StoreError, match="died before the save was sent"):
+        await DiesBeforeSending(any_client, keys).save(record(seq=2, n_turn_messages=7))
     assert await good.load("t1") == before
     assert len(await events(any_client, keys, "t1")) == n_events
     await good.save(record(seq=2, n_turn_messages=3))  # the store is still usable
@@ -206,8 +210,8 @@ async def test_keys_of_a_turn_share_one_hash_tag(keys: KeyLayout) -> None:
 async def test_many_concurrent_commits_on_a_small_pool_all_finish(
     redis_url: str, keys: KeyLayout
 ) -> None:
-    # Each commit holds two connections at once; without a bound, 50 of them on a pool of 4
-    # each take one and wait forever for the second.
+    # A commit once held two connections at once (WATCH + reader): 50 of them on a pool of 4
+    # each took one and waited forever for the second. A commit must never need two.
     client = connect(redis_url, max_connections=4)
     try:
         store = RedisCheckpointStore(client, keys)
@@ -234,3 +238,22 @@ def test_wire_form_rejects_a_bad_hash_and_keeps_a_good_one() -> None:
     ):
         with pytest.raises(ValueError):
             EncodedRecord.from_wire(bad)
+
+
+async def test_unreadable_stored_fence_is_a_record_error(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await any_client.hset(keys.turn("t1"), mapping={"epoch": "one", "seq": "1"})
+    with pytest.raises(RecordError, match="unreadable"):
+        await store.save(record(seq=2))
+    assert await any_client.hget(keys.turn("t1"), "epoch") == b"one"  # nothing written
+
+
+async def test_a_redis_error_on_one_save_fails_only_that_save(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await any_client.set(keys.turn("broken"), b"not a hash")
+    results = await store.save_many([record("ok1"), record("broken"), record("ok2")])
+    assert isinstance(results[1], StoreError) and "broken" in str(results[1])
+    assert isinstance(results[0], SaveAck) and isinstance(results[2], SaveAck)
+    assert await store.list_in_progress() == ["ok1", "ok2"]

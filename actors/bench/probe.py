@@ -8,8 +8,8 @@ synthetic turns that do nothing but save, through four paths:
 * ``unbatched``: one Ray call per save to the same actor (concurrent calls, no queue);
 * ``raw``: the same group commit, validation and fenced transactions done in this process,
   without Ray: the ceiling of the Redis side;
-* ``bare``: one plain MULTI/EXEC of the record (HSET + XADD + SADD, no fence), the latency
-  floor of a durable write.
+* ``bare``: one plain MULTI/EXEC of the record (HSET + XADD + SADD, no fence, no script), the
+  latency floor of a durable write.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from actors.checkpointer import CheckpointClient, actor_sender, local_sender, re
 from actors.deployment import RAY_NAMESPACE, Deployment
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.codec import EncodedRecord
 from store.connection import connect, translated
 from store.records import CheckpointRecord
 
@@ -100,8 +101,17 @@ class BenchProbe:
             raise StoreError(f"unbatched save refused: {status}: {detail}")
 
     async def _bare(self, record: CheckpointRecord) -> SaveAck:
+        """The latency floor: the same three writes in one MULTI/EXEC, no fence, no script."""
+        encoded, keys = EncodedRecord.of(record), self.store.keys
         with translated("bare save"):
             async with self.client.pipeline(transaction=True) as pipe:
-                self.store.queue_save(pipe, record)
+                pipe.hset(keys.turn(record.turn_id), mapping=encoded.fields)  # type: ignore[arg-type]
+                pipe.xadd(
+                    keys.events_of(record.turn_id),
+                    {"turn_id": record.turn_id, "epoch": record.epoch, "seq": record.seq},
+                    maxlen=self.store.events_maxlen,
+                    approximate=True,
+                )
+                pipe.sadd(keys.in_progress_of(record.turn_id), record.turn_id)
                 replies = await pipe.execute()
         return SaveAck(record.turn_id, record.epoch, record.seq, str(replies[1]))
