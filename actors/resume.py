@@ -97,18 +97,19 @@ async def plan_resume(
     """Load, inspect and claim one turn. Bad records are quarantined (``unusable``)."""
     try:
         record = await store.load(turn_id)
-        if not record.in_progress:
-            return ResumePlan(turn_id, "finished", detail=record.counters.outcome)
+    except (RecordNotFound, RecordError) as exc:  # deleted under us, or quarantined on load
+        return ResumePlan(turn_id, "unusable", detail=str(exc))
+    if not record.in_progress:
+        return ResumePlan(turn_id, "finished", detail=record.counters.outcome)
+    try:
         spec = await store.load_spec(turn_id)
         scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
         entries = await ledger.entries(turn_id)
-    except RecordNotFound as exc:  # deleted under us: nothing to resume
-        return ResumePlan(turn_id, "unusable", detail=str(exc))
-    except (RecordError, ConfigError) as exc:
-        # A bad record quarantines itself on load; a bad spec or ledger entry takes the
-        # record aside here, so the turn is reported instead of retried forever.
-        if not isinstance(exc, RecordError) or exc.key != store.keys.turn(turn_id):
-            await store.quarantine(turn_id, f"unusable: {exc}")
+    except (RecordNotFound, RecordError, ConfigError) as exc:
+        # An in-progress record whose spec is missing or bad, or whose ledger is unreadable,
+        # can never resume: take it aside, so it is reported once instead of planned again
+        # at every adopt.
+        await store.quarantine(turn_id, f"unusable: {exc}")
         return ResumePlan(turn_id, "unusable", detail=str(exc))
     in_flight = sum(e.state == "dispatched" for e in entries.values())
     pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))

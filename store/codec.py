@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -20,6 +21,7 @@ from store.records import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+Item = TypeVar("Item", bound=BaseModel)
 
 # Whole lists in one pydantic-core call each: per-message model calls were a third of a save's
 # CPU in ``phaseline bench``.
@@ -71,16 +73,68 @@ def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
         "phase": record.phase.value,
         "in_progress": 1 if record.in_progress else 0,
         "reason": record.reason,
-        "messages": pack(_dump_list(_MESSAGES, record.messages)),
-        "meta": pack(_dump_list(_METAS, record.meta)),
+        "messages": _PACKED_MESSAGES.pack(record.messages),
+        "meta": _PACKED_METAS.pack(record.meta),
         "baseline": record.baseline,
         "counters": pack_model(record.counters),
         "updated_at": record.updated_at,
     }
 
 
-def _dump_list(adapter: TypeAdapter[Any], items: Any) -> Any:
-    return adapter.dump_python(items, mode="json", by_alias=True, exclude_defaults=True)
+class _PackMemo(Generic[Item]):
+    """msgpack bytes of transcript entries, remembered per live object.
+
+    Every save packs the turn's whole transcript (never a diff), but between two saves of a turn
+    only the new entries differ, and entries are frozen. So each entry is packed once and its
+    bytes reused while the object lives: a msgpack array is its header followed by its packed
+    elements, so the result is byte for byte what packing the whole list gives. Keyed by
+    identity with a weak reference (entries hold dicts, so they are not hashable, and equality
+    would compare whole payloads); an entry's bytes leave the memo when the entry is collected.
+    Re-packing every transcript was most of a host's CPU per save (``phaseline bench``).
+    """
+
+    def __init__(self, adapter: TypeAdapter[tuple[Item, ...]]) -> None:
+        self._adapter = adapter
+        self._packed: dict[int, tuple[weakref.ref[Item], bytes]] = {}
+
+    def pack(self, items: Sequence[Item]) -> bytes:
+        parts: list[bytes | None] = []
+        missing: list[Item] = []
+        for item in items:
+            hit = self._packed.get(id(item))
+            if hit is not None and hit[0]() is item:
+                parts.append(hit[1])
+            else:
+                parts.append(None)
+                missing.append(item)
+        if missing:
+            dumped = self._adapter.dump_python(
+                tuple(missing), mode="json", by_alias=True, exclude_defaults=True
+            )
+            fresh = iter(zip(missing, dumped, strict=True))
+            for i, part in enumerate(parts):
+                if part is None:
+                    item, value = next(fresh)
+                    parts[i] = self._remember(item, pack(value))
+        return _array_header(len(parts)) + b"".join(p for p in parts if p is not None)
+
+    def _remember(self, item: Item, data: bytes) -> bytes:
+        key = id(item)
+        self._packed[key] = (weakref.ref(item, lambda _ref: self._packed.pop(key, None)), data)
+        return data
+
+
+def _array_header(n: int) -> bytes:
+    """The msgpack array header for ``n`` elements (fixarray, array 16, array 32)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+_PACKED_MESSAGES: _PackMemo[Message] = _PackMemo(_MESSAGES)
+_PACKED_METAS: _PackMemo[MessageMeta] = _PackMemo(_METAS)
 
 
 _INT_FIELDS = ("schema", "epoch", "seq", "baseline", "updated_at")

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from actors.engine import LocalEngine
 from actors.llm import LLMRequest
 from actors.loop import LoopSettings, TurnLoop
-from actors.resume import claim_for_resume
+from actors.resume import claim_for_resume, plan_resume
 from actors.scenario import Scenario, parse_scenario
 from actors.scripted import ScriptedLLM
 from actors.watchdog import WatchdogConfig
@@ -217,6 +217,22 @@ async def test_a_fenced_loop_stops_without_further_side_effects(
     assert len(effects) == 2 and set(effects.values()) == {1}
     stored = await engine.store.load("zombie")
     assert stored.epoch == 2 and stored.in_progress
+
+
+async def test_an_in_progress_record_without_a_spec_is_quarantined_not_replanned(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    await engine.submit(scenario(), "nospec")
+    await engine.submit(scenario(), "fine")
+    await real_client.delete(keys.spec("nospec"))
+    lost = await plan_resume(engine.store, engine.ledger, engine.inbox, "nospec")
+    assert lost.action == "unusable" and "no spec" in lost.detail
+    assert "nospec" in await engine.store.quarantined()
+    # out of the in-progress index, so the next adopt does not plan it again
+    assert await engine.store.list_in_progress() == ["fine"]
+    ok = await plan_resume(engine.store, engine.ledger, engine.inbox, "fine")
+    assert ok.action == "resume" and ok.record is not None and ok.record.epoch == 2
 
 
 async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_calls(

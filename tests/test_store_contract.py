@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import msgpack
 import pytest
@@ -18,10 +19,10 @@ from bus.errors import (
     UnknownSchema,
 )
 from store.checkpoint import RedisCheckpointStore, SaveAck
-from store.codec import EncodedRecord
+from store.codec import EncodedRecord, encode_record
 from store.connection import connect
 from store.keys import KeyLayout
-from store.records import TurnSpec
+from store.records import Message, TurnSpec
 from tests.records_helpers import record
 
 
@@ -238,6 +239,40 @@ def test_wire_form_rejects_a_bad_hash_and_keeps_a_good_one() -> None:
     ):
         with pytest.raises(ValueError):
             EncodedRecord.from_wire(bad)
+
+
+@pytest.mark.parametrize("extra", [0, 13, 14, 15, 70_000])
+async def test_memoised_packing_is_the_plain_msgpack_of_the_transcript(
+    store: RedisCheckpointStore, extra: int
+) -> None:
+    base = record("m1", seq=2)  # 2 messages; 15/16 and 65535/65536 cross array header sizes
+    msgs = base.messages + tuple(Message(role="user", text=f"m{i}") for i in range(extra))
+    meta = base.meta + tuple(base.meta[-1].model_copy(update={"message_id": f"x{i}"})
+                             for i in range(extra))  # fmt: skip
+    r = base.model_copy(update={"messages": msgs, "meta": meta})
+    plain = msgpack.packb([m.model_dump(mode="json", exclude_defaults=True) for m in msgs])
+    first, second = encode_record(r), encode_record(r)  # the second one from the memo
+    assert first == second and first["messages"] == plain
+    # a shorter list (compaction) reuses memoised entries and reads back exactly
+    short = r.model_copy(update={"seq": 3, "messages": msgs[:1], "meta": meta[:1], "baseline": 1})
+    await store.save(r)
+    await store.save(short)
+    assert await store.load("m1") == short
+
+
+def test_packing_memo_forgets_collected_messages() -> None:
+    from store.codec import _PACKED_MESSAGES  # the memo is private; its size is the point
+
+    before = len(_PACKED_MESSAGES._packed)
+    r = record("gone", seq=1).model_copy(
+        update={"messages": tuple(Message(role="user", text=str(i)) for i in range(50)),
+                "meta": tuple(record("gone").meta[0] for _ in range(50))}
+    )  # fmt: skip
+    encode_record(r)
+    assert len(_PACKED_MESSAGES._packed) >= before + 50
+    del r
+    gc.collect()
+    assert len(_PACKED_MESSAGES._packed) <= before
 
 
 async def test_unreadable_stored_fence_is_a_record_error(

@@ -111,7 +111,12 @@ async def _probe_figures(
     base: Settings, url: str, cfg: BenchConfig, figures: tuple[str, ...]
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    async with deployed(base, url, hosts=1, label="probe") as rt:
+    # The probe's synthetic turns are in progress with no host task and no spec, so the periodic
+    # adopt would take them for orphans and quarantine them mid-measurement: keep it off here.
+    sup = base.supervisor.model_copy(update={"adopt_interval_s": 86_400.0})
+    async with deployed(
+        base.model_copy(update={"supervisor": sup}), url, hosts=1, label="probe"
+    ) as rt:
         probe = BenchProbe.remote(  # type: ignore[attr-defined]
             rt.dep.to_wire(), cfg.record_messages, cfg.payload_bytes
         )
