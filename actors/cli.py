@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from actors.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
@@ -430,6 +431,10 @@ def chaos(
     table.add_row("verdict", "[green]ok" if data["ok"] else "[red]NOT OK")
     out.print(table)
     if not data["ok"]:
+        # The report holds the evidence; print it too, so a failed CI log says which turn.
+        for kind, examples in v["examples"].items():
+            for example in examples:
+                out.print(Text.assemble((kind, "red"), " ", example), highlight=False)
         sys.exit(1)
 
 
