@@ -421,7 +421,7 @@ def chaos(
     )
     for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
               "duplicate_side_effects", "stale_writes_accepted", "outcome_unknown_results",
-              "resumed_turns"):  # fmt: skip
+              "resumed_turns", "most_resumes_of_one_turn"):  # fmt: skip
         table.add_row(k, str(v[k]))
     table.add_row("kills", json.dumps(data["kills_per_target"]))
     table.add_row(

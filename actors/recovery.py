@@ -105,6 +105,9 @@ def nudge_text(problem: Problem) -> str:
     return f"{NUDGE_PREFIX} Your last reply was empty. Please continue the task."
 
 
-def may_resume(resume_attempts: int) -> bool:
-    """A turn that lost its host this many times already is aborted instead of resumed."""
-    return resume_attempts < MAX_RESUMES
+def may_resume(stalled_resumes: int) -> bool:
+    """A turn already resumed this many times in a row without saving progress in between (it
+    may be what kills its host) is aborted instead of resumed. Losses between which the turn
+    saved a checkpoint are not counted: on a cluster that keeps losing hosts (the chaos run
+    loses one every few seconds) a long turn that progresses is resumed as often as it takes."""
+    return stalled_resumes < MAX_RESUMES

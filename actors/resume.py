@@ -1,7 +1,8 @@
 """Resume plans: what a new owner needs to continue a turn whose host died.
 
 A plan reads the last checkpoint, the turn's spec, its tool ledger and its inbox, and makes the
-fencing claim (``epoch + 1``, one more resume attempt, persisted before any model call). The
+fencing claim (``epoch + 1``, one more resume attempt, persisted before any model call). A turn
+claimed again before it saved anything counts a stalled resume; too many in a row abort it. The
 same function serves the in-process engine and the RecoveryActor.
 """
 
@@ -77,15 +78,31 @@ class ResumePlan:
         )
 
 
+#: ``reason`` of a claim record: the last write before the new owner saves anything.
+CLAIM_REASON = "resume"
+
+
+def stalled_resumes(record: CheckpointRecord) -> int:
+    """Resumes in a row without progress up to ``record``: its count if the record is itself a
+    claim (nothing was saved since), else 0 (the turn saved a checkpoint after its last claim)."""
+    return record.counters.stalled_resumes if record.reason == CLAIM_REASON else 0
+
+
 def claim_for_resume(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
     """The fencing write of a new owner: same transcript, epoch + 1, one more resume attempt."""
     c = record.counters
+    counters = c.model_copy(
+        update={
+            "resume_attempts": c.resume_attempts + 1,
+            "stalled_resumes": stalled_resumes(record) + 1,
+        }
+    )
     return record.model_copy(
         update={
             "epoch": record.epoch + 1,
             "seq": record.seq + 1,
-            "reason": "resume",
-            "counters": c.model_copy(update={"resume_attempts": c.resume_attempts + 1}),
+            "reason": CLAIM_REASON,
+            "counters": counters,
             "updated_at": now_ms,
         }
     )
@@ -118,7 +135,7 @@ async def plan_resume(
         await store.save(claimed)
     except StaleOwner as exc:
         return ResumePlan(turn_id, "fenced", detail=str(exc))
-    action: PlanAction = "resume" if may_resume(record.counters.resume_attempts) else "abort"
+    action: PlanAction = "resume" if may_resume(stalled_resumes(record)) else "abort"
     return ResumePlan(
         turn_id,
         action,

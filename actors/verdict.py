@@ -74,6 +74,8 @@ class Verdict:
     stale_accepted: list[str] = field(default_factory=list)
     outcome_unknown: int = 0
     resumed: int = 0
+    most_resumes: int = 0
+    """The most times one turn was resumed (a turn is aborted only after stalled resumes)."""
     checkpoints: int = 0
 
     @property
@@ -95,6 +97,7 @@ class Verdict:
             "stale_writes_accepted": len(self.stale_accepted),
             "outcome_unknown_results": self.outcome_unknown,
             "resumed_turns": self.resumed,
+            "most_resumes_of_one_turn": self.most_resumes,
             "checkpoints": self.checkpoints,
             "examples": {
                 k: v[:5]
@@ -137,6 +140,7 @@ async def judge(
             v.in_progress.append(tid)
             continue
         v.resumed += record.counters.resume_attempts > 0
+        v.most_resumes = max(v.most_resumes, record.counters.resume_attempts)
         v.checkpoints += record.seq
         v.outcome_unknown += sum(
             m.tool_result is not None and m.tool_result.status == "outcome_unknown"
@@ -144,7 +148,7 @@ async def judge(
         )
         diff = first_difference(record.messages, expected)
         if diff is not None:
-            v.differ.append(f"{tid}: {diff}")
+            v.differ.append(f"{tid}: {diff} (outcome {record.counters.outcome})")
         if not meta_ok(record):
             v.meta_drift.append(tid)
         if any(n > 1 for n in (await effects.counts(tid)).values()):

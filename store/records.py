@@ -95,6 +95,10 @@ class Counters(_Frozen):
     """A context-length error already triggered a compaction this turn."""
     resume_attempts: int = 0
     """How many times the turn was resumed after losing its host."""
+    stalled_resumes: int = 0
+    """Resumes in a row with no checkpoint saved between them (the last write was the claim).
+    The resume budget counts these, not ``resume_attempts``: a turn that keeps losing its host
+    at the same point is aborted, one that progresses between losses is not."""
     tool_batches: int = 0
     """Tool batches executed; numbers the next batch so its call keys are stable on replay."""
     inbox_offset: int = 0

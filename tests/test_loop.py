@@ -235,6 +235,30 @@ async def test_an_in_progress_record_without_a_spec_is_quarantined_not_replanned
     assert ok.action == "resume" and ok.record is not None and ok.record.epoch == 2
 
 
+async def test_only_resumes_without_progress_use_up_the_resume_budget(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+
+    async def plan(turn_id: str) -> str:
+        return (await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)).action
+
+    # claimed again and again before it saved anything: the fourth claim aborts it
+    await engine.submit(scenario(), "stuck")
+    assert [await plan("stuck") for _ in range(4)] == ["resume"] * 3 + ["abort"]
+    stuck = await engine.store.load("stuck")
+    assert stuck.counters.stalled_resumes == 4 and stuck.counters.resume_attempts == 4
+
+    # a turn that saves a checkpoint after every claim is resumed as often as it takes
+    await engine.submit(scenario(), "busy")
+    for n in range(1, 7):
+        assert await plan("busy") == "resume"
+        claimed = await engine.store.load("busy")
+        assert claimed.counters.stalled_resumes == 1 and claimed.counters.resume_attempts == n
+        progress = claimed.model_copy(update={"seq": claimed.seq + 1, "reason": "tool_batch"})
+        await engine.store.save(progress)
+
+
 async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_calls(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:

@@ -50,5 +50,5 @@ def test_every_action_is_reachable() -> None:
     assert {a for _, a, _, _ in CASES} == set(Action)
 
 
-def test_resume_attempts_are_capped_at_three() -> None:
+def test_stalled_resumes_are_capped_at_three() -> None:
     assert [may_resume(n) for n in range(5)] == [True, True, True, False, False]
