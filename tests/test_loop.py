@@ -245,9 +245,11 @@ async def test_only_resumes_without_progress_use_up_the_resume_budget(
 
     # claimed again and again before it saved anything: the fourth claim aborts it
     await engine.submit(scenario(), "stuck")
-    assert [await plan("stuck") for _ in range(4)] == ["resume"] * 3 + ["abort"]
+    assert [await plan("stuck") for _ in range(3)] == ["resume"] * 3
+    assert (await engine.resume("stuck")).outcome == "aborted:resume_limit"
     stuck = await engine.store.load("stuck")
     assert stuck.counters.stalled_resumes == 4 and stuck.counters.resume_attempts == 4
+    assert not stuck.in_progress and stuck.counters.outcome == "aborted:resume_limit"
 
     # a turn that saves a checkpoint after every claim is resumed as often as it takes
     await engine.submit(scenario(), "busy")
@@ -257,6 +259,7 @@ async def test_only_resumes_without_progress_use_up_the_resume_budget(
         assert claimed.counters.stalled_resumes == 1 and claimed.counters.resume_attempts == n
         progress = claimed.model_copy(update={"seq": claimed.seq + 1, "reason": "tool_batch"})
         await engine.store.save(progress)
+    assert (await engine.resume("busy")).outcome == "answered"
 
 
 async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_calls(

@@ -6,7 +6,7 @@ synthetic turns that do nothing but save, through four paths:
 
 * ``batched``: the production path (group commit through the CheckpointActor);
 * ``unbatched``: one Ray call per save to the same actor (concurrent calls, no queue);
-* ``raw``: the same group commit, validation and fenced transactions done in this process,
+* ``raw``: the same group commit, validation and fenced save scripts done in this process,
   without Ray: the ceiling of the Redis side;
 * ``bare``: one plain MULTI/EXEC of the record (HSET + XADD + SADD, no fence, no script), the
   latency floor of a durable write.
