@@ -327,7 +327,8 @@ def resume(
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
 @click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
-              help="SIGKILL host 0 once this fraction of the turns has finished.")  # fmt: skip
+              help="SIGKILL host 0 once this fraction of the turns has finished "
+                   "(0: as soon as they are submitted).")  # fmt: skip
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
 @_report_option
 def demo(

@@ -66,14 +66,18 @@ async def run_demo(
     due = asyncio.Event()
     kills: list[dict[str, float | int]] = []
 
+    def check() -> None:
+        if done >= kill_at * len(ids):
+            due.set()
+
     def finished(turn_id: str) -> None:
         nonlocal done
         done += 1
         on_done(turn_id)
-        if done >= kill_at * len(ids):
-            due.set()
+        check()
 
     await rt.submit(scenario, ids)
+    check()  # at kill_at 0 the kill is due at once, with every turn in flight
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
     kill_due = asyncio.ensure_future(due.wait())
     await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
