@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
-from actors.bench.runner import FIGURES, QUICK, parse_figures, run_bench, targets
+from actors.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
 from actors.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
+from actors.bench.workload import durability_overhead
 from actors.config import Settings
 from actors.percentiles import summarize
+from actors.scenario import load_scenario
 from bus.errors import ConfigError
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
@@ -99,3 +101,16 @@ async def test_a_miniature_bench_measures_each_figure_beside_its_baseline(redis_
     assert got["recovery_p99_vs_ray_restart"]["value"] == rec["ratio_p99"]
     assert got["checkpoint_saves_per_s_at_1000_turns"]["value"] is None  # not measured here
     assert report["machine"]["cpus"] >= 1
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_durability_pairs_price_the_mid_turn_saves(redis_url: str) -> None:
+    scenario = load_scenario(SCENARIOS / "bench.toml")
+    got = await durability_overhead(Settings(), redis_url, scenario, turns=10, reps=2, hosts=1)
+    on, off = got["runs"]["on"], got["runs"]["off"]
+    assert len(on) == len(off) == 2 and len(got["overhead_pct_per_pair"]) == 2
+    assert all(r["outcomes"] == {"answered": 10} for r in on + off)
+    # on: submission, one save per tool round, final; off: submission and final only
+    assert [r["checkpoints"] for r in on] == [10 * (scenario.rounds + 1)] * 2
+    assert [r["checkpoints"] for r in off] == [10] * 2
+    assert got["baseline_off_turns_per_s"] > 0 and got["ratio_on_to_off"] > 0
