@@ -116,7 +116,8 @@ class _PackMemo(Generic[Item]):
                 if part is None:
                     item, value = next(fresh)
                     parts[i] = self._remember(item, pack(value))
-        return _array_header(len(parts)) + b"".join(p for p in parts if p is not None)
+        header: bytes = _HEADERS.pack_array_header(len(parts))
+        return header + b"".join(p for p in parts if p is not None)
 
     def _remember(self, item: Item, data: bytes) -> bytes:
         key = id(item)
@@ -124,15 +125,8 @@ class _PackMemo(Generic[Item]):
         return data
 
 
-def _array_header(n: int) -> bytes:
-    """The msgpack array header for ``n`` elements (fixarray, array 16, array 32)."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
+_HEADERS = msgpack.Packer()
+"""Writes bare array headers (``pack_array_header`` returns the bytes)."""
 _PACKED_MESSAGES: _PackMemo[Message] = _PackMemo(_MESSAGES)
 _PACKED_METAS: _PackMemo[MessageMeta] = _PackMemo(_METAS)
 
