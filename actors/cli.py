@@ -8,6 +8,7 @@ directory, so ``phaseline inspect`` after ``phaseline run`` sees the same record
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import json
 import logging
@@ -52,10 +53,24 @@ console = Console(stderr=True)
 out = Console()
 
 
+class ExitStatus(enum.IntEnum):
+    """What ``phaseline`` exits with; scripts and CI branch on these."""
+
+    OK = 0
+    """Done: for ``run`` and ``resume``, every turn reached a final record."""
+    ERROR = 1
+    """A typed phaseline error (Redis unreachable, a failed verdict)."""
+    BAD_INPUT = 2
+    """Bad flags, files, configs or scenarios."""
+    UNFINISHED = 3
+    """``run``/``resume`` ended with turns left in progress or quarantined (counts printed);
+    ``phaseline resume`` continues the in-progress ones."""
+
+
 class BadInput(click.ClickException):
     """Bad flags, files or scenarios: exit status 2, like click's own usage errors."""
 
-    exit_code = 2
+    exit_code = ExitStatus.BAD_INPUT
 
 
 def _guard(fn: F) -> F:
@@ -183,6 +198,23 @@ def _summary(title: str, stats: RunStats, report: str | None) -> None:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _exit_unless_final(stats: RunStats) -> None:
+    """Exit :attr:`ExitStatus.UNFINISHED`, with the counts, unless every turn is final."""
+    if stats.all_final:
+        return
+    if stats.quarantined:
+        console.print(
+            f"[red]quarantined ({len(stats.quarantined)}): {', '.join(stats.quarantined)}"
+        )
+    if stats.unfinished:
+        shown = ", ".join(stats.unfinished[:10]) + (" ..." if len(stats.unfinished) > 10 else "")
+        console.print(
+            f"[red]{len(stats.unfinished)} of {stats.turns} turns not finished "
+            f"(still in progress: phaseline resume continues them): {shown}"
+        )
+    sys.exit(ExitStatus.UNFINISHED)
+
+
 def _ray_options(fn: F) -> F:
     fn = click.option(
         "--ray-address", default=None, help="Join this Ray cluster ('auto': the running one)."
@@ -280,6 +312,7 @@ def run(
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
     _summary(f"run {rid}: {scenario.name}", stats, report)
+    _exit_unless_final(stats)
 
 
 @main.command()
@@ -314,9 +347,7 @@ def resume(
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
     _summary("resume", stats, report)
-    if stats.quarantined:
-        console.print(f"[red]quarantined: {', '.join(stats.quarantined)}")
-        sys.exit(1)
+    _exit_unless_final(stats)
 
 
 @main.command()

@@ -28,7 +28,7 @@ from actors.scripted import ScriptedLLM
 from actors.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
 from actors.tools import BUILTIN_TOOLS, ToolRegistry
 from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
-from bus.errors import StoreError
+from bus.errors import RecordNotFound, StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -39,6 +39,9 @@ from store.ledger import ToolLedger
 from store.records import CheckpointRecord, Message, MessageMeta, TurnSpec
 
 log = logging.getLogger(__name__)
+
+#: Loop outcomes that leave the turn's record in progress (someone must still end it).
+NOT_ENDED = frozenset({"interrupted", "fenced", "unusable"})
 
 SYSTEM_PROMPT = "You are a phaseline scripted agent. Use the tools, then answer."
 
@@ -103,6 +106,14 @@ class RunStats:
     wall_s: float = 0.0
     host_rss_mib: list[float] = field(default_factory=list)
     """Resident memory of each TurnHost at the end of a Ray run (empty in-process)."""
+    unfinished: list[str] = field(default_factory=list)
+    """Turns without a final record when the run ended (interrupted by Redis, fenced by an
+    owner that had not finished yet, unreadable); ``phaseline resume`` picks them up."""
+
+    @property
+    def all_final(self) -> bool:
+        """Every turn of the run reached a final record (what exit status 0 promises)."""
+        return not self.unfinished and not self.quarantined
 
     def add(self, outcome: TurnOutcome) -> None:
         self.turns += 1
@@ -123,6 +134,7 @@ class RunStats:
             "wall_s": round(self.wall_s, 3),
             "turns_per_s": round(self.turns / self.wall_s, 2) if self.wall_s else None,
             "host_rss_mib": self.host_rss_mib,
+            "unfinished": len(self.unfinished),
         }
 
 
@@ -218,13 +230,28 @@ class LocalEngine:
         started = time.monotonic()
         ticker = None if self.rules is None else asyncio.ensure_future(self._watchdog())
         try:
-            for outcome in await asyncio.gather(*coros):
-                self.stats.add(outcome)
+            outcomes = await asyncio.gather(*coros)
         finally:
             if ticker is not None:
                 ticker.cancel()
+        for outcome in outcomes:
+            self.stats.add(outcome)
         self.stats.wall_s += time.monotonic() - started
+        self.stats.unfinished.extend(await self._still_in_progress(outcomes))
         return self.stats
+
+    async def _still_in_progress(self, outcomes: Sequence[TurnOutcome]) -> list[str]:
+        """Turns this run did not end, and that no other owner has ended since either."""
+        left = []
+        for o in outcomes:
+            if o.outcome not in NOT_ENDED or o.turn_id in self.stats.quarantined:
+                continue
+            try:
+                if (await self.store.load(o.turn_id)).in_progress:
+                    left.append(o.turn_id)
+            except (StoreError, RecordNotFound):
+                left.append(o.turn_id)  # unreadable now: certainly not known to be final
+        return left
 
     def build_loop(
         self,

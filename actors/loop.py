@@ -69,8 +69,15 @@ class ApprovalDesk(Protocol):
 class ToolBatches(Protocol):
     def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]: ...
     async def run_batch(
-        self, turn_id: str, batch: int, calls: Sequence[ToolCall], denied: frozenset[int] = ...
-    ) -> list[ToolResult]: ...
+        self,
+        turn_id: str,
+        epoch: int,
+        batch: int,
+        calls: Sequence[ToolCall],
+        denied: frozenset[int] = ...,
+    ) -> list[ToolResult]:
+        """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,7 +359,13 @@ class TurnLoop:
             )
             if needs_approval and not await self._await_approval(key):
                 denied.add(i)
-        results = await self.deps.tools.run_batch(self.turn_id, batch, calls, frozenset(denied))
+        try:
+            results = await self.deps.tools.run_batch(
+                self.turn_id, self.epoch, batch, calls, frozenset(denied)
+            )
+        except StaleOwner as exc:
+            log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
+            raise _Fenced() from exc
         for res in results:
             self._append(Message(role="tool", tool_result=res), "tool")
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
 from actors.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, UnknownTool
-from store.ledger import ToolLedger, call_key
+from store.codec import pack_model
+from store.ledger import Change, ToolLedger, call_key
 from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus
 
 log = logging.getLogger(__name__)
@@ -24,6 +27,15 @@ class ToolRunner(Protocol):
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         """Execute one call; never raise for a tool's own failure, return its result instead."""
         ...
+
+
+#: Rounds of deciding a batch again after losing compare-and-sets to a racing owner. An entry
+#: only moves forward (prepared -> dispatched -> settled), so two rounds always suffice.
+_DECIDE_ROUNDS = 3
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 #: Attempts of an idempotent call whose executor failed under it (worker died, Redis dropped).
@@ -114,39 +126,66 @@ class BatchExecutor:
     async def run_batch(
         self,
         turn_id: str,
+        epoch: int,
         batch: int,
         calls: Sequence[ToolCall],
         denied: frozenset[int] = frozenset(),
     ) -> list[ToolResult]:
         """Journal, decide per call from the ledger, run what must run; results in order.
 
-        Round trips: one to journal ``prepared`` and read prior entries, one to mark every
-        runnable call ``dispatched``, then one per call as it finishes.
+        The owner's decisions (``dispatched`` for what runs, the settled state of what does
+        not) are one compare-and-set fenced on ``epoch``: a fenced owner gets
+        :class:`~bus.errors.StaleOwner` and runs nothing; a call whose entry changed since it
+        was read (a racing owner dispatched or settled it) is decided again from what won.
+        Round trips: one to journal ``prepared`` and read prior entries, one for the fenced
+        step, then one per call as it finishes.
         """
         keys = self.keys_for(turn_id, batch, calls)
-        entries = await self.ledger.prepare(
+        reads = await self.ledger.prepare(
             turn_id, [(k, c.name) for k, c in zip(keys, calls, strict=True)]
         )
         results: list[ToolResult | None] = [None] * len(calls)
-        settled: dict[str, tuple[LedgerState, str, ToolResult | None]] = {}
-        runnable: list[tuple[int, ToolSpec]] = []
-        for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
-            decided = self._decide(call, entries[key], i in denied)
-            if isinstance(decided, ToolSpec):
-                runnable.append((i, decided))
-                continue
-            state, res = decided
-            results[i] = res
-            if state is not None:
-                settled[key] = (state, call.name, res)
-        journal = dict(settled)
-        journal.update({keys[i]: ("dispatched", calls[i].name, None) for i, _ in runnable})
-        if journal:
-            await self.ledger.mark(turn_id, journal)
-        for (i, _), res in zip(
+        runnable: dict[int, tuple[ToolSpec, bytes]] = {}
+        pending = dict(enumerate(keys))
+        for _ in range(_DECIDE_ROUNDS):
+            changes: dict[str, Change] = {}
+            for i, key in pending.items():
+                decided = self._decide(calls[i], reads[key].entry, i in denied)
+                if isinstance(decided, ToolSpec):
+                    entry = LedgerEntry(
+                        state="dispatched", name=calls[i].name, updated_at=_now_ms(),
+                        epoch=epoch, writer=uuid.uuid4().hex,
+                    )  # fmt: skip
+                    changes[key] = Change(reads[key].raw, entry)
+                    runnable[i] = (decided, pack_model(entry))
+                    continue
+                state, res = decided
+                results[i] = res
+                if state is not None:
+                    entry = LedgerEntry(
+                        state=state, name=calls[i].name, result=res, updated_at=_now_ms(),
+                        epoch=epoch, writer=uuid.uuid4().hex,
+                    )  # fmt: skip
+                    changes[key] = Change(reads[key].raw, entry)
+            won = await self.ledger.transition(turn_id, changes, epoch=epoch)
+            lost = {i: k for i, k in pending.items() if k in won and not won[k]}
+            if not lost:
+                break
+            # Another owner changed these entries since we read them: decide again from theirs.
+            for i in lost:
+                runnable.pop(i, None)
+                results[i] = None
+            reads.update(await self.ledger.get_many(turn_id, list(lost.values())))
+            pending = lost
+        else:
+            raise StoreError(f"turn {turn_id}: ledger of batch {batch} kept changing under it")
+        for i, res in zip(
             runnable,
             await asyncio.gather(
-                *(self._run(turn_id, keys[i], calls[i], spec) for i, spec in runnable)
+                *(
+                    self._run(turn_id, keys[i], calls[i], spec, dispatched)
+                    for i, (spec, dispatched) in runnable.items()
+                )
             ),
             strict=True,
         ):
@@ -173,10 +212,22 @@ class BatchExecutor:
             return "committed", tool_result(call, "denied", f"{call.name} was not approved")
         return spec
 
-    async def _run(self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec) -> ToolResult:
+    async def _run(
+        self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec, dispatched: bytes
+    ) -> ToolResult:
         res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":
             state = "outcome_unknown"
-        await self.ledger.mark(turn_id, {key: (state, call.name, res)})
+        # Not fenced: the call ran, so its outcome is true whoever owns the turn now. Compared
+        # with our own dispatch, so it never overwrites what a successor settled meanwhile.
+        entry = LedgerEntry(
+            state=state, name=call.name, result=res, updated_at=_now_ms(),
+            writer=uuid.uuid4().hex,
+        )  # fmt: skip
+        won = await self.ledger.transition(turn_id, {key: Change(dispatched, entry)}, epoch=None)
+        if not won[key]:
+            log.warning(
+                "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
+            )
         return res

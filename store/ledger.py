@@ -1,9 +1,11 @@
 """The tool ledger: a journal of every tool call so a resumed turn never re-runs a finished one.
 
 Each call is journaled under a stable key derived from (turn, batch, tool name, canonical args):
-``prepared -> dispatched -> committed | failed``. On resume a ``committed`` (or ``failed``) entry
-is reused as is; a ``dispatched`` entry means the call was in flight when its host died, and is
-re-run only if the tool is idempotent, otherwise reported to the model as ``outcome_unknown``.
+``prepared -> dispatched -> committed | failed | outcome_unknown``. ``prepared -> dispatched`` is
+a compare-and-set fenced on the owner's epoch; only its winner runs the call. On resume a
+``committed`` (or ``failed``) entry is reused as is; a ``dispatched`` entry means the call was in
+flight when its host died, and is re-run only if the tool is idempotent, otherwise reported to
+the model as ``outcome_unknown``.
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from bus.errors import RecordError, StaleOwner, StoreError
 from store.codec import pack_model, unpack_model
 from store.connection import raw as raw_bytes
 from store.connection import text, translated
 from store.keys import KeyLayout
-from store.records import LedgerEntry, LedgerState, ToolResult
+from store.lua import lua_script
+from store.records import LedgerEntry
 
 
 def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:
@@ -32,12 +37,40 @@ def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: i
     return f"{batch}.{index}.{digest.hexdigest()[:24]}"
 
 
+@dataclass(frozen=True, slots=True)
+class LedgerRead:
+    """A ledger entry as read, with its stored bytes: the expected value of the next
+    compare-and-set (:meth:`ToolLedger.transition`) on that call."""
+
+    entry: LedgerEntry
+    """The decoded entry."""
+    raw: bytes
+    """Exactly what Redis holds for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One compare-and-set of a ledger entry: from the bytes read to a new entry."""
+
+    expected: bytes
+    """The entry's stored bytes when it was read (:attr:`LedgerRead.raw`)."""
+    entry: LedgerEntry
+    """What it becomes."""
+
+
 class ToolLedger:
-    """Ledger entries of all turns, one Redis hash per turn."""
+    """Ledger entries of all turns, one Redis hash per turn.
+
+    Every state change after ``prepared`` is a compare-and-set on the bytes read
+    (``store/lua/ledger_cas.lua``); the ones a turn's owner decides (``dispatched``, and settling
+    a call it will not run) are also fenced on the owner's epoch, so a fenced incarnation can
+    dispatch nothing and two racing owners can never both dispatch one call.
+    """
 
     def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
+        self._cas = client.register_script(lua_script("ledger_cas.lua"))
 
     async def entries(self, turn_id: str) -> dict[str, LedgerEntry]:
         """Every journaled call of a turn (a bad entry raises RecordError: never guess)."""
@@ -46,20 +79,20 @@ class ToolLedger:
             raw = await self.client.hgetall(key)
         return {text(k): self._decode(key, text(k), raw_bytes(v)) for k, v in raw.items()}
 
-    async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerEntry]:
-        """Entries of the given calls that exist."""
+    async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]:
+        """Entries of the given calls that exist, with their stored bytes."""
         if not call_keys:
             return {}
         key = self.keys.tools(turn_id)
         with translated(f"read ledger {turn_id}"):
             raw = await self.client.hmget(key, call_keys)
         return {
-            k: self._decode(key, k, raw_bytes(v))
+            k: LedgerRead(self._decode(key, k, raw_bytes(v)), raw_bytes(v))
             for k, v in zip(call_keys, raw, strict=True)
             if v is not None
         }
 
-    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerEntry]:
+    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
         """Journal ``prepared`` for each (call key, tool name) not yet in the ledger and return
         every call's entry (prior or just prepared), in one round trip (HSETNX + HMGET)."""
         if not calls:
@@ -73,25 +106,43 @@ class ToolLedger:
                     pipe.hsetnx(key, call_key_, pack_model(entry))
                 pipe.hmget(key, [k for k, _ in calls])
                 replies = await pipe.execute()
-        return {
-            k: self._decode(key, k, raw_bytes(v))
-            for (k, _), v in zip(calls, replies[-1], strict=True)
-        }
+        out: dict[str, LedgerRead] = {}
+        for (k, _), v in zip(calls, replies[-1], strict=True):
+            if v is None:  # deleted between the HSETNX and the HMGET: only by hand
+                raise RecordError(f"{key}#{k}", "ledger entry vanished while being prepared")
+            out[k] = LedgerRead(self._decode(key, k, raw_bytes(v)), raw_bytes(v))
+        return out
 
     @staticmethod
     def _decode(key: str, field: str, raw: bytes) -> LedgerEntry:
         return unpack_model(LedgerEntry, raw, key=f"{key}#{field}")
 
-    async def mark(
-        self,
-        turn_id: str,
-        states: dict[str, tuple[LedgerState, str, ToolResult | None]],
-    ) -> None:
-        """Write ``call key -> (state, tool name, result)`` for several calls in one round trip."""
-        now = int(time.time() * 1000)
-        mapping = {
-            k: pack_model(LedgerEntry(state=state, name=name, result=result, updated_at=now))
-            for k, (state, name, result) in states.items()
-        }
+    async def transition(
+        self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
+    ) -> dict[str, bool]:
+        """Apply compare-and-sets in one script; True for each call whose entry now is the new
+        one, False where another writer changed it first (re-read it to see what won).
+
+        With ``epoch`` the whole step is fenced: :class:`StaleOwner` unless the record's stored
+        epoch is ``epoch``, and then nothing is written. ``None`` is for the outcome of a call
+        this process dispatched, which is true whoever owns the turn now.
+        """
+        if not changes:
+            return {}
+        args: list[bytes | str | int] = ["" if epoch is None else epoch]
+        for call_key_, change in changes.items():
+            args += (call_key_, change.expected, pack_model(change.entry))
         with translated(f"write ledger {turn_id}"):
-            await self.client.hset(self.keys.tools(turn_id), mapping=mapping)  # type: ignore[arg-type]
+            reply = await self._cas(
+                keys=[self.keys.turn(turn_id), self.keys.tools(turn_id)], args=args
+            )
+        status = text(reply[0]) if isinstance(reply, list) and reply else ""
+        if status == "fenced":
+            stored = text(reply[1]) if len(reply) > 1 else ""
+            raise StaleOwner(
+                f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
+                f"{stored or 'gone'}"
+            )
+        if status != "ok" or len(reply) != len(changes) + 1:
+            raise StoreError(f"ledger write of {turn_id}: unexpected reply {reply!r:.80}")
+        return {k: int(won) == 1 for k, won in zip(changes, reply[1:], strict=True)}

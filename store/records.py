@@ -173,3 +173,9 @@ class LedgerEntry(_Frozen):
     """Set once committed or failed; reused instead of re-running the tool."""
     updated_at: int = 0
     """Unix milliseconds of the last state change."""
+    epoch: int = Field(default=0, ge=0)
+    """Owner epoch that wrote this state (0: written before any owner decided, or unfenced)."""
+    writer: str = ""
+    """Random id of the write, unique per dispatch: two owners racing in the same millisecond
+    never write identical bytes, so the compare-and-set tells a replay of one's own write
+    (a retried request) from a rival's."""

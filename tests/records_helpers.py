@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import redis.asyncio as aioredis
+
 from bus.phase import TurnPhase
-from store.records import CheckpointRecord, Counters, Message, MessageMeta
+from store.codec import pack_model
+from store.keys import KeyLayout
+from store.records import CheckpointRecord, Counters, LedgerEntry, Message, MessageMeta
 
 
 def record(
@@ -37,3 +41,11 @@ def record(
         counters=Counters(tool_batches=n_turn_messages),
         updated_at=1000,
     )
+
+
+async def put_ledger(
+    client: aioredis.Redis, keys: KeyLayout, turn_id: str, entries: dict[str, LedgerEntry]
+) -> None:
+    """Leave ledger entries as a host that died would have (a plain HSET, no fence)."""
+    mapping = {k: pack_model(e) for k, e in entries.items()}
+    await client.hset(keys.tools(turn_id), mapping=mapping)  # type: ignore[arg-type]

@@ -131,3 +131,49 @@ async def test_cli_run_killed_mid_run_is_completed_by_cli_resume(
         assert len(final.meta) == len(final.messages)
     resumed = [t for t in ids if (await store.load(t)).counters.resume_attempts]
     assert sorted(resumed) == sorted(left)
+
+
+def spawn_resume(url: str, ns: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "resume", "--in-process", "--redis-url", url,
+         "--namespace", ns, "--config", str(ROOT / "configs" / "test.toml")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    """The issue-11 repro: SIGKILL a run, then two ``resume`` at once on the namespace."""
+    keys = KeyLayout(namespace, shards=16)
+    sc_path = tmp_path / "racy.toml"
+    sc_path.write_text(
+        'name = "racy"\nrounds = 6\ntools_per_round = 2\ntools = ["counter_increment"]\n'
+        "llm_latency_ms = 60\ntool_latency_ms = 60\npayload_bytes = 100\n"
+    )
+    turns = 40
+    child = spawn_run(redis_url, namespace, sc_path, turns, "race")
+    try:
+        await wait_for_checkpoints(real_client, keys, turns, child)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    store = RedisCheckpointStore(real_client, keys)
+    assert await store.list_in_progress(), "the kill came too late to leave turns in progress"
+
+    racers = [spawn_resume(redis_url, namespace), spawn_resume(redis_url, namespace)]
+    done = [await asyncio.to_thread(p.communicate, timeout=120) for p in racers]
+    for p, (_, err) in zip(racers, done, strict=True):
+        # 0: every turn final; 3: some were fenced by the other racer and still running then.
+        assert p.returncode in (0, 3), err
+    # Whatever the racers left (a fenced turn's new owner finished it), one more resume ends.
+    last = spawn_resume(redis_url, namespace)
+    _, err = await asyncio.to_thread(last.communicate, timeout=120)
+    assert last.returncode == 0, err
+    assert await store.list_in_progress() == []
+    engine = LocalEngine(real_client, keys)
+    for i in range(turns):
+        turn = f"race-t{i:06d}"
+        assert not (await store.load(turn)).in_progress
+        counts = await engine.effects.counts(turn)
+        assert counts and max(counts.values()) == 1, (turn, counts)  # nothing ran twice

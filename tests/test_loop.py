@@ -21,8 +21,9 @@ from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore, SaveAck
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, ToolResult
+from store.records import CheckpointRecord, LedgerEntry, ToolResult
 from tests.polling import eventually
+from tests.records_helpers import put_ledger
 
 P = TurnPhase
 FAST = LoopSettings(
@@ -213,8 +214,8 @@ async def test_a_fenced_loop_stops_without_further_side_effects(
     await thief
     assert outcome.outcome == "fenced"
     effects = await engine.effects.counts("zombie")
-    # batches 1 and 2 ran once each; the save after batch 2 was refused, so no batch 3
-    assert len(effects) == 2 and set(effects.values()) == {1}
+    # batch 1 ran once; batch 2's dispatch was fenced (the claim landed), so it never ran
+    assert len(effects) == 1 and set(effects.values()) == {1}
     stored = await engine.store.load("zombie")
     assert stored.epoch == 2 and stored.in_progress
 
@@ -274,11 +275,13 @@ async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_call
     assert names == ["counter_increment", "echo", "counter_increment"]
     k = [call_key("ledger", 0, c.name, c.args, i) for i, c in enumerate(first.tool_calls)]
     # as left by a host that died mid-batch: call 0 in flight, 1 in flight, 2 committed
-    await engine.ledger.mark("ledger", {k[0]: ("dispatched", names[0], None),
-                                        k[1]: ("dispatched", names[1], None)})  # fmt: skip
-    await engine.effects.increment("ledger", k[2])
     done = ToolResult(call_id="old", name=names[2], status="ok", output="count=1")
-    await engine.ledger.mark("ledger", {k[2]: ("committed", names[2], done)})
+    await put_ledger(real_client, keys, "ledger", {
+        k[0]: LedgerEntry(state="dispatched", name=names[0]),
+        k[1]: LedgerEntry(state="dispatched", name=names[1]),
+        k[2]: LedgerEntry(state="committed", name=names[2], result=done),
+    })  # fmt: skip
+    await engine.effects.increment("ledger", k[2])
     outcome = await engine.start(record, sc)
     assert outcome.outcome == "answered"
     final = await engine.store.load("ledger")

@@ -17,6 +17,7 @@ from actors.config import Settings
 from actors.runtime import Runtime
 from actors.scenario import Scenario, parse_scenario
 from bus.events import StatusEvent, decode_event
+from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
 from tests.polling import eventually
@@ -259,6 +260,48 @@ async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
     assert info["outcomes"] and set(info["outcomes"]) <= {"fenced", "interrupted"}, info
     taken_over = [t for t in ids if rt.dep.slot_of(t) == slot]
     assert taken_over and all(finals[t].epoch >= 2 for t in taken_over)
+    ray.kill(zombie, no_restart=True)
+
+
+async def test_a_woken_zombie_cannot_dispatch_a_non_idempotent_call(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """A SIGSTOPped host, woken after its successor claimed its turns, races the successor on
+    the next tool dispatch: the fence refuses it, so no call runs twice."""
+    rt = await start_runtime(
+        hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
+    )
+    sc = scenario(tools=["counter_increment"], llm_latency_ms=300)
+    ids = [f"zd{i:03d}" for i in range(20)]
+    await rt.submit(sc, ids)
+    await checkpoints_written(real_client, rt.dep.keys, 20 + 20)
+    slot = rt.dep.slot_of(ids[0])
+    zombie = await rt.hosts.handle(slot)
+    pid = await rt.kill_host(slot, signal.SIGSTOP)
+    frozen = [t for t in await rt.store.list_in_progress() if rt.dep.slot_of(t) == slot]
+    assert frozen
+
+    async def claimed() -> bool:
+        records = [await rt.store.load(t) for t in frozen]
+        return all(r.epoch >= 2 or not r.in_progress for r in records)
+
+    try:
+        await eventually(claimed, timeout=60, what="the frozen host's turns claimed")
+    finally:
+        os.kill(pid, signal.SIGCONT)  # wake the zombie: its model calls end, it tries to dispatch
+    finals = await rt.wait(ids, timeout=180)
+    assert all(not f.in_progress for f in finals.values())
+    effects = EffectCounters(real_client, rt.dep.keys)
+    for t in ids:
+        counts = await effects.counts(t)
+        assert counts and max(counts.values()) == 1, (t, counts)
+
+    async def zombie_fenced() -> dict[str, Any] | None:
+        info = await zombie.hello.remote()
+        return info if info["running"] == 0 else None
+
+    info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
+    assert info["outcomes"] and set(info["outcomes"]) <= {"fenced", "interrupted"}, info
     ray.kill(zombie, no_restart=True)
 
 
