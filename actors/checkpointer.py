@@ -27,16 +27,17 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.deployment import Deployment
-from bus.errors import AlreadySaved, ServiceRestarting, StaleOwner, StoreError
+from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore, SaveAck
-from store.codec import EncodedRecord
+from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
 from store.connection import connect
 from store.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
 Answer = tuple[str, str]
-"""``("ok", event_id)``, ``("stale", why)`` or ``("error", why)`` per record."""
+"""``("ok", event_id)``, ``("stale", why)``, ``("too_large", why)`` or ``("error", why)`` per
+record."""
 
 _Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
 
@@ -68,6 +69,8 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
             answers[i] = ("ok", "replayed")
         elif isinstance(result, StaleOwner):
             answers[i] = ("stale", str(result))
+        elif isinstance(result, RecordTooLarge):
+            answers[i] = ("too_large", str(result))
         else:
             answers[i] = ("error", str(result))
     return [a if a is not None else ("error", "not answered") for a in answers]
@@ -80,7 +83,9 @@ class CheckpointActor:
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
         self._client = connect(dep.redis_url, max_connections=64)
-        self._store = RedisCheckpointStore(self._client, dep.keys)
+        self._store = RedisCheckpointStore(
+            self._client, dep.keys, max_record_bytes=dep.settings.checkpoint.max_record_bytes
+        )
         self._batches = 0
         self._saves = 0
 
@@ -124,8 +129,10 @@ class CheckpointClient:
         *,
         max_batch: int = 1024,
         retry_for_s: float = 60.0,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self._send_batch = send
+        self.max_record_bytes = max_record_bytes
         self.max_batch = max_batch
         self.retry_for_s = retry_for_s
         self._queue: list[_Pending] = []
@@ -135,8 +142,11 @@ class CheckpointClient:
         self.resends = 0
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
+        blob = record_to_wire(record)
+        # Checked here too, so an oversized record is never shipped over Ray at all.
+        check_record_size(record.turn_id, len(blob), self.max_record_bytes)
         fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
-        self._queue.append((record_to_wire(record), fut, record))
+        self._queue.append((blob, fut, record))
         self._wake.set()
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush_forever())
@@ -177,6 +187,8 @@ class CheckpointClient:
                 fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, detail))
             elif status == "stale":
                 fut.set_exception(StaleOwner(detail))
+            elif status == "too_large":
+                fut.set_exception(RecordTooLarge(detail))
             else:
                 fut.set_exception(StoreError(detail))
 

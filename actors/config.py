@@ -15,6 +15,7 @@ from actors.loop import LoopSettings
 from actors.tomlfile import read_toml
 from actors.watchdog import WatchdogConfig
 from bus.errors import ConfigError
+from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.keys import KeyLayout
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
@@ -46,6 +47,9 @@ class RedisSettings(_Section):
 class CheckpointSettings(_Section):
     min_interval_s: float = Field(default=2.0, ge=0)
     """Minimum seconds between mid-turn saves of one turn."""
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=4096, le=512 * 2**20)
+    """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
+    ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
     mid_turn: bool = True
     """False writes only the submission and final records, so a crash loses the turn's model
     progress (committed tool calls are still reused from the ledger). It exists to measure

@@ -32,6 +32,7 @@ from bus.errors import RecordNotFound, StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
+from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.effects import EffectCounters
 from store.inbox import Inbox
 from store.keys import KeyLayout
@@ -153,9 +154,10 @@ class LocalEngine:
         runner: ToolRunner | None = None,
         on_transition: Callable[[Transition], None] | None = None,
         on_status: Callable[[SoftIdle], None] | None = None,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self.keys = keys
-        self.store = RedisCheckpointStore(client, keys)
+        self.store = RedisCheckpointStore(client, keys, max_record_bytes=max_record_bytes)
         self.ledger = ToolLedger(client, keys)
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
@@ -173,6 +175,7 @@ class LocalEngine:
     @classmethod
     def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> LocalEngine:
         kw.setdefault("watchdog", settings.watchdog)
+        kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
         return cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),

@@ -44,7 +44,10 @@ class TurnHost:
         self.incarnation = uuid.uuid4().hex
         self.client = connect(self.dep.redis_url, max_connections=128)
         self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
-        self.checkpoints = CheckpointClient(actor_sender(self._checkpoint_actor))
+        self.checkpoints = CheckpointClient(
+            actor_sender(self._checkpoint_actor),
+            max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
+        )
         self.engine = LocalEngine.from_settings(
             self.client,
             self.dep.settings,

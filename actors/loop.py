@@ -33,6 +33,7 @@ from bus.errors import (
     ContextLengthError,
     HardIdleTimeout,
     LLMError,
+    RecordTooLarge,
     RetryableLLMError,
     StaleOwner,
     StoreError,
@@ -143,6 +144,10 @@ class _Fenced(Exception):
     """Internal: a save was refused by fencing; unwinds the loop without further effects."""
 
 
+class _TooLarge(Exception):
+    """Internal: the next checkpoint is over the size cap; unwinds to end on the last one."""
+
+
 class TurnLoop:
     """Drives one turn from a record (fresh at ``submitted``, or claimed for a resume)."""
 
@@ -169,6 +174,8 @@ class TurnLoop:
         self._counters = record.counters
         self._resume_from = resume_from
         self._seq = record.seq
+        self._saved = record
+        """The last record known stored: what an oversized checkpoint falls back to."""
         self._dirty = False
         self._last_save: float | None = None
         self.saves = 0
@@ -209,6 +216,8 @@ class TurnLoop:
             return await self._drive()
         except _Fenced:
             return self._outcome("fenced")
+        except _TooLarge:
+            return await self._end_oversized()
 
     async def abort(self, cause: str) -> TurnOutcome:
         """End the turn without running it (e.g. out of resume attempts), saving its record."""
@@ -317,6 +326,24 @@ class TurnLoop:
         self._counters = self._counters.model_copy(update={"outcome": outcome})
         self._dirty = True
         await self._checkpoint("final", final=True)
+        return self._outcome(outcome)
+
+    async def _end_oversized(self) -> TurnOutcome:
+        """End the turn on its last stored checkpoint: the transcript grew past what a record
+        may hold, so nothing since that checkpoint can be kept."""
+        outcome = "aborted:record_too_large"
+        self._turn = list(self._saved.messages[self._saved.baseline :])
+        self._meta = list(self._saved.meta[self._saved.baseline :])
+        self._counters = self._saved.counters.model_copy(update={"outcome": outcome})
+        if self.tracker.phase is not P.DONE:
+            self.tracker.to(P.DONE)
+        self._dirty = True
+        try:
+            await self._checkpoint("final", final=True)
+        except _Fenced:
+            return self._outcome("fenced")
+        except _TooLarge:  # even the last checkpoint is over the cap now (it was lowered)
+            return self.interrupted()
         return self._outcome(outcome)
 
     def _outcome(self, outcome: str) -> TurnOutcome:
@@ -480,6 +507,9 @@ class TurnLoop:
         except StaleOwner as exc:
             log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
             raise _Fenced() from exc
+        except RecordTooLarge as exc:
+            log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
+            raise _TooLarge() from exc
         except StoreError as exc:
             self.failed_saves += 1
             if final:
@@ -490,6 +520,7 @@ class TurnLoop:
             return
         self._dirty = False
         self._last_save = now
+        self._saved = record
         self.saves += 1
 
 

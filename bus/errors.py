@@ -52,6 +52,11 @@ class UnknownSchema(RecordError):
     """A record carries a schema version this build does not understand."""
 
 
+class RecordTooLarge(StoreError):
+    """A record is larger than ``[checkpoint] max_record_bytes``; it was not sent. The turn
+    ends ``aborted:record_too_large`` on top of its last checkpoint, which stays intact."""
+
+
 class RecordNotFound(StoreError):
     """No record exists for the requested turn."""
 

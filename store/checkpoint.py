@@ -22,13 +22,21 @@ from bus.errors import (
     AlreadySaved,
     RecordError,
     RecordNotFound,
+    RecordTooLarge,
     StaleOwner,
     StoreError,
     TurnExists,
 )
-from store.codec import EncodedRecord, decode_record, pack_model, unpack_model
+from store.codec import (
+    DEFAULT_MAX_RECORD_BYTES,
+    EncodedRecord,
+    check_record_size,
+    decode_record,
+    pack_model,
+    unpack_model,
+)
 from store.connection import raw as raw_bytes
-from store.connection import text, translated
+from store.connection import reading, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord, TurnSpec
@@ -73,11 +81,17 @@ class RedisCheckpointStore:
     """Checkpoint records in Redis, keyed by :class:`~store.keys.KeyLayout`."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: KeyLayout, *, events_maxlen: int = 100_000
+        self,
+        client: aioredis.Redis,
+        keys: KeyLayout,
+        *,
+        events_maxlen: int = 100_000,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self.client = client
         self.keys = keys
         self.events_maxlen = events_maxlen
+        self.max_record_bytes = max_record_bytes
         self._save_script = client.register_script(_SAVE_LUA)
 
     async def submit(self, spec: TurnSpec, record: CheckpointRecord) -> SaveAck:
@@ -115,17 +129,30 @@ class RedisCheckpointStore:
         return await self._commit([_Write(_encoded(r)) for r in records])
 
     async def _commit(self, writes: Sequence[_Write]) -> list[SaveAck | StoreError]:
-        if not writes:
-            return []
-        try:
-            with translated(f"save {len(writes)} records"):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for w in writes:
-                        await self.queue_save(pipe, w.record, spec=w.spec)
-                    replies = await pipe.execute(raise_on_error=False)
-        except StoreError as exc:
-            return [exc] * len(writes)
-        return [self._answer(w.record, r) for w, r in zip(writes, replies, strict=True)]
+        answers: list[SaveAck | StoreError | None] = [None] * len(writes)
+        sent: list[int] = []
+        for i, w in enumerate(writes):
+            try:
+                check_record_size(w.record.turn_id, w.record.nbytes, self.max_record_bytes)
+                sent.append(i)
+            except RecordTooLarge as exc:
+                answers[i] = exc
+        if sent:
+            try:
+                with translated(f"save {len(sent)} records"):
+                    async with self.client.pipeline(transaction=False) as pipe:
+                        for i in sent:
+                            await self.queue_save(pipe, writes[i].record, spec=writes[i].spec)
+                        replies = await pipe.execute(raise_on_error=False)
+            except StoreError as exc:
+                replies = [exc] * len(sent)
+            for i, reply in zip(sent, replies, strict=True):
+                answers[i] = (
+                    reply
+                    if isinstance(reply, StoreError)
+                    else self._answer(writes[i].record, reply)
+                )
+        return [a if a is not None else StoreError("not answered") for a in answers]
 
     async def queue_save(
         self,
@@ -172,23 +199,29 @@ class RedisCheckpointStore:
     async def load(self, turn_id: str) -> CheckpointRecord:
         """The stored record; a record that fails to decode is quarantined and reported."""
         key = self.keys.turn(turn_id)
-        with translated(f"load {turn_id}"):
-            raw = await self.client.hgetall(key)
-        if not raw:
-            raise RecordNotFound(f"no record for turn {turn_id}")
         try:
-            return decode_record(key, {raw_bytes(k): raw_bytes(v) for k, v in raw.items()})
+            with reading(key, f"load {turn_id}"):
+                raw = await self.client.hgetall(key)
+            if not raw:
+                raise RecordNotFound(f"no record for turn {turn_id}")
+            record = decode_record(key, {raw_bytes(k): raw_bytes(v) for k, v in raw.items()})
+            if record.turn_id != turn_id:
+                raise RecordError(key, f"holds turn {record.turn_id!r}, not {turn_id!r}")
+            return record
         except RecordError as exc:
             await self.quarantine(turn_id, str(exc))
             raise
 
     async def load_spec(self, turn_id: str) -> TurnSpec:
         key = self.keys.spec(turn_id)
-        with translated(f"load spec {turn_id}"):
+        with reading(key, f"load spec {turn_id}"):
             raw = await self.client.get(key)
         if raw is None:
             raise RecordNotFound(f"no spec for turn {turn_id}")
-        return unpack_model(TurnSpec, raw_bytes(raw), key=key)
+        spec = unpack_model(TurnSpec, raw_bytes(raw), key=key)
+        if spec.turn_id != turn_id:
+            raise RecordError(key, f"spec of turn {spec.turn_id!r}, not {turn_id!r}")
+        return spec
 
     async def list_in_progress(self) -> list[str]:
         """Ids of every turn whose latest record has ``in_progress = 1``, sorted."""

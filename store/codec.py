@@ -10,9 +10,10 @@ from typing import Any, Generic, TypeVar
 import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from bus.errors import RecordError, UnknownSchema
+from bus.errors import RecordError, RecordTooLarge, UnknownSchema
 from bus.phase import TurnPhase
 from store.records import (
+    MAX_FENCE,
     SCHEMA_VERSION,
     CheckpointRecord,
     Counters,
@@ -131,6 +132,21 @@ _PACKED_MESSAGES: _PackMemo[Message] = _PackMemo(_MESSAGES)
 _PACKED_METAS: _PackMemo[MessageMeta] = _PackMemo(_METAS)
 
 
+#: Default cap on one record's encoded size. Redis refuses a bulk string past
+#: ``proto-max-bulk-len`` (512 MB) by resetting the connection, which a retrying client would
+#: repeat forever; a record this big is a runaway turn anyway.
+DEFAULT_MAX_RECORD_BYTES = 32 * 2**20
+
+
+def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:
+    """Raise :class:`RecordTooLarge` for a record of ``nbytes`` over ``limit``."""
+    if nbytes > limit:
+        raise RecordTooLarge(
+            f"record of turn {turn_id} is {nbytes:,} bytes, over the {limit:,}-byte cap "
+            "([checkpoint] max_record_bytes)"
+        )
+
+
 _INT_FIELDS = ("schema", "epoch", "seq", "baseline", "updated_at")
 _STR_FIELDS = ("turn_id", "session_id", "phase", "reason")
 _BLOB_FIELDS = ("messages", "meta", "counters")
@@ -168,6 +184,11 @@ class EncodedRecord:
             record.in_progress, encode_record(record),
         )  # fmt: skip
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the hash's values, about what the save sends."""
+        return sum(len(v) if isinstance(v, bytes | str) else 8 for v in self.fields.values())
+
     def to_wire(self) -> bytes:
         return pack(self.fields)
 
@@ -192,8 +213,12 @@ class EncodedRecord:
         if fields["schema"] != SCHEMA_VERSION:
             raise ValueError(f"schema {fields['schema']} (this build writes {SCHEMA_VERSION})")
         TurnPhase(fields["phase"])  # ValueError for an unknown phase
-        if fields["in_progress"] not in (0, 1) or fields["epoch"] < 1 or fields["seq"] < 0:
-            raise ValueError("in_progress must be 0 or 1, epoch >= 1 and seq >= 0")
+        if (
+            fields["in_progress"] not in (0, 1)
+            or not 1 <= fields["epoch"] <= MAX_FENCE
+            or not 0 <= fields["seq"] <= MAX_FENCE
+        ):
+            raise ValueError("in_progress must be 0 or 1, epoch in 1..2^53-1, seq in 0..2^53-1")
         return cls(
             fields["turn_id"], fields["epoch"], fields["seq"], fields["phase"], fields["reason"],
             fields["in_progress"] == 1, fields,

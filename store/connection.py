@@ -10,7 +10,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.connection import HiredisRespSerializer
 
-from bus.errors import StoreError
+from bus.errors import RecordError, StoreError
 
 
 class _HiredisConnection(aioredis.Connection):
@@ -55,6 +55,21 @@ def translated(action: str) -> Iterator[None]:
     """Re-raise ``redis.RedisError`` (and socket errors) as :class:`StoreError`."""
     try:
         yield
+    except (redis.RedisError, OSError) as exc:
+        raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+
+
+@contextmanager
+def reading(key: str, action: str) -> Iterator[None]:
+    """Like :func:`translated`, for reading one key: a key of the wrong type (a string where a
+    hash belongs) is that key's :class:`RecordError`, so the caller quarantines it and the
+    other turns go on, instead of a StoreError that stops every reader."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        if str(exc).startswith("WRONGTYPE"):
+            raise RecordError(key, f"wrong Redis type: {exc}") from exc
+        raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
     except (redis.RedisError, OSError) as exc:
         raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
 

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from bus.errors import RecordError, StaleOwner, StoreError
 from store.codec import pack_model, unpack_model
 from store.connection import raw as raw_bytes
-from store.connection import text, translated
+from store.connection import reading, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import LedgerEntry
@@ -75,7 +75,7 @@ class ToolLedger:
     async def entries(self, turn_id: str) -> dict[str, LedgerEntry]:
         """Every journaled call of a turn (a bad entry raises RecordError: never guess)."""
         key = self.keys.tools(turn_id)
-        with translated(f"read ledger {turn_id}"):
+        with reading(key, f"read ledger {turn_id}"):
             raw = await self.client.hgetall(key)
         return {text(k): self._decode(key, text(k), raw_bytes(v)) for k, v in raw.items()}
 
@@ -84,7 +84,7 @@ class ToolLedger:
         if not call_keys:
             return {}
         key = self.keys.tools(turn_id)
-        with translated(f"read ledger {turn_id}"):
+        with reading(key, f"read ledger {turn_id}"):
             raw = await self.client.hmget(key, call_keys)
         return {
             k: LedgerRead(self._decode(key, k, raw_bytes(v)), raw_bytes(v))
@@ -99,7 +99,7 @@ class ToolLedger:
             return {}
         key = self.keys.tools(turn_id)
         now = int(time.time() * 1000)
-        with translated(f"prepare ledger {turn_id}"):
+        with reading(key, f"prepare ledger {turn_id}"):
             async with self.client.pipeline(transaction=False) as pipe:
                 for call_key_, name in calls:
                     entry = LedgerEntry(state="prepared", name=name, updated_at=now)

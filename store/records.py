@@ -16,6 +16,10 @@ from bus.phase import TurnPhase
 #: quarantine records whose schema they do not know.
 SCHEMA_VERSION = 1
 
+#: Largest epoch and seq a record may carry: the save script compares them as Lua numbers
+#: (doubles), exact only up to 2^53. A record past it is quarantined on read.
+MAX_FENCE = 2**53 - 1
+
 Role = Literal["system", "user", "assistant", "tool"]
 ToolStatus = Literal["ok", "error", "denied", "timeout", "outcome_unknown", "skipped"]
 Source = Literal["prompt", "llm", "tool", "inbox", "system"]
@@ -116,9 +120,9 @@ class CheckpointRecord(_Frozen):
     """The turn."""
     session_id: str
     """Conversation the turn belongs to."""
-    epoch: int = Field(ge=1)
-    """Owner incarnation; the fencing token. A resume bumps it."""
-    seq: int = Field(ge=0)
+    epoch: int = Field(ge=1, le=MAX_FENCE)
+    """Owner incarnation; the fencing token. A resume bumps it (at most :data:`MAX_FENCE`)."""
+    seq: int = Field(ge=0, le=MAX_FENCE)
     """Checkpoint number, strictly increasing across every save of the turn."""
     phase: TurnPhase
     """Phase at the time of the save."""

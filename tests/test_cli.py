@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.engine import LocalEngine
+from actors.scenario import load_scenario
+from store.connection import connect
+from store.keys import KeyLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")
@@ -104,3 +109,30 @@ def test_run_then_inspect(redis_url: str, namespace: str, tmp_path: Path) -> Non
 def test_resume_with_nothing_to_do(redis_url: str, namespace: str) -> None:
     code, out = invoke("resume", "--in-process", "--redis-url", redis_url, "--namespace", namespace)
     assert code == 0 and "resumed" in out
+
+
+def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
+    redis_url: str, namespace: str
+) -> None:
+    """Issue 11 defects 2 and 4: one bad key no longer stops every resume, and the exit status
+    says that not every turn ended."""
+
+    async def setup() -> None:
+        client = connect(redis_url)
+        keys = KeyLayout(namespace)
+        engine = LocalEngine(client, keys)
+        await engine.submit_many(load_scenario(PLAIN), ["ok-1", "ok-2"])  # in progress, not run
+        await client.set(keys.turn("bad"), b"a string, not a hash")
+        await client.sadd(keys.in_progress_of("bad"), "bad")
+        await client.aclose()
+
+    asyncio.run(setup())
+    args = ["--redis-url", redis_url, "--namespace", namespace, "--config", TEST_CONFIG]
+    code, out = invoke("resume", "--in-process", *args)
+    assert code == 3, out
+    assert "quarantined (1)" in out and "bad" in out
+    for turn in ("ok-1", "ok-2"):
+        code, shown = invoke("inspect", turn, "--json", *args)
+        assert code == 0 and json.loads(shown)["counters"]["outcome"] == "answered", shown
+    code, out = invoke("resume", "--in-process", *args)  # nothing left: the bad key is aside
+    assert code == 0, out

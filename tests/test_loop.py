@@ -370,3 +370,18 @@ async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
     assert statuses[0].turn_id == "hung" and "waiting for the model" in statuses[0].label
     final = await engine.store.load("hung")
     assert not final.in_progress and len(final.messages) == 2 + 3
+
+
+async def test_a_turn_outgrowing_the_record_cap_ends_on_its_last_checkpoint(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Issue 11 defect 6: the turn ends aborted:record_too_large, its last checkpoint intact."""
+    engine = make_engine(real_client, keys, max_record_bytes=6000)
+    sc = scenario(rounds=10, tools_per_round=1, payload_bytes=700)
+    _, rec, _ = await run_with_recorder(engine, sc, "big")
+    final = await engine.store.load("big")
+    assert final.counters.outcome == "aborted:record_too_large" and not final.in_progress
+    last_mid_turn = rec.saved[-2]
+    assert last_mid_turn.reason == "tool_batch" and last_mid_turn.in_progress
+    assert final.messages == last_mid_turn.messages and final.meta == last_mid_turn.meta
+    assert final.seq > last_mid_turn.seq

@@ -13,6 +13,7 @@ from bus.errors import (
     AlreadySaved,
     RecordError,
     RecordNotFound,
+    RecordTooLarge,
     StaleOwner,
     StoreError,
     TurnExists,
@@ -292,3 +293,60 @@ async def test_a_redis_error_on_one_save_fails_only_that_save(
     assert isinstance(results[1], StoreError) and "broken" in str(results[1])
     assert isinstance(results[0], SaveAck) and isinstance(results[2], SaveAck)
     assert await store.list_in_progress() == ["ok1", "ok2"]
+
+
+async def test_a_key_of_the_wrong_type_is_quarantined_while_others_load(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Issue 11 defect 2: a string where a turn's hash belongs used to stop every resume."""
+    await store.save(record("good", n_turn_messages=1))
+    await any_client.set(keys.turn("str"), b"not a hash")
+    await any_client.sadd(keys.in_progress_of("str"), "str")
+    scan = await store.load_in_progress()
+    assert [r.turn_id for r in scan.records] == ["good"]
+    (err,) = scan.errors
+    assert isinstance(err, RecordError) and "wrong Redis type" in str(err)
+    assert "wrong Redis type" in (await store.quarantined())["str"]
+    assert await store.list_in_progress() == ["good"]
+    await any_client.hset(keys.spec("good"), "a", "b")  # type: ignore[arg-type]
+    with pytest.raises(RecordError, match="wrong Redis type"):
+        await store.load_spec("good")
+
+
+async def test_a_record_under_another_turns_key_is_quarantined(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Issue 11 defect 5: inspect returned it, resume left the real turn in progress."""
+    await store.save(record("other", n_turn_messages=1))
+    await any_client.copy(keys.turn("other"), keys.turn("mine"))
+    await any_client.sadd(keys.in_progress_of("mine"), "mine")
+    with pytest.raises(RecordError, match="holds turn 'other', not 'mine'"):
+        await store.load("mine")
+    assert "mine" in await store.quarantined()
+    assert (await store.load("other")).turn_id == "other"
+
+
+@pytest.mark.parametrize("field", ["seq", "epoch"])
+async def test_a_fence_past_what_the_save_script_compares_exactly_is_quarantined(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout, field: str
+) -> None:
+    """Issue 11 defect 5: a seq past 2^63 made its turn 'fenced' on every resume forever."""
+    await store.save(record())
+    await any_client.hset(keys.turn("t1"), field, str(2**63))
+    with pytest.raises(RecordError, match="less than or equal to 9007199254740991"):
+        await store.load("t1")
+    assert "t1" in await store.quarantined()
+
+
+async def test_a_record_over_the_size_cap_is_refused_before_it_is_sent(
+    any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Issue 11 defect 6: past proto-max-bulk-len the connection reset and the save retried."""
+    small = RedisCheckpointStore(any_client, keys, max_record_bytes=4096)
+    await small.save(record("t1", n_turn_messages=1))
+    big = record("t1", seq=2).model_copy(
+        update={"messages": (*record().messages[:1], Message(role="user", text="x" * 5000))}
+    )
+    (answer,) = await small.save_many([big])
+    assert isinstance(answer, RecordTooLarge) and "over the 4,096-byte cap" in str(answer)
+    assert (await small.load("t1")).seq == 1  # the last checkpoint is intact
