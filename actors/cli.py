@@ -42,7 +42,7 @@ from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
-from store.connection import connect, translated
+from store.connection import connect, redact_url, translated
 from store.embedded import EmbeddedRedis, attach_or_start
 from store.keys import KeyLayout, check_turn_id
 from store.records import CheckpointRecord
@@ -113,7 +113,9 @@ def _redis(settings: Settings) -> Iterator[str]:
         return
     url, server = attach_or_start(settings.redis.data_dir)
     if server is not None:
-        console.print(f"[dim]embedded redis-server at {url} (data in {settings.redis.data_dir})")
+        console.print(
+            f"[dim]embedded redis-server at {redact_url(url)} (data in {settings.redis.data_dir})"
+        )
     try:
         yield url
     finally:
@@ -150,7 +152,7 @@ def _run_with_url(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], settin
 async def _with_client(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], url: str) -> T:
     client = connect(url)
     try:
-        with translated(f"cannot reach Redis at {url}"):
+        with translated(f"cannot reach Redis at {redact_url(url)}"):
             await client.ping()
         return await coro_fn(client, url)
     finally:

@@ -9,20 +9,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.loop import LoopSettings
-from actors.tomlfile import read_toml
+from actors.tomlfile import describe, read_toml
 from actors.watchdog import WatchdogConfig
 from bus.errors import ConfigError
-from store.codec import DEFAULT_MAX_RECORD_BYTES
+from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
+from store.connection import check_redis_url
 from store.keys import KeyLayout
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # strict: ``shards = true`` or ``workers = "2"`` is a mistake, not a value to coerce.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class RedisSettings(_Section):
@@ -34,6 +36,11 @@ class RedisSettings(_Section):
     """Shard hash tags; fixed for the life of a namespace."""
     data_dir: str = ".phaseline/redis"
     """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else check_redis_url(url)
 
     @model_validator(mode="after")
     def _check_layout(self) -> RedisSettings:
@@ -47,7 +54,9 @@ class RedisSettings(_Section):
 class CheckpointSettings(_Section):
     min_interval_s: float = Field(default=2.0, ge=0)
     """Minimum seconds between mid-turn saves of one turn."""
-    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, ge=4096, le=512 * 2**20)
+    max_record_bytes: int = Field(
+        default=DEFAULT_MAX_RECORD_BYTES, ge=4096, le=RECORD_BYTES_CEILING
+    )
     """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
     ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
     mid_turn: bool = True
@@ -120,7 +129,7 @@ class Settings(_Section):
         try:
             redis_settings = RedisSettings.model_validate({**self.redis.model_dump(), **values})
         except ValidationError as exc:
-            raise ConfigError(f"invalid Redis settings:\n{exc}") from exc
+            raise ConfigError(f"invalid Redis settings:\n{describe(exc)}") from None
         return self.model_copy(update={"redis": redis_settings})
 
 
@@ -131,4 +140,4 @@ def load_settings(path: str | Path | None) -> Settings:
     try:
         return Settings.model_validate(read_toml(path, "config"))
     except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid config:\n{exc}") from exc
+        raise ConfigError(f"{path}: invalid config:\n{describe(exc)}") from None

@@ -28,7 +28,7 @@ from actors.tools import BUILTIN_TOOLS
 from bus.errors import ConfigError, PhaselineError, StoreError, TurnExists
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, read_streams, text, translated
+from store.connection import connect, read_streams, redact_url, text, translated
 from store.inbox import Inbox, InboxItem
 from store.records import CheckpointRecord
 
@@ -73,7 +73,7 @@ class Runtime:
         owns_ray = ensure_ray(ray_address)
         dep = Deployment(redis_url=redis_url, settings=settings, hosts=hosts)
         client = connect(redis_url)
-        with translated(f"cannot reach Redis at {redis_url}"):
+        with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
             await client.ping()
         supervisor = Supervisor.options(  # type: ignore[attr-defined]
             name=dep.name("supervisor"),
@@ -86,7 +86,7 @@ class Runtime:
         if running.hosts != hosts or running.redis_url != redis_url:
             raise ConfigError(
                 f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts "
-                f"on {running.redis_url}; shut it down first or use another --namespace"
+                f"on {redact_url(running.redis_url)}; shut it down first or use another --namespace"
             )
         return cls(running, client, supervisor, owns_ray)
 

@@ -6,12 +6,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from bus.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+def describe(exc: ValidationError) -> str:
+    """A pydantic error as one line per problem (where, what), without echoing the input:
+    a config's values may hold a password."""
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from bus.phase import Transition, TurnPhase, counts_as_idle
 class WatchdogConfig(BaseModel):
     """Timeouts in seconds. Validated: nothing negative, hard >= soft when both are set."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     tick_s: float = Field(default=1.0, gt=0)
     """How often the rules are evaluated."""

@@ -136,6 +136,8 @@ _PACKED_METAS: _PackMemo[MessageMeta] = _PackMemo(_METAS)
 #: ``proto-max-bulk-len`` (512 MB) by resetting the connection, which a retrying client would
 #: repeat forever; a record this big is a runaway turn anyway.
 DEFAULT_MAX_RECORD_BYTES = 32 * 2**20
+#: The most ``max_record_bytes`` may be set to: Redis's own ``proto-max-bulk-len`` default.
+RECORD_BYTES_CEILING = 512 * 2**20
 
 
 def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:

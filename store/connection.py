@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -28,6 +29,51 @@ class _HiredisConnection(aioredis.Connection):
         return packed
 
 
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and a lone username-as-password) replaced by ``***``: what
+    every message, log line and report prints instead of the URL itself."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and not (parts.username and parts.scheme in _SCHEMES):
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        user = parts.username if parts.password is not None else ""
+        netloc = f"{user or ''}:***@{host}"
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<unparseable Redis URL>"
+
+
+def check_redis_url(url: str) -> str:
+    """Refuse a URL redis-py would misread (``redis://h/abc`` silently meant db 0); the
+    error names the problem, never the password."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"invalid Redis URL {shown}: {exc}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"invalid Redis URL {shown}: scheme must be one of {list(_SCHEMES)}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"invalid Redis URL {shown}: unix:// needs a socket path")
+        return url
+    if not parts.hostname:
+        raise ValueError(f"invalid Redis URL {shown}: no host")
+    if port == 0:
+        raise ValueError(f"invalid Redis URL {shown}: port 0")
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"invalid Redis URL {shown}: database {db!r} is not a number")
+    return url
+
+
 def connect(url: str, *, max_connections: int = 64) -> aioredis.Redis:
     """An asyncio client on a bounded pool; bytes in, bytes out (records are binary).
 
@@ -47,7 +93,7 @@ def connect(url: str, *, max_connections: int = 64) -> aioredis.Redis:
         )
         return aioredis.Redis(connection_pool=pool, decode_responses=False)
     except ValueError as exc:
-        raise StoreError(f"invalid Redis URL {url!r}: {exc}") from exc
+        raise StoreError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from types import TracebackType
 import redis
 
 from bus.errors import StoreError
+from store.connection import redact_url
 
 
 class DataDirBusy(StoreError):
@@ -206,7 +207,9 @@ def attach_or_start(data_dir: str | Path) -> tuple[str, EmbeddedRedis | None]:
         try:
             client.ping()
         except redis.RedisError as exc:
-            raise StoreError(f"embedded Redis of {data_dir} at {url} does not answer") from exc
+            raise StoreError(
+                f"embedded Redis of {data_dir} at {redact_url(url)} does not answer"
+            ) from exc
         finally:
             client.close()
         return url, None

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from actors.cli import main
 from actors.engine import LocalEngine
 from actors.scenario import load_scenario
-from store.connection import connect
+from store.connection import connect, redact_url
 from store.keys import KeyLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,11 @@ def test_every_shipped_scenario_and_config_is_valid() -> None:
         ('name = "x"\n[[faults]]\nat_call = 1\nkind = "explode"\n', "kind"),
         ('name = "x"\ntools = ["nope"]\n', "unknown tools ['nope']"),
         ('name = "x\n', "not valid TOML"),
+        # issue 11 defect 8: within each field's limit, but 10 GB a round
+        ('name = "x"\ntools_per_round = 1000\npayload_bytes = 10000000\n', "a round would"),
+        ('name = "x"\nrounds = 10000\npayload_bytes = 100000\n', "transcript would grow"),
+        ('name = "x"\nrounds = true\n', "rounds: Input should be a valid integer"),
+        ('name = "x"\n[[faults]]\nat_call = 1.0\nkind = "empty"\n', "faults.0.at_call"),
     ],
 )
 def test_bad_scenarios_are_refused_with_exit_2(
@@ -136,3 +141,44 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         assert code == 0 and json.loads(shown)["counters"]["outcome"] == "answered", shown
     code, out = invoke("resume", "--in-process", *args)  # nothing left: the bad key is aside
     assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("[approvals]\ntimeout_s = 1e400\n", "approvals.timeout_s: Input should be a finite"),
+        ("[watchdog]\ntick_s = nan\n", "watchdog.tick_s"),
+        ("[redis]\nshards = true\n", "redis.shards"),
+        ('[tools]\nworkers = "2"\n', "tools.workers"),
+        ('[redis]\nurl = "redis://127.0.0.1:6379/abc"\n', "database 'abc' is not a number"),
+        ('[redis]\nurl = "http://127.0.0.1:6379/0"\n', "scheme must be one of"),
+    ],
+)
+def test_bad_configs_are_refused_with_exit_2(tmp_path: Path, config: str, message: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(config)
+    code, out = invoke("inspect", "x", "--config", str(cfg))
+    assert code == 2, out
+    assert message in out
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:hunter2@127.0.0.1:6379/abc", "redis://user:hunter2@[::1:6379/0", "ftp://x"]
+)
+def test_an_invalid_redis_url_exits_2_without_its_password(url: str) -> None:
+    """Issue 11 defects 7 and 8: exit 2, and the password never printed."""
+    code, out = invoke("inspect", "x", "--redis-url", url)
+    assert code == 2, out
+    assert "hunter2" not in out and "invalid Redis URL" in out
+
+
+def test_an_unreachable_redis_is_reported_without_its_password() -> None:
+    code, out = invoke("inspect", "x", "--redis-url", "redis://admin:hunter2@127.0.0.1:1/0")
+    assert code == 1 and "hunter2" not in out and "redis://admin:***@127.0.0.1:1/0" in out
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://u:p@h:1/0") == "redis://u:***@h:1/0"
+    assert redact_url("rediss://:p@h/2") == "rediss://:***@h/2"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    assert redact_url("unix:///tmp/r.sock?db=1") == "unix:///tmp/r.sock?db=1"
