@@ -82,7 +82,9 @@ class CheckpointActor:
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
-        self._client = connect(dep.redis_url, max_connections=64)
+        self._client = connect(
+            dep.redis_url, max_connections=64, retry_s=dep.settings.redis.retry_s
+        )
         self._store = RedisCheckpointStore(
             self._client, dep.keys, max_record_bytes=dep.settings.checkpoint.max_record_bytes
         )

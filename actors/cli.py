@@ -146,11 +146,13 @@ def _run(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], settings: Settings) 
 def _run_with_url(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], settings: Settings) -> T:
     """Run ``coro_fn(client, url)`` on a fresh event loop against the configured Redis."""
     with _redis(settings) as url:
-        return asyncio.run(_with_client(coro_fn, url))
+        return asyncio.run(_with_client(coro_fn, url, settings.redis.retry_s))
 
 
-async def _with_client(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], url: str) -> T:
-    client = connect(url)
+async def _with_client(
+    coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], url: str, retry_s: float
+) -> T:
+    client = connect(url, retry_s=retry_s)
     try:
         with translated(f"cannot reach Redis at {redact_url(url)}"):
             await client.ping()

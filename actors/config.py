@@ -16,7 +16,7 @@ from actors.tomlfile import describe, read_toml
 from actors.watchdog import WatchdogConfig
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
-from store.connection import check_redis_url
+from store.connection import DEFAULT_RETRY_S, check_redis_url
 from store.keys import KeyLayout
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
@@ -34,6 +34,9 @@ class RedisSettings(_Section):
     """Key prefix (store.keys)."""
     shards: int = Field(default=16, ge=1, le=16384)
     """Shard hash tags; fixed for the life of a namespace."""
+    retry_s: float = Field(default=DEFAULT_RETRY_S, ge=0, le=3600)
+    """Seconds each Redis command keeps retrying through connection errors (a restart, a
+    failover) before the turn is interrupted; 0 fails at once."""
     data_dir: str = ".phaseline/redis"
     """Where the embedded server keeps its AOF, so later commands see earlier runs."""
 

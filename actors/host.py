@@ -42,7 +42,9 @@ class TurnHost:
         self.slot = slot
         self.generation = generation
         self.incarnation = uuid.uuid4().hex
-        self.client = connect(self.dep.redis_url, max_connections=128)
+        self.client = connect(
+            self.dep.redis_url, max_connections=128, retry_s=self.dep.settings.redis.retry_s
+        )
         self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
         self.checkpoints = CheckpointClient(
             actor_sender(self._checkpoint_actor),

@@ -438,10 +438,17 @@ class TurnLoop:
                 "turn %s: inbox unreadable, will retry at next boundary: %s", self.turn_id, exc
             )
             return
-        if not items:
+        seen = {m.message_id for m in self._meta}
+        fresh = []
+        for item in items:  # a push resent by a client retry is the same message: once only
+            if item.message_id not in seen:
+                seen.add(item.message_id)
+                fresh.append(item)
+        if not fresh:
+            self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
             return
         self.tracker.to(P.INJECTING_MESSAGE)
-        for item in items:
+        for item in fresh:
             self._append(
                 Message(role="user", text=item.text),
                 "inbox",

@@ -72,7 +72,7 @@ class Runtime:
         """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
         owns_ray = ensure_ray(ray_address)
         dep = Deployment(redis_url=redis_url, settings=settings, hosts=hosts)
-        client = connect(redis_url)
+        client = connect(redis_url, retry_s=settings.redis.retry_s)
         with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
             await client.ping()
         supervisor = Supervisor.options(  # type: ignore[attr-defined]

@@ -42,7 +42,9 @@ class WatchdogActor:
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(self.dep.redis_url, max_connections=16)
+        self.client = connect(
+            self.dep.redis_url, max_connections=16, retry_s=self.dep.settings.redis.retry_s
+        )
         self.bus = RedisBus(self.client, self.dep.keys)
         self.hosts = HostDirectory(self.dep, self.client)
         self.rules = WatchdogRules(self.dep.settings.watchdog)
@@ -128,7 +130,9 @@ class RecoveryActor:
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(self.dep.redis_url, max_connections=32)
+        self.client = connect(
+            self.dep.redis_url, max_connections=32, retry_s=self.dep.settings.redis.retry_s
+        )
         keys = self.dep.keys
         self.store = RedisCheckpointStore(self.client, keys)
         self.ledger = ToolLedger(self.client, keys)

@@ -47,7 +47,9 @@ SERVICES = {"checkpoint": CheckpointActor, "watchdog": WatchdogActor, "recovery"
 class Supervisor:
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(self.dep.redis_url, max_connections=8)
+        self.client = connect(
+            self.dep.redis_url, max_connections=8, retry_s=self.dep.settings.redis.retry_s
+        )
         self.hosts = HostDirectory(self.dep, self.client)
         self._adopted: set[str] = set()
         self._misses: dict[int, int] = defaultdict(int)

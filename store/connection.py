@@ -9,6 +9,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
 
 from bus.errors import RecordError, StoreError
@@ -74,12 +76,30 @@ def check_redis_url(url: str) -> str:
     return url
 
 
-def connect(url: str, *, max_connections: int = 64) -> aioredis.Redis:
+#: Seconds a command keeps retrying through connection errors by default (``[redis] retry_s``).
+DEFAULT_RETRY_S = 5.0
+
+
+def retry_policy(retry_s: float) -> Retry:
+    """redis-py's own retry, sized to ride out a Redis restart of about ``retry_s`` seconds:
+    backoff 0.1, 0.2, 0.4, 0.8 s, then 1 s per attempt. Only connection errors and timeouts are
+    retried. Every write phaseline sends is safe to repeat: saves and ledger writes recognise
+    their own replay, effect counters and inbox entries carry ids that make a repeat a no-op."""
+    retries, waited = 0, 0.0
+    while waited < retry_s:
+        retries += 1
+        waited += min(1.0, 0.05 * 2**retries)
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries)
+
+
+def connect(
+    url: str, *, max_connections: int = 64, retry_s: float = DEFAULT_RETRY_S
+) -> aioredis.Redis:
     """An asyncio client on a bounded pool; bytes in, bytes out (records are binary).
 
     When every connection is busy a caller waits for one (backpressure: thousands of turns
     share a few dozen connections, and a busy Redis only slows them down). A Redis that is
-    gone fails fast instead, through the connect and socket timeouts.
+    gone is retried for about ``retry_s`` seconds (:func:`retry_policy`), then fails.
     """
     try:
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -90,6 +110,8 @@ def connect(url: str, *, max_connections: int = 64) -> aioredis.Redis:
             socket_connect_timeout=5,
             socket_timeout=30,
             health_check_interval=30,
+            retry=retry_policy(retry_s),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionError],
         )
         return aioredis.Redis(connection_pool=pool, decode_responses=False)
     except ValueError as exc:

@@ -6,23 +6,31 @@ most once (a value above 1 is a duplicated side effect).
 
 from __future__ import annotations
 
+import uuid
+
 import redis.asyncio as aioredis
 
 from store.connection import text, translated
 from store.keys import KeyLayout
+from store.lua import lua_script
 
 
 class EffectCounters:
     def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
+        self._increment = client.register_script(lua_script("effect_increment.lua"))
 
     async def increment(self, turn_id: str, call_key: str) -> int:
-        """Perform the side effect; returns how many times this call key has now run."""
+        """Perform the side effect once per call of this method, however often the client
+        resends the command; returns how many times this call key has now run."""
+        run = uuid.uuid4().hex
         with translated(f"increment effect {turn_id}"):
-            return int(await self.client.hincrby(self.keys.effects(turn_id), call_key, 1))
+            reply = await self._increment(keys=[self.keys.effects(turn_id)], args=[call_key, run])
+        return int(reply)
 
     async def counts(self, turn_id: str) -> dict[str, int]:
+        """Runs per call key (the ``#`` run markers left out)."""
         with translated(f"read effects {turn_id}"):
             raw = await self.client.hgetall(self.keys.effects(turn_id))
-        return {text(k): int(v) for k, v in raw.items()}
+        return {text(k): int(v) for k, v in raw.items() if not text(k).startswith("#")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -43,10 +44,33 @@ def find_redis_server() -> str:
     return str(path)
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port *below* the kernel's ephemeral range.
+
+    A client that keeps reconnecting to a port in the ephemeral range while the server is down
+    (a restart) can be handed that very port as its own source port and connect to itself
+    (TCP simultaneous open): its reads then hang until the socket timeout, and the restarted
+    server cannot bind. Seen here as a 150 s stall in a restart test; ports the kernel never
+    hands out as source ports cannot collide that way.
+    """
+    floor = min(_ephemeral_floor(), 65536)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, floor // 3), floor)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise StoreError("no free port below the ephemeral range for redis-server")
 
 
 class EmbeddedRedis:

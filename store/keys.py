@@ -5,7 +5,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:turn:<turn_id>      hash    the checkpoint record (records.CheckpointRecord)
     {ns}:{s<N>}:spec:<turn_id>      string  msgpack TurnSpec, written once at submission
     {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry
-    {ns}:{s<N>}:effects:<turn_id>   hash    side-effect counters of non-idempotent tools
+    {ns}:{s<N>}:effects:<turn_id>   hash    side-effect counters of non-idempotent tools: call
+                                            key -> runs, and "#<call key>#<run id>" -> 1 markers
     {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,9 +20,11 @@ from actors.watchdog import WatchdogConfig
 from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.connection import connect
+from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, ToolResult
+from store.records import CheckpointRecord, LedgerEntry, Message, ToolResult
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 
@@ -385,3 +388,51 @@ async def test_a_turn_outgrowing_the_record_cap_ends_on_its_last_checkpoint(
     assert last_mid_turn.reason == "tool_batch" and last_mid_turn.in_progress
     assert final.messages == last_mid_turn.messages and final.meta == last_mid_turn.meta
     assert final.seq > last_mid_turn.seq
+
+
+class WatchedLLM:
+    """The scripted model, telling the test when a reply is handed back after ``killed``: the
+    loop's next step is a Redis write, made before the test runs again."""
+
+    def __init__(self, inner: ScriptedLLM) -> None:
+        self.inner = inner
+        self.killed = False
+        self.replied_after_kill = asyncio.Event()
+
+    async def complete(self, request: LLMRequest) -> Message:
+        reply = await self.inner.complete(request)
+        if self.killed:
+            self.replied_after_kill.set()
+        return reply
+
+
+@pytest.mark.parametrize(("retry_s", "expected"), [(10.0, "answered"), (0.0, "interrupted")])
+async def test_a_redis_restart_mid_turn_is_ridden_out(
+    tmp_path: Path, keys: KeyLayout, retry_s: float, expected: str
+) -> None:
+    """Issue 11 defect 9: a restart of a few seconds no longer ends the turn at the first
+    failed call; with retries off (``retry_s = 0``) it is interrupted as before."""
+    with EmbeddedRedis(data_dir=tmp_path, appendfsync="always") as server:
+        client = connect(server.url, retry_s=retry_s)
+        engine = make_engine(client, keys, watchdog=None)
+        sc = scenario(rounds=8, tools_per_round=1, llm_latency_ms=150)
+        record = await engine.submit(sc, "bumpy")
+        model = WatchedLLM(ScriptedLLM(sc, baseline=record.baseline))
+        turn = asyncio.ensure_future(engine.drive(engine.build_loop(record, sc, llm=model)))
+
+        async def second_batch_saved() -> bool:
+            return (await engine.store.load("bumpy")).seq >= 2
+
+        await eventually(second_batch_saved, what="two checkpoints")
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait()
+        model.killed = True
+        await model.replied_after_kill.wait()  # the turn is now writing to the dead server
+        await asyncio.to_thread(server.restart)
+        outcome = await turn
+        assert outcome.outcome == expected
+        if expected == "answered":
+            final = await engine.store.load("bumpy")
+            assert not final.in_progress and len(final.messages) == 2 + 8 * 2 + 1
+        await client.aclose()

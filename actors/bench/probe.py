@@ -40,7 +40,9 @@ PATHS = ("batched", "unbatched", "raw", "bare")
 class BenchProbe:
     def __init__(self, deployment_json: str, messages: int, payload_bytes: int) -> None:
         dep = Deployment.from_wire(deployment_json)
-        self.client = connect(dep.redis_url, max_connections=128)  # as TurnHost
+        self.client = connect(
+            dep.redis_url, max_connections=128, retry_s=dep.settings.redis.retry_s
+        )  # as TurnHost
         self.store = RedisCheckpointStore(self.client, dep.keys)
         actor = ray.get_actor(dep.name("checkpoint"), namespace=RAY_NAMESPACE)
         self.send = actor_sender(lambda: actor)
