@@ -12,6 +12,7 @@ import enum
 import functools
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -171,6 +172,18 @@ async def _with_client(
 def main(log_level: str) -> None:
     """phaseline: crash-surviving agent turns with fenced Redis checkpoints."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _exit_on_signals()
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C (SIGINT), so every ``finally`` runs: above all,
+    an embedded server this command started is stopped with it instead of orphaned."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, leave)
 
 
 class _Bar:
@@ -564,9 +577,13 @@ def redis_cmd(
     """Start the embedded redis-server, print its URL, keep it until interrupted."""
     settings = _settings(config_path, redis_url, namespace)
     server = EmbeddedRedis(data_dir=data_dir or settings.redis.data_dir)
-    url = server.start()
-    out.print(url)
     try:
+        url = server.start()
+        out.print(redact_url(url), highlight=False)
+        console.print(
+            f"[dim]full URL (with the password) in {server.data_dir / 'url'}, mode 0600; "
+            "commands without --redis-url find it there"
+        )
         assert server.process is not None
         server.process.wait()
     except KeyboardInterrupt:

