@@ -112,12 +112,13 @@ def _redis(settings: Settings) -> Iterator[str]:
     if settings.redis.url:
         yield settings.redis.url
         return
-    url, server = attach_or_start(settings.redis.data_dir)
-    if server is not None:
-        console.print(
-            f"[dim]embedded redis-server at {redact_url(url)} (data in {settings.redis.data_dir})"
-        )
-    try:
+    server: EmbeddedRedis | None = None
+    try:  # a SIGTERM from here on unwinds through the finally (_exit_on_signals)
+        url, server = attach_or_start(settings.redis.data_dir)
+        if server is not None:
+            console.print(
+                f"[dim]embedded server at {redact_url(url)} (data in {settings.redis.data_dir})"
+            )
         yield url
     finally:
         if server is not None:
