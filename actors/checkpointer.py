@@ -86,7 +86,10 @@ class CheckpointActor:
             dep.redis_url, max_connections=64, retry_s=dep.settings.redis.retry_s
         )
         self._store = RedisCheckpointStore(
-            self._client, dep.keys, max_record_bytes=dep.settings.checkpoint.max_record_bytes
+            self._client,
+            dep.keys,
+            max_record_bytes=dep.settings.checkpoint.max_record_bytes,
+            durability=dep.settings.redis.durability_policy(),
         )
         self._batches = 0
         self._saves = 0

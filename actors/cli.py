@@ -44,7 +44,7 @@ from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import connect, redact_url, translated
-from store.embedded import EmbeddedRedis, attach_or_start
+from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.keys import KeyLayout, check_turn_id
 from store.records import CheckpointRecord
 
@@ -114,7 +114,10 @@ def _redis(settings: Settings) -> Iterator[str]:
         return
     server: EmbeddedRedis | None = None
     try:  # a SIGTERM from here on unwinds through the finally (_exit_on_signals)
-        url, server = attach_or_start(settings.redis.data_dir)
+        url, server = attach_or_start(
+            settings.redis.data_dir,
+            appendfsync=appendfsync_for(settings.redis.durability_policy()),
+        )
         if server is not None:
             console.print(
                 f"[dim]embedded server at {redact_url(url)} (data in {settings.redis.data_dir})"
@@ -508,7 +511,8 @@ def bench(
     def show(name: str, data: Any) -> None:
         console.print(f"[bold]{name}[/]: {json.dumps(data)[:400]}")
 
-    with _scratch_redis(settings, "bench") as (_server, url):
+    fsync = appendfsync_for(settings.redis.durability_policy())
+    with _scratch_redis(settings, "bench", appendfsync=fsync) as (_server, url):
         owns_ray = ensure_ray(ray_address)
         try:
             console.print(f"[dim]bench ({'quick' if quick else 'full'}): {', '.join(chosen)}")
@@ -577,7 +581,10 @@ def redis_cmd(
 ) -> None:
     """Start the embedded redis-server, print its URL, keep it until interrupted."""
     settings = _settings(config_path, redis_url, namespace)
-    server = EmbeddedRedis(data_dir=data_dir or settings.redis.data_dir)
+    server = EmbeddedRedis(
+        data_dir=data_dir or settings.redis.data_dir,
+        appendfsync=appendfsync_for(settings.redis.durability_policy()),
+    )
     try:
         url = server.start()
         out.print(redact_url(url), highlight=False)

@@ -17,6 +17,7 @@ from actors.watchdog import WatchdogConfig
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
 from store.connection import DEFAULT_RETRY_S, check_redis_url
+from store.durability import Durability, parse_durability
 from store.keys import KeyLayout
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
@@ -34,6 +35,13 @@ class RedisSettings(_Section):
     """Key prefix (store.keys)."""
     shards: int = Field(default=16, ge=1, le=16384)
     """Shard hash tags; fixed for the life of a namespace."""
+    durability: str = "fsync"
+    """What a checkpoint's acknowledgement promises: ``ack`` (Redis answered; the AOF is
+    fsynced within a second), ``fsync`` (each group-commit batch waits for ``WAITAOF 1 0``:
+    the local AOF is on disk) or ``replicas:N`` (``WAIT N``). docs/ARCHITECTURE.md says why
+    ``fsync`` is the default."""
+    durability_timeout_ms: int = Field(default=2000, ge=1, le=600_000)
+    """How long a batch waits for that promise before its saves count as failed."""
     retry_s: float = Field(default=DEFAULT_RETRY_S, ge=0, le=3600)
     """Seconds each Redis command keeps retrying through connection errors (a restart, a
     failover) before the turn is interrupted; 0 fails at once."""
@@ -44,6 +52,16 @@ class RedisSettings(_Section):
     @classmethod
     def _check_url(cls, url: str | None) -> str | None:
         return None if url is None else check_redis_url(url)
+
+    @field_validator("durability")
+    @classmethod
+    def _check_durability(cls, text: str) -> str:
+        parse_durability(text)
+        return text
+
+    def durability_policy(self) -> Durability:
+        """The parsed :attr:`durability` setting."""
+        return parse_durability(self.durability, timeout_ms=self.durability_timeout_ms)
 
     @model_validator(mode="after")
     def _check_layout(self) -> RedisSettings:

@@ -33,6 +33,7 @@ from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES
+from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
 from store.keys import KeyLayout
@@ -155,9 +156,12 @@ class LocalEngine:
         on_transition: Callable[[Transition], None] | None = None,
         on_status: Callable[[SoftIdle], None] | None = None,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        durability: Durability = Durability(),
     ) -> None:
         self.keys = keys
-        self.store = RedisCheckpointStore(client, keys, max_record_bytes=max_record_bytes)
+        self.store = RedisCheckpointStore(
+            client, keys, max_record_bytes=max_record_bytes, durability=durability
+        )
         self.ledger = ToolLedger(client, keys)
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
@@ -176,6 +180,7 @@ class LocalEngine:
     def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> LocalEngine:
         kw.setdefault("watchdog", settings.watchdog)
         kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
+        kw.setdefault("durability", settings.redis.durability_policy())
         return cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),

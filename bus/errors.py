@@ -57,6 +57,11 @@ class RecordTooLarge(StoreError):
     ends ``aborted:record_too_large`` on top of its last checkpoint, which stays intact."""
 
 
+class NotDurable(StoreError):
+    """A save was written but did not reach the configured durability (``WAITAOF``/``WAIT``
+    timed out, or the server cannot promise it); the caller saves again at its next site."""
+
+
 class RecordNotFound(StoreError):
     """No record exists for the requested turn."""
 

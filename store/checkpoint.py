@@ -16,10 +16,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
 
 from bus.errors import (
     AlreadySaved,
+    NotDurable,
     RecordError,
     RecordNotFound,
     RecordTooLarge,
@@ -37,6 +39,7 @@ from store.codec import (
 )
 from store.connection import raw as raw_bytes
 from store.connection import reading, text, translated
+from store.durability import Durability, DurabilityKind
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord, TurnSpec
@@ -87,11 +90,14 @@ class RedisCheckpointStore:
         *,
         events_maxlen: int = 100_000,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        durability: Durability = Durability(),
     ) -> None:
         self.client = client
         self.keys = keys
         self.events_maxlen = events_maxlen
         self.max_record_bytes = max_record_bytes
+        self.durability = durability
+        self._has_waitaof: bool | None = None
         self._save_script = client.register_script(_SAVE_LUA)
 
     async def submit(self, spec: TurnSpec, record: CheckpointRecord) -> SaveAck:
@@ -139,11 +145,23 @@ class RedisCheckpointStore:
                 answers[i] = exc
         if sent:
             try:
+                wait = await self._wait_command()
                 with translated(f"save {len(sent)} records"):
                     async with self.client.pipeline(transaction=False) as pipe:
                         for i in sent:
                             await self.queue_save(pipe, writes[i].record, spec=writes[i].spec)
+                        if wait:
+                            pipe.execute_command(*wait)  # same connection as the saves
                         replies = await pipe.execute(raise_on_error=False)
+                if wait:
+                    problem = self._not_durable(replies.pop())
+                    if problem:
+                        replies = [
+                            NotDurable(f"save of {writes[i].record.turn_id}: {problem}")
+                            if isinstance(r, list) and r and text(r[0]) == "ok"
+                            else r
+                            for i, r in zip(sent, replies, strict=True)
+                        ]
             except StoreError as exc:
                 replies = [exc] * len(sent)
             for i, reply in zip(sent, replies, strict=True):
@@ -153,6 +171,51 @@ class RedisCheckpointStore:
                     else self._answer(writes[i].record, reply)
                 )
         return [a if a is not None else StoreError("not answered") for a in answers]
+
+    async def _wait_command(self) -> tuple[str | int, ...] | None:
+        """The command that ends a batch under the configured durability (None: none)."""
+        d = self.durability
+        if d.kind is DurabilityKind.ACK:
+            return None
+        if d.kind is DurabilityKind.REPLICAS:
+            return ("WAIT", d.replicas, d.timeout_ms)
+        if self._has_waitaof is None:
+            self._has_waitaof = await self._probe_fsync()
+        return ("WAITAOF", 1, 0, d.timeout_ms) if self._has_waitaof else None
+
+    async def _probe_fsync(self) -> bool:
+        """True if the server has WAITAOF; False if it fsyncs every write anyway
+        (``appendfsync always``: what the embedded Redis 6.2 fallback runs with); otherwise
+        ``fsync`` cannot be promised and saves fail as :class:`NotDurable`."""
+        try:
+            await self.client.execute_command("WAITAOF", 0, 0, 0)  # type: ignore[no-untyped-call]
+            return True
+        except redis.ResponseError as exc:
+            if "unknown command" not in str(exc).lower():
+                raise NotDurable(f"durability fsync: WAITAOF refused ({exc})") from exc
+        except (redis.RedisError, OSError) as exc:
+            raise StoreError(f"probe WAITAOF: {exc}") from exc
+        try:
+            conf = await self.client.config_get("appendfsync")
+        except (redis.RedisError, OSError) as exc:
+            raise NotDurable(f"durability fsync: no WAITAOF and CONFIG refused ({exc})") from exc
+        if text(next(iter(conf.values()), None) or b"") == "always":
+            return False
+        raise NotDurable(
+            "durability fsync needs WAITAOF (Redis >= 7.2, Valkey) or appendfsync always"
+        )
+
+    def _not_durable(self, reply: object) -> str:
+        """Why a batch's WAIT/WAITAOF reply falls short of the promise ('' if it does not)."""
+        if isinstance(reply, Exception):
+            return f"{self.durability} not confirmed: {reply}"
+        d = self.durability
+        if d.kind is DurabilityKind.REPLICAS:
+            got = int(reply) if isinstance(reply, int) else -1
+            return "" if got >= d.replicas else f"{got} of {d.replicas} replicas in time"
+        if isinstance(reply, list) and reply and int(reply[0]) >= 1:
+            return ""
+        return f"local AOF not fsynced within {d.timeout_ms} ms ({reply!r})"
 
     async def queue_save(
         self,
