@@ -1,0 +1,125 @@
+"""Property tests: every decoder of Redis or bus data, fed random and mutated input, either
+returns exactly what is stored or raises its typed error. Never a crash, never a wrong record."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bus.errors import RecordError
+from bus.events import BadBusEntry, decode_event, encode_event
+from bus.phase import Transition, TurnPhase
+from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
+from store.inbox import InboxItem
+from store.records import LedgerEntry, TurnSpec
+from tests.records_helpers import record
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def raw_hash(n: int = 2) -> dict[bytes, bytes]:
+    return {
+        k.encode(): v if isinstance(v, bytes) else str(v).encode()
+        for k, v in encode_record(record("t1", n_turn_messages=n)).items()
+    }
+
+
+junk = st.one_of(
+    st.binary(max_size=64),
+    st.integers(min_value=-(2**70), max_value=2**70).map(lambda i: str(i).encode()),
+    st.builds(
+        lambda v: msgpack.packb(v),
+        st.recursive(
+            st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+            ),
+            max_leaves=12,
+        ),
+    ),
+)
+
+
+@PROPS
+@given(field=st.sampled_from(RECORD_FIELDS), value=junk)
+def test_a_record_with_one_field_replaced_decodes_to_itself_or_fails_typed(
+    field: str, value: bytes
+) -> None:
+    raw = raw_hash()
+    raw[field.encode()] = value
+    try:
+        rec = decode_record("k", raw)
+    except RecordError:
+        return
+    # It decoded: then it is exactly what is stored, field for field.
+    again = {
+        k.encode(): v if isinstance(v, bytes) else str(v).encode()
+        for k, v in encode_record(rec).items()
+    }
+    for name in ("epoch", "seq", "baseline", "updated_at", "schema"):
+        assert int(again[name.encode()]) == int(raw[name.encode()])
+    for name in ("turn_id", "session_id", "phase", "reason", "in_progress"):
+        assert again[name.encode()] == raw[name.encode()]
+
+
+@PROPS
+@given(
+    drop=st.sets(st.sampled_from(RECORD_FIELDS), max_size=3),
+    extra=st.dictionaries(st.binary(min_size=1, max_size=8), st.binary(max_size=8), max_size=2),
+)
+def test_missing_or_extra_fields_are_record_errors(
+    drop: set[str], extra: dict[bytes, bytes]
+) -> None:
+    raw = {k: v for k, v in raw_hash().items() if k.decode() not in drop}
+    raw.update(
+        {k: v for k, v in extra.items() if k.decode("utf-8", "replace") not in RECORD_FIELDS}
+    )
+    if not drop and len(raw) == len(RECORD_FIELDS):
+        assert decode_record("k", raw).turn_id == "t1"
+        return
+    with pytest.raises(RecordError):
+        decode_record("k", raw)
+
+
+@PROPS
+@given(blob=st.binary(max_size=256) | junk)
+def test_the_wire_form_rejects_anything_malformed_with_value_error(blob: bytes) -> None:
+    try:
+        enc = EncodedRecord.from_wire(blob)
+    except ValueError:
+        return
+    assert set(enc.fields) == set(RECORD_FIELDS)
+
+
+@PROPS
+@given(
+    model=st.sampled_from([LedgerEntry, TurnSpec, InboxItem]),
+    data=st.binary(max_size=128) | junk,
+)
+def test_ledger_entries_specs_and_inbox_items_fail_typed(model: Any, data: bytes) -> None:
+    with contextlib.suppress(RecordError):  # anything else fails the test
+        unpack_model(model, data, key="k")
+
+
+@PROPS
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(["kind", "turn_id", "epoch", "seq", "src", "dst", "at_ms", "label", "x"]),
+        st.binary(max_size=16) | st.integers(-(2**70), 2**70).map(lambda i: str(i).encode()),
+        max_size=9,
+    )
+)
+def test_bus_entries_decode_or_fail_typed(fields: dict[str, bytes]) -> None:
+    with contextlib.suppress(BadBusEntry):  # anything else fails the test
+        decode_event({k.encode(): v for k, v in fields.items()})
+
+
+def test_a_valid_bus_entry_round_trips() -> None:
+    t = Transition("t1", 2, 5, TurnPhase.AWAITING_LLM, TurnPhase.EXECUTING_TOOLS, 123)
+    assert decode_event(encode_event(t)) == t
