@@ -8,7 +8,10 @@ target kind and a victim at random intervals and kills it, while turns keep arri
 * ``redis``: SIGKILL of the embedded redis-server and a restart on its AOF
   (``appendfsync always``), so every client sees its connections drop;
 * ``freeze``: SIGSTOP of a host until the supervisor has replaced it and the successor has
-  claimed its turns, then SIGCONT: the old incarnation wakes up as a zombie.
+  claimed its turns, then SIGCONT: the old incarnation wakes up as a zombie;
+* ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
+  the namespace is) claims and runs a few in-progress turns of a random host while that host
+  still runs them: the two race on every dispatch and save until one is fenced.
 
 The verdict (``actors.verdict``) is read from Redis afterwards against a fault-free run.
 """
@@ -29,6 +32,8 @@ from typing import Any
 import ray
 
 from actors.deployment import RAY_NAMESPACE
+from actors.engine import LocalEngine
+from actors.loop import TurnOutcome
 from actors.moves import first_moves_after, read_moves
 from actors.percentiles import summarize
 from actors.runtime import Runtime
@@ -40,7 +45,13 @@ from store.embedded import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze")
+TARGETS = (
+    "host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze",
+    "concurrent_resume",
+)  # fmt: skip
+
+#: Turns a ``concurrent_resume`` fault takes over at once.
+RIVAL_TURNS = 3
 
 
 def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
@@ -83,6 +94,15 @@ class Fault:
     """For host faults: in-progress turn -> its epoch at the kill."""
     note: str = ""
 
+    @property
+    def landed(self) -> bool:
+        """It did something (a skipped fault has neither a victim process nor a takeover)."""
+        return (
+            self.pid is not None
+            or self.target == "redis"
+            or bool(self.target == "concurrent_resume" and self.affected)
+        )
+
 
 @dataclass(slots=True)
 class ChaosReport:
@@ -98,15 +118,16 @@ class ChaosReport:
     recovered: list[tuple[str, float, float]]
     """(turn, seconds since start, latency ms) per recovered turn."""
     turn_ids: list[str]
+    rivals: dict[str, int] = field(default_factory=dict)
+    """How the turns a ``concurrent_resume`` rival took over ended for the rival (``fenced``:
+    the host's side won them back)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "ok": self.verdict.ok,
             "config": self.config,
             "verdict": self.verdict.as_dict(),
-            "kills_per_target": dict(
-                Counter(f.target for f in self.faults if f.pid is not None or f.target == "redis")
-            ),
+            "kills_per_target": dict(Counter(f.target for f in self.faults if f.landed)),
             "faults": [
                 {
                     "at_s": round(f.at_s, 2),
@@ -120,6 +141,7 @@ class ChaosReport:
             ],
             "recovery_latency_ms": summarize(self.latency_ms),
             "respawns": self.respawns,
+            "rival_outcomes": self.rivals,
             "wall_s": round(self.wall_s, 2),
             "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
         }
@@ -134,9 +156,7 @@ def plot(report: ChaosReport, path: str) -> None:
     sample = affected[:30] + random.Random(0).sample(
         rest, min(len(rest), 40 - min(30, len(affected)))
     )
-    kills = [
-        (f.at_s, f"{f.target}") for f in report.faults if f.pid is not None or f.target == "redis"
-    ]
+    kills = [(f.at_s, f"{f.target}") for f in report.faults if f.landed]
     plot_timeline(
         report.moves, kills, [(t, at) for t, at, _ in report.recovered], report.started_at, path,
         sample=sample,
@@ -155,6 +175,8 @@ class ChaosMonkey:
         self.rng = random.Random(cfg.seed)
         self.faults: list[Fault] = []
         self.t0 = time.monotonic()
+        self.rivals: list[asyncio.Task[TurnOutcome]] = []
+        self._rival: LocalEngine | None = None
 
     async def run(self) -> None:
         deadline = self.t0 + self.cfg.duration_s
@@ -210,6 +232,8 @@ class ChaosMonkey:
             pid = int((await handle.hello.remote())["pid"])
             os.kill(pid, signal.SIGKILL)
             return Fault(self.now(), target, f"tools{index}", pid)
+        if target == "concurrent_resume":
+            return await self._rival_resume()
         if target == "redis":
             assert self.server is not None
             at = self.now()
@@ -218,6 +242,26 @@ class ChaosMonkey:
         pid = await rt.service_pid(target)
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), target, target, pid)
+
+    async def _rival_resume(self) -> Fault:
+        """Claim and run a few turns of one host from here, as a second resumer would."""
+        if self._rival is None:
+            self._rival = LocalEngine.from_settings(
+                self.rt.client, self.rt.dep.settings, watchdog=None
+            )
+        slot = self.rng.randrange(self.rt.dep.hosts)
+        running = sorted(await self._affected(slot))
+        taken = self.rng.sample(running, min(RIVAL_TURNS, len(running)))
+        affected = {t: (await self.rt.store.load(t)).epoch for t in taken}
+        at = self.now()
+        self.rivals += [asyncio.ensure_future(self._rival.resume(t)) for t in taken]
+        return Fault(at, "concurrent_resume", f"host{slot}", None, affected,
+                     note=f"rival resumed {len(taken)}")  # fmt: skip
+
+    async def rivals_done(self) -> Counter[str]:
+        """Wait for every rival turn; how each ended (``fenced``: the host won it back)."""
+        ended = await asyncio.gather(*self.rivals, return_exceptions=True)
+        return Counter(o.outcome if isinstance(o, TurnOutcome) else type(o).__name__ for o in ended)
 
     async def _until_claimed(self, respawns_before: int, affected: dict[str, int]) -> None:
         deadline = time.monotonic() + 60
@@ -289,6 +333,9 @@ async def run_chaos(
         await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
     except PhaselineError as exc:  # the verdict below reports what never finished
         log.error("chaos run: %s", exc)
+    rivals = await monkey.rivals_done()
+    if rivals:
+        log.info("rival resumes ended: %s", dict(rivals))
     wall = time.monotonic() - started
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
     moves = await read_moves(rt.client, rt.dep.keys)
@@ -313,4 +360,5 @@ async def run_chaos(
         moves=moves,
         recovered=recovered,
         turn_ids=ids,
+        rivals=dict(rivals),
     )

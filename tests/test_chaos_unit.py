@@ -45,3 +45,11 @@ def test_the_timeline_is_drawn(tmp_path: Path) -> None:
     out = tmp_path / "t.png"
     plot_timeline(moves, [(2.0, "host")], [("a", 3.0)], 1000.0, out, sample=["a"], title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_a_rival_resume_counts_as_a_fault_only_when_it_took_turns_over() -> None:
+    assert "concurrent_resume" in parse_targets("all", embedded=False)
+    assert Fault(1.0, "concurrent_resume", "host0", None, {"t1": 2}).landed
+    assert not Fault(1.0, "concurrent_resume", "host0", None, {}).landed
+    assert not Fault(1.0, "host", "-", None, note="skipped").landed
+    assert Fault(1.0, "redis", "redis-server", None).landed
