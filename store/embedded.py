@@ -115,7 +115,7 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free port *below* the kernel's ephemeral range.
 
     A client that keeps reconnecting to a port in the ephemeral range while the server is down
@@ -225,7 +225,7 @@ class EmbeddedRedis:
         assert self._lock is not None
         attempts = 1 if self.port else 5
         for _ in range(attempts):
-            port = self.port or _free_port()
+            port = self.port or free_port()
             conf = self.data_dir / "redis.conf"
             _private_file(conf, "\n".join([
                 f"port {port}", "bind 127.0.0.1", "protected-mode yes",
