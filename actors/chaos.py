@@ -9,6 +9,11 @@ target kind and a victim at random intervals and kills it, while turns keep arri
   (``appendfsync always``), so every client sees its connections drop;
 * ``freeze``: SIGSTOP of a host until the supervisor has replaced it and the successor has
   claimed its turns, then SIGCONT: the old incarnation wakes up as a zombie;
+* ``power_loss``: the embedded server's machine loses power: SIGSTOP (no reply leaves it), then
+  SIGKILL, the AOF cut back to what its fsync policy had made durable (nothing acknowledged
+  under ``appendfsync always``, the last second under ``everysec``), and a restart. Side effects
+  are then counted on a witness server outside the Redis under test, so a lost tail cannot hide
+  a duplicate;
 * ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
   the namespace is) claims and runs a few in-progress turns of a random host while that host
   still runs them: the two race on every dispatch and save until one is fenced.
@@ -19,14 +24,16 @@ The verdict (``actors.verdict``) is read from Redis afterwards against a fault-f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -41,14 +48,18 @@ from actors.scenario import Scenario
 from actors.verdict import Verdict, judge, reference_transcript
 from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition
+from store.connection import connect
 from store.embedded import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
 TARGETS = (
     "host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze",
-    "concurrent_resume",
+    "concurrent_resume", "power_loss",
 )  # fmt: skip
+
+#: Targets that need the embedded server (they kill and restart it).
+EMBEDDED_ONLY = ("redis", "power_loss")
 
 #: Turns a ``concurrent_resume`` fault takes over at once.
 RIVAL_TURNS = 3
@@ -61,10 +72,11 @@ def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
     unknown = sorted(set(names) - set(TARGETS))
     if unknown:
         raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
-    if "redis" in names and not embedded:
+    needs = [t for t in names if t in EMBEDDED_ONLY]
+    if needs and not embedded:
         if spec in ("all", ""):
-            return tuple(t for t in names if t != "redis")
-        raise ConfigError("target 'redis' restarts the embedded server; drop --redis-url for it")
+            return tuple(t for t in names if t not in EMBEDDED_ONLY)
+        raise ConfigError(f"targets {needs} restart the embedded server; drop --redis-url for them")
     return names
 
 
@@ -99,7 +111,7 @@ class Fault:
         """It did something (a skipped fault has neither a victim process nor a takeover)."""
         return (
             self.pid is not None
-            or self.target == "redis"
+            or self.target in EMBEDDED_ONLY
             or bool(self.target == "concurrent_resume" and self.affected)
         )
 
@@ -176,9 +188,29 @@ class ChaosMonkey:
         self.faults: list[Fault] = []
         self.t0 = time.monotonic()
         self.rivals: list[asyncio.Task[TurnOutcome]] = []
+        self.aof_samples: deque[tuple[float, tuple[Path, int] | None]] = deque(maxlen=200)
         self._rival: LocalEngine | None = None
 
     async def run(self) -> None:
+        sampler = None
+        if "power_loss" in self.cfg.targets and self.server is not None:
+            sampler = asyncio.ensure_future(self._sample_aof())
+        try:
+            await self._faults()
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+
+    async def _sample_aof(self) -> None:
+        """Where the AOF stood over the last seconds: what a power loss under ``everysec`` may
+        cut back to."""
+        assert self.server is not None
+        while True:
+            with contextlib.suppress(OSError):
+                self.aof_samples.append((time.monotonic(), self.server.aof_tail()))
+            await asyncio.sleep(0.02)  # the sampling period
+
+    async def _faults(self) -> None:
         deadline = self.t0 + self.cfg.duration_s
         while True:
             pause = self.rng.uniform(0.5, 1.5) * self.cfg.kill_interval_s
@@ -234,6 +266,8 @@ class ChaosMonkey:
             return Fault(self.now(), target, f"tools{index}", pid)
         if target == "concurrent_resume":
             return await self._rival_resume()
+        if target == "power_loss":
+            return await self._power_loss()
         if target == "redis":
             assert self.server is not None
             at = self.now()
@@ -242,6 +276,20 @@ class ChaosMonkey:
         pid = await rt.service_pid(target)
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), target, target, pid)
+
+    async def _power_loss(self) -> Fault:
+        server = self.server
+        assert server is not None and server.process is not None
+        at = self.now()
+        server.process.send_signal(signal.SIGSTOP)  # from here on it acknowledges nothing
+        keep = server.aof_tail()
+        if server.appendfsync != "always":  # everysec: the last second was not yet on disk
+            older = [tail for t, tail in self.aof_samples if t <= time.monotonic() - 1.0]
+            if older and older[-1] is not None and keep is not None and older[-1][0] == keep[0]:
+                keep = older[-1]
+        dropped = await asyncio.to_thread(server.power_loss, keep)
+        note = f"appendfsync {server.appendfsync}: {dropped} AOF bytes lost"
+        return Fault(at, "power_loss", "redis-server", None, note=note)
 
     async def _rival_resume(self) -> Fault:
         """Claim and run a few turns of one host from here, as a second resumer would."""
@@ -337,7 +385,12 @@ async def run_chaos(
     if rivals:
         log.info("rival resumes ended: %s", dict(rivals))
     wall = time.monotonic() - started
-    verdict = await judge(rt.client, rt.dep.keys, ids, expected)
+    witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
+    try:
+        verdict = await judge(rt.client, rt.dep.keys, ids, expected, effects_client=witness)
+    finally:
+        if witness is not None:
+            await witness.aclose()
     moves = await read_moves(rt.client, rt.dep.keys)
     recovered = recoveries(moves, monkey.faults, t0_unix)
     return ChaosReport(

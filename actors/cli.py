@@ -8,6 +8,7 @@ directory, so ``phaseline inspect`` after ``phaseline run`` sees the same record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import json
@@ -453,16 +454,27 @@ def chaos(
         # Orphaned turns (cut off by a Redis restart) are re-adopted every 2 s, not 10.
         sup = settings.supervisor.model_copy(update={"adopt_interval_s": 2.0})
         tuned = settings.model_copy(update={"supervisor": sup})
-        rt = await Runtime.start(tuned, redis_url=url, hosts=hosts, ray_address=ray_address)
-        try:
-            with bar.progress:
-                return await run_chaos(
-                    rt, server, cfg, on_submitted=lambda n: None, on_done=bar.advance
-                )
-        finally:
-            await rt.shutdown()
+        # power_loss: side effects are counted on a witness outside the Redis under test.
+        witness_cm = (
+            EmbeddedRedis(appendfsync="always")
+            if "power_loss" in chosen
+            else contextlib.nullcontext()
+        )
+        with witness_cm as witness:
+            rt = await Runtime.start(
+                tuned, redis_url=url, hosts=hosts, ray_address=ray_address,
+                effects_url=None if witness is None else witness.url,
+            )  # fmt: skip
+            try:
+                with bar.progress:
+                    return await run_chaos(
+                        rt, server, cfg, on_submitted=lambda n: None, on_done=bar.advance
+                    )
+            finally:
+                await rt.shutdown()
 
-    with _scratch_redis(settings, "chaos", appendfsync="always") as (server, url):
+    fsync = appendfsync_for(settings.redis.durability_policy())
+    with _scratch_redis(settings, "chaos", appendfsync=fsync) as (server, url):
         result = asyncio.run(go(server, url))
     data = result.as_dict()
     Path(report).write_text(json.dumps(data, indent=2) + "\n")

@@ -34,6 +34,10 @@ class Deployment(BaseModel):
     """Validated runtime settings."""
     hosts: int = Field(ge=1, le=1024)
     """Number of TurnHost slots."""
+    effects_url: str | None = None
+    """Where the built-in non-idempotent tool performs its side effect; None: ``redis_url``.
+    The chaos target ``power_loss`` points it at a witness server outside the Redis under
+    test, so losing that Redis's AOF tail cannot hide a duplicated side effect."""
 
     @property
     def keys(self) -> KeyLayout:

@@ -49,8 +49,10 @@ class ToolWorker:
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
-        self._client = connect(
-            dep.redis_url, max_connections=64, retry_s=dep.settings.redis.retry_s
+        self._client = connect(  # the effects store: what the tools here write to
+            dep.effects_url or dep.redis_url,
+            max_connections=64,
+            retry_s=dep.settings.redis.retry_s,
         )
         self._effects = EffectCounters(self._client, dep.keys)
         self.calls = 0

@@ -68,10 +68,13 @@ class Runtime:
         redis_url: str,
         hosts: int = 2,
         ray_address: str | None = None,
+        effects_url: str | None = None,
     ) -> Runtime:
         """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
         owns_ray = ensure_ray(ray_address)
-        dep = Deployment(redis_url=redis_url, settings=settings, hosts=hosts)
+        dep = Deployment(
+            redis_url=redis_url, settings=settings, hosts=hosts, effects_url=effects_url
+        )
         client = connect(redis_url, retry_s=settings.redis.retry_s)
         with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
             await client.ping()

@@ -126,10 +126,13 @@ async def judge(
     keys: KeyLayout,
     turn_ids: Sequence[str],
     expected: Sequence[Message],
+    *,
+    effects_client: aioredis.Redis | None = None,
 ) -> Verdict:
+    """``effects_client``: where the side effects were counted, if not in ``client``'s Redis."""
     v = Verdict(turns=len(turn_ids))
     store = RedisCheckpointStore(client, keys)
-    effects = EffectCounters(client, keys)
+    effects = EffectCounters(effects_client or client, keys)
     for tid in turn_ids:
         try:
             record = await store.load(tid)

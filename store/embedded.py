@@ -219,6 +219,45 @@ class EmbeddedRedis:
         self._launch()
         return time.monotonic() - down
 
+    def aof_tail(self) -> tuple[Path, int] | None:
+        """The AOF file the server appends to now, and its size (None: no AOF yet).
+
+        Valkey and Redis >= 7 keep a manifest of a base and increment files in
+        ``appendonlydir``; the last increment file is the one written. Redis 6.2 has one
+        ``appendonly.aof``.
+        """
+        manifest = self.data_dir / "appendonlydir" / "appendonly.aof.manifest"
+        if manifest.exists():
+            incr = [
+                line.split()[1] for line in manifest.read_text().splitlines()
+                if line.split()[-1:] == ["i"]
+            ]  # fmt: skip
+            if not incr:
+                return None
+            path = manifest.parent / incr[-1]
+        else:
+            path = self.data_dir / "appendonly.aof"
+        return (path, path.stat().st_size) if path.exists() else None
+
+    def power_loss(self, keep: tuple[Path, int] | None) -> int:
+        """A machine losing power: SIGKILL the server, drop what the disk had not made durable
+        (the AOF is cut back to ``keep``, a tail seen earlier), start it again on what is left.
+
+        For chaos runs. Returns the bytes dropped. The caller picks ``keep``: with ``appendfsync
+        always`` every reply was sent after its fsync, so the tail at the moment the server
+        stopped answering loses nothing acknowledged; under ``everysec`` up to a second is lost.
+        """
+        if self.process is None or self._lock is None:
+            raise StoreError("embedded Redis is not started")
+        self._reap()
+        dropped = 0
+        now = self.aof_tail()
+        if keep is not None and now is not None and now[0] == keep[0] and now[1] > keep[1]:
+            dropped = now[1] - keep[1]
+            os.truncate(keep[0], keep[1])
+        self._launch()
+        return dropped
+
     def _launch(self) -> str:
         binary = find_redis_server()
         self.password = self._password()
@@ -227,10 +266,12 @@ class EmbeddedRedis:
         for _ in range(attempts):
             port = self.port or free_port()
             conf = self.data_dir / "redis.conf"
+            # aof-load-truncated: a tail cut mid-command (a power loss) loads up to the cut.
             _private_file(conf, "\n".join([
                 f"port {port}", "bind 127.0.0.1", "protected-mode yes",
                 f"requirepass {self.password}", f'dir "{self.data_dir}"',
                 "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""',
+                "aof-load-truncated yes",
                 "daemonize no", f'logfile "{self.data_dir / "redis.log"}"',
                 *self.extra_config, "",
             ]))  # fmt: skip

@@ -53,3 +53,7 @@ def test_a_rival_resume_counts_as_a_fault_only_when_it_took_turns_over() -> None
     assert not Fault(1.0, "concurrent_resume", "host0", None, {}).landed
     assert not Fault(1.0, "host", "-", None, note="skipped").landed
     assert Fault(1.0, "redis", "redis-server", None).landed
+    assert Fault(1.0, "power_loss", "redis-server", None).landed
+    assert "power_loss" not in parse_targets("all", embedded=False)
+    with pytest.raises(ConfigError, match="restart the embedded server"):
+        parse_targets("host,power_loss", embedded=False)

@@ -58,6 +58,22 @@ async def wait_for_checkpoints(
                 seen += fields[b"reason"] == b"tool_batch"
 
 
+async def run_then_sigkill(
+    url: str, client: aioredis.Redis, keys: KeyLayout, scenario: Path, turns: int, run_id: str
+) -> list[str]:
+    """``phaseline run --in-process`` SIGKILLed once every turn saved a tool batch; returns the
+    turns it left in progress (at least one, or the test is void)."""
+    child = spawn_run(url, keys.namespace, scenario, turns, run_id)
+    try:
+        await wait_for_checkpoints(client, keys, turns, child)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    left = await RedisCheckpointStore(client, keys).list_in_progress()
+    assert left, "the kill came too late to leave turns in progress"
+    return left
+
+
 async def test_sigkill_between_checkpoints_then_resume_equals_fault_free_run(
     redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
 ) -> None:
@@ -104,15 +120,8 @@ async def test_cli_run_killed_mid_run_is_completed_by_cli_resume(
     # Idempotent tools only: the kill may land inside a tool call, which is then re-run.
     sc_path = write_scenario(tmp_path, 300, '["echo", "sleep"]')
     turns = 20
-    child = spawn_run(redis_url, namespace, sc_path, turns, "bulk")
-    try:
-        await wait_for_checkpoints(real_client, keys, turns, child)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.wait(timeout=30)
+    left = await run_then_sigkill(redis_url, real_client, keys, sc_path, turns, "bulk")
     store = RedisCheckpointStore(real_client, keys)
-    left = await store.list_in_progress()
-    assert left, "the kill came too late to leave turns in progress"
 
     resume = await asyncio.to_thread(
         subprocess.run,
@@ -152,14 +161,8 @@ async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
         "llm_latency_ms = 60\ntool_latency_ms = 60\npayload_bytes = 100\n"
     )
     turns = 40
-    child = spawn_run(redis_url, namespace, sc_path, turns, "race")
-    try:
-        await wait_for_checkpoints(real_client, keys, turns, child)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.wait(timeout=30)
+    await run_then_sigkill(redis_url, real_client, keys, sc_path, turns, "race")
     store = RedisCheckpointStore(real_client, keys)
-    assert await store.list_in_progress(), "the kill came too late to leave turns in progress"
 
     racers = [spawn_resume(redis_url, namespace), spawn_resume(redis_url, namespace)]
     done = [await asyncio.to_thread(p.communicate, timeout=120) for p in racers]

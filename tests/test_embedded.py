@@ -120,3 +120,17 @@ def test_a_run_that_started_the_server_stops_it_on_sigterm(data_dir: Path) -> No
     owner.wait(timeout=30)
     server.wait(timeout=30)
     assert not (data_dir / "url").exists()
+
+
+def test_a_power_loss_drops_the_tail_past_what_was_kept(data_dir: Path) -> None:
+    with EmbeddedRedis(data_dir=data_dir) as server:
+        client = redis.Redis.from_url(server.url)
+        client.set("before", "1")
+        kept = server.aof_tail()
+        assert kept is not None
+        client.set("after", "2")
+        client.close()
+        assert server.power_loss(kept) > 0
+        client = redis.Redis.from_url(server.url)
+        assert client.get("before") == b"1" and client.get("after") is None
+        client.close()

@@ -218,22 +218,30 @@ async def test_a_killed_service_actor_comes_back_and_works(
     await assert_all_correct(rt, real_client, sc, finals)
 
 
-async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
-    start_runtime: StartRuntime, real_client: aioredis.Redis
-) -> None:
+async def freeze_a_host(
+    start_runtime: StartRuntime, client: aioredis.Redis, sc: Scenario, prefix: str
+) -> tuple[Runtime, list[str], int, Any, int, list[str]]:
+    """Start 20 turns on 2 hosts that do not kill what they replace, then SIGSTOP the host of
+    the first turn: (runtime, turn ids, its slot, its handle, its pid, its turns in progress)."""
     rt = await start_runtime(
         hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
     )
-    sc = scenario(llm_latency_ms=300)
-    ids = [f"z{i:03d}" for i in range(20)]
+    ids = [f"{prefix}{i:03d}" for i in range(20)]
     await rt.submit(sc, ids)
-    await checkpoints_written(real_client, rt.dep.keys, 20 + 20)
+    await checkpoints_written(client, rt.dep.keys, 20 + 20)
     slot = rt.dep.slot_of(ids[0])
     zombie = await rt.hosts.handle(slot)
     pid = await rt.kill_host(slot, signal.SIGSTOP)
-
     frozen = [t for t in await rt.store.list_in_progress() if rt.dep.slot_of(t) == slot]
     assert frozen
+    return rt, ids, slot, zombie, pid, frozen
+
+
+async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    sc = scenario(llm_latency_ms=300)
+    rt, ids, slot, zombie, pid, frozen = await freeze_a_host(start_runtime, real_client, sc, "z")
 
     async def claimed() -> bool:
         # replaced, and the successor holds every turn the frozen host had in progress
@@ -268,18 +276,8 @@ async def test_a_woken_zombie_cannot_dispatch_a_non_idempotent_call(
 ) -> None:
     """A SIGSTOPped host, woken after its successor claimed its turns, races the successor on
     the next tool dispatch: the fence refuses it, so no call runs twice."""
-    rt = await start_runtime(
-        hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
-    )
     sc = scenario(tools=["counter_increment"], llm_latency_ms=300)
-    ids = [f"zd{i:03d}" for i in range(20)]
-    await rt.submit(sc, ids)
-    await checkpoints_written(real_client, rt.dep.keys, 20 + 20)
-    slot = rt.dep.slot_of(ids[0])
-    zombie = await rt.hosts.handle(slot)
-    pid = await rt.kill_host(slot, signal.SIGSTOP)
-    frozen = [t for t in await rt.store.list_in_progress() if rt.dep.slot_of(t) == slot]
-    assert frozen
+    rt, ids, _, zombie, pid, frozen = await freeze_a_host(start_runtime, real_client, sc, "zd")
 
     async def claimed() -> bool:
         records = [await rt.store.load(t) for t in frozen]
