@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
+from actors.bench.durability_modes import durability_modes
 from actors.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
 from actors.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
 from actors.bench.workload import durability_overhead
@@ -114,3 +115,10 @@ async def test_durability_pairs_price_the_mid_turn_saves(redis_url: str) -> None
     assert [r["checkpoints"] for r in on] == [10 * (scenario.rounds + 1)] * 2
     assert [r["checkpoints"] for r in off] == [10] * 2
     assert got["baseline_off_turns_per_s"] > 0 and got["ratio_on_to_off"] > 0
+
+
+async def test_the_durability_modes_figure_measures_every_mode_against_ack() -> None:
+    fig = await durability_modes(seconds=0.3, reps=1)
+    assert set(fig["saves_per_s"]) == {"ack", "fsync", "replicas:1"}
+    assert all(rate > 0 for rate in fig["saves_per_s"].values())
+    assert fig["overhead_pct_vs_ack"]["ack"] == 0.0

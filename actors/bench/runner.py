@@ -23,6 +23,7 @@ import psutil
 import ray
 from ray.exceptions import RayError
 
+from actors.bench.durability_modes import durability_modes
 from actors.bench.probe import BenchProbe
 from actors.bench.recovery import host_kill_recovery, ray_restart_ms
 from actors.bench.sizes import checkpoint_sizes
@@ -37,7 +38,10 @@ from store.keys import KeyLayout
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 
-FIGURES = ("sizes", "latency", "throughput", "durability", "scaling", "capacity", "recovery")
+FIGURES = (
+    "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
+    "recovery",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,11 +72,14 @@ class BenchConfig:
     """Turns in flight on the host that is killed."""
     ray_restarts: int
     """Empty-actor restarts measured as the recovery baseline."""
+    modes_s: float = 3.0
+    """Seconds each durability mode runs per round of the durability-modes figure."""
     size_lengths: tuple[int, ...] = (10, 50, 100, 250, 500)
     """Transcript lengths of the size figure."""
 
 
 QUICK = BenchConfig(
+    modes_s=1.5,
     latency_saves=200,
     throughput_s=2.0,
     durability_turns=1000,
@@ -195,6 +202,8 @@ async def run_bench(
         ("durability", "durability_overhead",
          lambda: durability_overhead(base, url, fast, turns=cfg.durability_turns,
                                      reps=cfg.durability_reps, hosts=2)),
+        ("durability_modes", "durability_modes",
+         lambda: durability_modes(seconds=cfg.modes_s, reps=cfg.durability_reps)),
         ("scaling", "turns_per_s_by_hosts",
          lambda: host_scaling(base, url, fast, turns=cfg.scaling_turns,
                               host_counts=cfg.host_counts)),
