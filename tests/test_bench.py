@@ -119,6 +119,6 @@ async def test_durability_pairs_price_the_mid_turn_saves(redis_url: str) -> None
 
 async def test_the_durability_modes_figure_measures_every_mode_against_ack() -> None:
     fig = await durability_modes(seconds=0.3, reps=1)
-    assert set(fig["saves_per_s"]) == {"ack", "fsync", "replicas:1"}
+    assert set(fig["saves_per_s"]) == {"ack", "fsync", "replicas:1", "ack+replica"}
     assert all(rate > 0 for rate in fig["saves_per_s"].values())
     assert fig["overhead_pct_vs_ack"]["ack"] == 0.0
