@@ -349,10 +349,10 @@ class EmbeddedRedis:
 def appendfsync_for(durability: Durability) -> str:
     """How an embedded server should fsync for ``durability``: every write for ``fsync``.
 
-    Measured (scripts/durability_saves.py, Valkey 9.1): batches of 200 saves with ``WAITAOF``
-    reached about 2,000-4,000 saves/s under ``appendfsync everysec`` (each batch waits for the
-    next fsync) but about 6,000 under ``always`` (the server fsyncs once per event-loop pass, a
-    group commit of its own), against about 7,300 with no durability wait at all.
+    Measured (scripts/durability_saves.py, Valkey 9.1, docs/ARCHITECTURE.md): batches of 200
+    saves with ``WAITAOF`` reached 3,003 saves/s under ``appendfsync everysec`` (each batch
+    waits for the next fsync) and 6,330 under ``always`` (the server fsyncs once per event-loop
+    pass, a group commit of its own).
     """
     return "always" if durability.kind is DurabilityKind.FSYNC else "everysec"
 

@@ -43,7 +43,10 @@ class BenchProbe:
         self.client = connect(
             dep.redis_url, max_connections=128, retry_s=dep.settings.redis.retry_s
         )  # as TurnHost
-        self.store = RedisCheckpointStore(self.client, dep.keys)
+        # The raw baseline promises what the CheckpointActor does (same durability).
+        self.store = RedisCheckpointStore(
+            self.client, dep.keys, durability=dep.settings.redis.durability_policy()
+        )
         actor = ray.get_actor(dep.name("checkpoint"), namespace=RAY_NAMESPACE)
         self.send = actor_sender(lambda: actor)
         self.paths: dict[str, Save] = {
