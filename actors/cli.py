@@ -416,7 +416,7 @@ def demo(
     if report:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if not result.ok:
-        sys.exit(1)
+        sys.exit(ExitStatus.ERROR)
 
 
 @main.command()
@@ -500,7 +500,7 @@ def chaos(
         for kind, examples in v["examples"].items():
             for example in examples:
                 out.print(Text.assemble((kind, "red"), " ", example), highlight=False)
-        sys.exit(1)
+        sys.exit(ExitStatus.ERROR)
 
 
 @main.command()
