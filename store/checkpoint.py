@@ -1,6 +1,6 @@
 """The checkpoint store: atomic, fenced saves of whole turn records.
 
-A save is one server-side script (:data:`_SAVE_LUA`) that reads the stored ``epoch`` and
+A save is one server-side script (``store/lua/checkpoint_save.lua``) that reads the stored ``epoch`` and
 ``seq``, refuses an older epoch (a zombie owner) or a seq that is not newer (a replayed or
 racing save) with :class:`StaleOwner`, and otherwise does ``HSET`` of every field, ``XADD`` of
 the checkpoint event and the in-progress index update. Redis runs a script to the end before
