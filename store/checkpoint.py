@@ -3,10 +3,10 @@
 A save is one server-side script (``store/lua/checkpoint_save.lua``) that reads the stored
 ``epoch`` and ``seq``, refuses an older epoch (a zombie owner) or a seq that is not newer (a
 replayed or racing save) with :class:`StaleOwner`, and otherwise does ``HSET`` of every field,
-``XADD`` of the checkpoint event and the in-progress index update. Redis runs a script to the end before
-any other command, so the check and the writes are one atomic step, exactly what DESIGN's
-``WATCH`` + ``MULTI/EXEC`` gives, in one round trip instead of three and with no retry when
-another writer races (docs/ARCHITECTURE.md says why the script, with the measurement).
+``XADD`` of the checkpoint event and the in-progress index update. Redis runs a script to the
+end before any other command, so the check and the writes are one atomic step, exactly what
+DESIGN's ``WATCH`` + ``MULTI/EXEC`` gives, in one round trip instead of three and with no retry
+when another writer races (docs/ARCHITECTURE.md says why the script, with the measurement).
 """
 
 from __future__ import annotations
