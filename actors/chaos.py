@@ -298,9 +298,9 @@ class ChaosMonkey:
                 self.rt.client, self.rt.dep.settings, watchdog=None
             )
         slot = self.rng.randrange(self.rt.dep.hosts)
-        running = sorted(await self._affected(slot))
-        taken = self.rng.sample(running, min(RIVAL_TURNS, len(running)))
-        affected = {t: (await self.rt.store.load(t)).epoch for t in taken}
+        running = await self._affected(slot)  # turn -> epoch
+        taken = self.rng.sample(sorted(running), min(RIVAL_TURNS, len(running)))
+        affected = {t: running[t] for t in taken}
         at = self.now()
         self.rivals += [asyncio.ensure_future(self._rival.resume(t)) for t in taken]
         return Fault(at, "concurrent_resume", f"host{slot}", None, affected,

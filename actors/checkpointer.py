@@ -147,9 +147,10 @@ class CheckpointClient:
         self.resends = 0
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
-        blob = record_to_wire(record)
-        # Checked here too, so an oversized record is never shipped over Ray at all.
-        check_record_size(record.turn_id, len(blob), self.max_record_bytes)
+        encoded = EncodedRecord.of(record)
+        # Checked here too (the store's measure), so an oversized record never crosses Ray.
+        check_record_size(record.turn_id, encoded.nbytes, self.max_record_bytes)
+        blob = encoded.to_wire()
         fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
         self._queue.append((blob, fut, record))
         self._wake.set()

@@ -115,10 +115,7 @@ def _redis(settings: Settings) -> Iterator[str]:
         return
     server: EmbeddedRedis | None = None
     try:  # a SIGTERM from here on unwinds through the finally (_exit_on_signals)
-        url, server = attach_or_start(
-            settings.redis.data_dir,
-            appendfsync=appendfsync_for(settings.redis.durability_policy()),
-        )
+        url, server = attach_or_start(settings.redis.data_dir, appendfsync=_appendfsync(settings))
         if server is not None:
             console.print(
                 f"[dim]embedded server at {redact_url(url)} (data in {settings.redis.data_dir})"
@@ -129,17 +126,20 @@ def _redis(settings: Settings) -> Iterator[str]:
             server.stop()
 
 
+def _appendfsync(settings: Settings) -> str:
+    """How an embedded server this command starts fsyncs, for the configured durability."""
+    return appendfsync_for(settings.redis.durability_policy())
+
+
 @contextmanager
-def _scratch_redis(
-    settings: Settings, label: str, *, appendfsync: str = "everysec"
-) -> Iterator[tuple[EmbeddedRedis | None, str]]:
+def _scratch_redis(settings: Settings, label: str) -> Iterator[tuple[EmbeddedRedis | None, str]]:
     """The configured Redis, else a throw-away embedded server (so runs never mix data)."""
     if settings.redis.url:
         yield None, settings.redis.url
         return
     with (
         tempfile.TemporaryDirectory(prefix=f"phaseline-{label}-") as tmp,
-        EmbeddedRedis(data_dir=tmp, appendfsync=appendfsync) as server,
+        EmbeddedRedis(data_dir=tmp, appendfsync=_appendfsync(settings)) as server,
     ):
         yield server, server.url
 
@@ -473,8 +473,7 @@ def chaos(
             finally:
                 await rt.shutdown()
 
-    fsync = appendfsync_for(settings.redis.durability_policy())
-    with _scratch_redis(settings, "chaos", appendfsync=fsync) as (server, url):
+    with _scratch_redis(settings, "chaos") as (server, url):
         result = asyncio.run(go(server, url))
     data = result.as_dict()
     Path(report).write_text(json.dumps(data, indent=2) + "\n")
@@ -523,8 +522,7 @@ def bench(
     def show(name: str, data: Any) -> None:
         console.print(f"[bold]{name}[/]: {json.dumps(data)[:400]}")
 
-    fsync = appendfsync_for(settings.redis.durability_policy())
-    with _scratch_redis(settings, "bench", appendfsync=fsync) as (_server, url):
+    with _scratch_redis(settings, "bench") as (_server, url):
         owns_ray = ensure_ray(ray_address)
         try:
             console.print(f"[dim]bench ({'quick' if quick else 'full'}): {', '.join(chosen)}")
@@ -595,7 +593,7 @@ def redis_cmd(
     settings = _settings(config_path, redis_url, namespace)
     server = EmbeddedRedis(
         data_dir=data_dir or settings.redis.data_dir,
-        appendfsync=appendfsync_for(settings.redis.durability_policy()),
+        appendfsync=_appendfsync(settings),
     )
     try:
         url = server.start()

@@ -28,7 +28,7 @@ from actors.scripted import ScriptedLLM
 from actors.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
 from actors.tools import BUILTIN_TOOLS, ToolRegistry
 from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
-from bus.errors import RecordNotFound, StoreError
+from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -257,7 +257,7 @@ class LocalEngine:
             try:
                 if (await self.store.load(o.turn_id)).in_progress:
                     left.append(o.turn_id)
-            except (StoreError, RecordNotFound):
+            except StoreError:  # RecordNotFound included
                 left.append(o.turn_id)  # unreadable now: certainly not known to be final
         return left
 

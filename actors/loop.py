@@ -328,6 +328,11 @@ class TurnLoop:
         await self._checkpoint("final", final=True)
         return self._outcome(outcome)
 
+    def _fenced(self, exc: StaleOwner) -> _Fenced:
+        """What unwinds this incarnation when a newer owner refused its save or dispatch."""
+        log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
+        return _Fenced()
+
     async def _end_oversized(self) -> TurnOutcome:
         """End the turn on its last stored checkpoint: the transcript grew past what a record
         may hold, so nothing since that checkpoint can be kept."""
@@ -391,8 +396,7 @@ class TurnLoop:
                 self.turn_id, self.epoch, batch, calls, frozenset(denied)
             )
         except StaleOwner as exc:
-            log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
-            raise _Fenced() from exc
+            raise self._fenced(exc) from exc
         for res in results:
             self._append(Message(role="tool", tool_result=res), "tool")
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
@@ -438,6 +442,9 @@ class TurnLoop:
                 "turn %s: inbox unreadable, will retry at next boundary: %s", self.turn_id, exc
             )
             return
+        if not items:
+            return
+        self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
         seen = {m.message_id for m in self._meta}
         fresh = []
         for item in items:  # a push resent by a client retry is the same message: once only
@@ -445,7 +452,6 @@ class TurnLoop:
                 seen.add(item.message_id)
                 fresh.append(item)
         if not fresh:
-            self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
             return
         self.tracker.to(P.INJECTING_MESSAGE)
         for item in fresh:
@@ -455,7 +461,6 @@ class TurnLoop:
                 message_id=item.message_id,
                 at_ms=item.at_ms,
             )
-        self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
         self.tracker.restore()
 
     # -- durable state ------------------------------------------------------------------------
@@ -512,8 +517,7 @@ class TurnLoop:
         try:
             await self.deps.checkpoints.save(record)
         except StaleOwner as exc:
-            log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
-            raise _Fenced() from exc
+            raise self._fenced(exc) from exc
         except RecordTooLarge as exc:
             log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
             raise _TooLarge() from exc

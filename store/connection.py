@@ -44,8 +44,8 @@ def redact_url(url: str) -> str:
         host = parts.hostname or ""
         if parts.port is not None:
             host = f"{host}:{parts.port}"
-        user = parts.username if parts.password is not None else ""
-        netloc = f"{user or ''}:***@{host}"
+        user = (parts.username or "") if parts.password is not None else ""
+        netloc = f"{user}:***@{host}"
         return urlunsplit(parts._replace(netloc=netloc))
     except ValueError:
         return "<unparseable Redis URL>"

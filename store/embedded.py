@@ -212,11 +212,8 @@ class EmbeddedRedis:
 
         For chaos runs: clients see their connections drop. Returns seconds it was down.
         """
-        if self.process is None or self._lock is None:
-            raise StoreError("embedded Redis is not started")
         down = time.monotonic()
-        self._reap()
-        self._launch()
+        self._relaunch(None)
         return time.monotonic() - down
 
     def aof_tail(self) -> tuple[Path, int] | None:
@@ -247,11 +244,15 @@ class EmbeddedRedis:
         always`` every reply was sent after its fsync, so the tail at the moment the server
         stopped answering loses nothing acknowledged; under ``everysec`` up to a second is lost.
         """
+        return self._relaunch(keep)
+
+    def _relaunch(self, keep: tuple[Path, int] | None) -> int:
+        """SIGKILL, cut the AOF back to ``keep`` (None: keep it all), launch again; bytes cut."""
         if self.process is None or self._lock is None:
             raise StoreError("embedded Redis is not started")
         self._reap()
         dropped = 0
-        now = self.aof_tail()
+        now = self.aof_tail() if keep is not None else None
         if keep is not None and now is not None and now[0] == keep[0] and now[1] > keep[1]:
             dropped = now[1] - keep[1]
             os.truncate(keep[0], keep[1])
