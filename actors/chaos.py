@@ -18,6 +18,12 @@ target kind and a victim at random intervals and kills it, while turns keep arri
   the namespace is) claims and runs a few in-progress turns of a random host while that host
   still runs them: the two race on every dispatch and save until one is fenced.
 
+``host`` and ``freeze`` pick among the shared hosts and the isolation host alike. With
+``poison`` > 0, that many turns run a variant of the scenario whose third model call SIGKILLs
+the process it runs in (a poison turn); the verdict wants each of them ``suspended:poison``
+and every other turn equal to the fault-free run. ``--targets none`` injects nothing else, so
+the host deaths counted are the poison turns' own.
+
 The verdict (``actors.verdict``) is read from Redis afterwards against a fault-free run.
 """
 
@@ -44,12 +50,14 @@ from actors.loop import TurnOutcome
 from actors.moves import first_moves_after, read_moves
 from actors.percentiles import summarize
 from actors.runtime import Runtime
+from actors.scenario import Fault as ModelFault
 from actors.scenario import Scenario
 from actors.verdict import Verdict, judge, reference_transcript
 from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition
 from store.connection import connect
 from store.embedded import EmbeddedRedis
+from store.isolation import Isolation
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,14 @@ EMBEDDED_ONLY = ("redis", "power_loss")
 RIVAL_TURNS = 3
 
 
+#: The model call of a poison turn that SIGKILLs its process.
+POISON_AT_CALL = 3
+
+
 def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
+    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list."""
+    if spec == "none":
+        return ()
     names = (
         TARGETS if spec in ("all", "") else tuple(t.strip() for t in spec.split(",") if t.strip())
     )
@@ -94,6 +109,22 @@ class ChaosConfig:
     """Kinds of victim."""
     seed: int
     """Seeds the victim and interval choices, so a failing run can be replayed."""
+    poison: int = 0
+    """Turns among ``turns`` that run :func:`poison_variant` of the scenario."""
+
+
+def poison_variant(scenario: Scenario) -> Scenario:
+    """The scenario with a model call that SIGKILLs its process whenever it is reached."""
+    at = min(POISON_AT_CALL, scenario.rounds + 1)
+    crash = ModelFault(at_call=at, kind="crash")
+    kept = tuple(f for f in scenario.faults if f.at_call != at)
+    return scenario.model_copy(update={"faults": (*kept, crash)})
+
+
+def poison_ids(ids: list[str], n: int) -> list[str]:
+    """``n`` of ``ids``, spread evenly from the middle of each stretch (deterministic)."""
+    n = min(n, len(ids))
+    return [ids[(2 * i + 1) * len(ids) // (2 * n)] for i in range(n)]
 
 
 @dataclass(slots=True)
@@ -127,12 +158,14 @@ class ChaosReport:
     latency_ms: list[float]
     moves: list[Transition]
     """Every transition read from the bus (for the timeline; not in the JSON)."""
-    recovered: list[tuple[str, float, float]]
-    """(turn, seconds since start, latency ms) per recovered turn."""
+    recovered: list[tuple[str, float, float, str]]
+    """(turn, seconds since start, latency ms, fault target) per recovered turn."""
     turn_ids: list[str]
     rivals: dict[str, int] = field(default_factory=dict)
     """How the turns a ``concurrent_resume`` rival took over ended for the rival (``fenced``:
     the host's side won them back)."""
+    replacements: dict[str, int] = field(default_factory=dict)
+    """Host label -> how many times the supervisor replaced it (deaths and freezes)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -152,26 +185,51 @@ class ChaosReport:
                 for f in self.faults
             ],
             "recovery_latency_ms": summarize(self.latency_ms),
+            "recovery_latency_ms_by_kind": {
+                kind: summarize(ms for _, _, ms, k in self.recovered if k == kind)
+                for kind in sorted({k for *_, k in self.recovered})
+            },
             "respawns": self.respawns,
+            "replacements_per_host": self.replacements,
             "rival_outcomes": self.rivals,
             "wall_s": round(self.wall_s, 2),
             "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
         }
 
 
+#: Rows of the timeline: every flagged turn (up to this many), then the most resumed, then a
+#: sample of the affected ones and of the rest.
+PLOT_ROWS = 40
+PLOT_MOST_RESUMED = 8
+
+
+def plot_rows(report: ChaosReport) -> tuple[list[str], set[str]]:
+    """The turns the timeline shows, and those it highlights: every turn the verdict flagged
+    and every poison turn, then the most resumed ones, then affected turns, then a sample."""
+    v = report.verdict
+    order = {t: i for i, t in enumerate(report.turn_ids)}
+    flagged = sorted(v.flagged | set(v.poison), key=lambda t: order.get(t, 0))
+    by_resumes = sorted(v.resumes, key=lambda t: (-v.resumes[t], order.get(t, 0)))
+    most = [t for t in by_resumes if v.resumes[t] > 0][:PLOT_MOST_RESUMED]
+    highlighted = set(flagged) | set(most)
+    rows = list(dict.fromkeys([*flagged, *most]))
+    affected = sorted({t for f in report.faults for t in f.affected} - set(rows))
+    room = max(0, PLOT_ROWS - len(rows))
+    rows += affected[: room * 3 // 4]
+    rest = [t for t in report.turn_ids if t not in set(rows)]
+    rows += random.Random(0).sample(rest, min(len(rest), max(0, PLOT_ROWS - len(rows))))
+    return rows, highlighted
+
+
 def plot(report: ChaosReport, path: str) -> None:
-    """The timeline PNG: affected turns first, then a sample of the rest."""
+    """The timeline PNG (rows chosen by :func:`plot_rows`)."""
     from actors.timeline import plot_timeline
 
-    affected = sorted({t for f in report.faults for t in f.affected})
-    rest = [t for t in report.turn_ids if t not in set(affected)]
-    sample = affected[:30] + random.Random(0).sample(
-        rest, min(len(rest), 40 - min(30, len(affected)))
-    )
-    kills = [(f.at_s, f"{f.target}") for f in report.faults if f.landed]
+    rows, highlighted = plot_rows(report)
+    kills = [(f.at_s, f"{f.target} {f.victim}") for f in report.faults if f.landed]
     plot_timeline(
-        report.moves, kills, [(t, at) for t, at, _ in report.recovered], report.started_at, path,
-        sample=sample,
+        report.moves, kills, [(t, at) for t, at, *_ in report.recovered], report.started_at,
+        path, sample=rows, highlight=highlighted,
         title=f"phaseline chaos: {report.verdict.turns} turns, {len(kills)} faults, "
         f"verdict {'ok' if report.verdict.ok else 'NOT OK'}",
     )  # fmt: skip
@@ -217,6 +275,8 @@ class ChaosMonkey:
             if time.monotonic() + pause > deadline:
                 return
             await asyncio.sleep(pause)  # the fault schedule itself, not a synchronisation
+            if not self.cfg.targets:
+                return
             target = self.rng.choice(self.cfg.targets)
             try:
                 self.faults.append(await self.inject(target))
@@ -234,6 +294,11 @@ class ChaosMonkey:
         return time.monotonic() - self.t0
 
     async def _affected(self, slot: int) -> dict[str, int]:
+        """In-progress turn -> epoch of the turns on ``slot`` (the isolation host: the turn on
+        probation there, if any)."""
+        if slot == self.rt.dep.isolation_slot:
+            marker = await Isolation(self.rt.client, self.rt.dep.keys).current()
+            return {} if marker is None else {marker.turn_id: marker.epoch}
         out = {}
         for tid in await self.rt.store.list_in_progress():
             if self.rt.dep.slot_of(tid) == slot:
@@ -243,19 +308,21 @@ class ChaosMonkey:
     async def inject(self, target: str) -> Fault:
         rt = self.rt
         if target in ("host", "freeze"):
-            slot = self.rng.randrange(rt.dep.hosts)
+            slot = self.rng.choice(rt.dep.slots())
             affected = await self._affected(slot)
             at = self.now()
             if target == "host":
                 pid = await rt.kill_host(slot)
-                return Fault(at, target, f"host{slot}", pid, affected)
+                return Fault(at, target, rt.dep.host_label(slot), pid, affected)
             before = await rt.respawns()
             pid = await rt.kill_host(slot, signal.SIGSTOP)
             try:
                 await self._until_claimed(before, affected)
             finally:
                 os.kill(pid, signal.SIGCONT)
-            return Fault(at, target, f"host{slot}", pid, affected, note="stopped until replaced")
+            return Fault(
+                at, target, rt.dep.host_label(slot), pid, affected, note="stopped until replaced"
+            )
         if target == "tool":
             index = self.rng.randrange(rt.dep.settings.tools.workers)
             handle = ray.get_actor(
@@ -317,7 +384,13 @@ class ChaosMonkey:
             try:
                 if await self.rt.respawns() > respawns_before:
                     records = [await self.rt.store.load(t) for t in affected]
-                    if all(r.epoch > affected[r.turn_id] or not r.in_progress for r in records):
+                    # A turn the successor handed to the isolation host is not claimed until
+                    # its probation comes up: that counts as taken over too.
+                    queued = await Isolation(self.rt.client, self.rt.dep.keys).members()
+                    if all(
+                        r.epoch > affected[r.turn_id] or not r.in_progress or r.turn_id in queued
+                        for r in records
+                    ):
                         return
             except PhaselineError:
                 pass
@@ -327,37 +400,42 @@ class ChaosMonkey:
 
 async def submit_over(
     rt: Runtime,
-    scenario: Scenario,
+    scenario_of: Callable[[str], Scenario],
     ids: list[str],
     seconds: float,
     on_submitted: Callable[[int], None],
 ) -> None:
-    """Submit ``ids`` in one-second waves spread over ``seconds`` (retrying through outages)."""
+    """Submit ``ids`` in one-second waves spread over ``seconds`` (retrying through outages),
+    each turn with its scenario."""
     waves = max(1, int(seconds))
     per = -(-len(ids) // waves)
     for start in range(0, len(ids), per):
         wave = ids[start : start + per]
-        while True:
-            try:
-                await rt.submit(scenario, wave)  # idempotent: repeating a wave is safe
-                break
-            except PhaselineError as exc:
-                log.warning("submission interrupted, repeating the wave: %s", exc)
-                await asyncio.sleep(0.5)  # Redis restarting: retry the wave
+        groups: dict[Scenario, list[str]] = {}
+        for tid in wave:
+            groups.setdefault(scenario_of(tid), []).append(tid)
+        for scenario, group in groups.items():
+            while True:
+                try:
+                    await rt.submit(scenario, group)  # idempotent: repeating a wave is safe
+                    break
+                except PhaselineError as exc:
+                    log.warning("submission interrupted, repeating the wave: %s", exc)
+                    await asyncio.sleep(0.5)  # Redis restarting: retry the wave
         on_submitted(len(wave))
         await asyncio.sleep(1)  # the arrival schedule
 
 
 def recoveries(
     moves: list[Transition], faults: list[Fault], t0_unix: float
-) -> list[tuple[str, float, float]]:
-    """(turn, seconds since start, latency ms): the first move of each affected turn under a
-    newer epoch after its host was killed or frozen."""
+) -> list[tuple[str, float, float, str]]:
+    """(turn, seconds since start, latency ms, fault target): the first move of each affected
+    turn under a newer epoch after its host was killed, frozen or raced."""
     out = []
     for f in faults:
         kill_ms = (t0_unix + f.at_s) * 1000
         for tid, first in first_moves_after(moves, f.affected, kill_ms).items():
-            out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms))
+            out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms, f.target))
     return out
 
 
@@ -371,11 +449,17 @@ async def run_chaos(
 ) -> ChaosReport:
     expected = await reference_transcript(rt.client, cfg.scenario, f"{rt.dep.keys.namespace}-ref")
     ids = [f"chaos{cfg.seed}-t{i:06d}" for i in range(cfg.turns)]
+    poisoned = frozenset(poison_ids(ids, cfg.poison)) if cfg.poison else frozenset()
+    poison = poison_variant(cfg.scenario)
+
+    def scenario_of(tid: str) -> Scenario:
+        return poison if tid in poisoned else cfg.scenario
+
     t0_unix = time.time()
     monkey = ChaosMonkey(rt, server, cfg)
     started = monkey.t0
     await asyncio.gather(
-        submit_over(rt, cfg.scenario, ids, cfg.duration_s / 2, on_submitted), monkey.run()
+        submit_over(rt, scenario_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
     )
     try:
         await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
@@ -387,7 +471,10 @@ async def run_chaos(
     wall = time.monotonic() - started
     witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
     try:
-        verdict = await judge(rt.client, rt.dep.keys, ids, expected, effects_client=witness)
+        verdict = await judge(
+            rt.client, rt.dep.keys, ids, expected,
+            effects_client=witness, expect_suspended=poisoned,
+        )  # fmt: skip
     finally:
         if witness is not None:
             await witness.aclose()
@@ -401,6 +488,7 @@ async def run_chaos(
             "kill_interval_s": cfg.kill_interval_s,
             "targets": list(cfg.targets),
             "seed": cfg.seed,
+            "poison": cfg.poison,
             "hosts": rt.dep.hosts,
             "namespace": rt.dep.keys.namespace,
         },
@@ -409,9 +497,13 @@ async def run_chaos(
         wall_s=wall,
         respawns=await rt.respawns(),
         started_at=t0_unix,
-        latency_ms=[ms for _, _, ms in recovered],
+        latency_ms=[ms for _, _, ms, _ in recovered],
         moves=moves,
         recovered=recovered,
         turn_ids=ids,
         rivals=dict(rivals),
+        replacements={
+            rt.dep.host_label(slot): gen
+            for slot, gen in sorted((await rt.hosts.generations()).items())
+        },
     )

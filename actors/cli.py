@@ -37,10 +37,12 @@ from actors.chaos import plot as plot_chaos
 from actors.config import Settings, load_settings
 from actors.demo import DemoReport, run_demo
 from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
+from actors.poison import SUSPENDED_POISON, evidence
+from actors.resume import reopen
 from actors.runtime import Runtime, ensure_ray
 from actors.scenario import load_scenario
 from actors.tools import BUILTIN_TOOLS
-from bus.errors import ConfigError, PhaselineError
+from bus.errors import ConfigError, PhaselineError, RecordNotFound
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
@@ -65,8 +67,9 @@ class ExitStatus(enum.IntEnum):
     BAD_INPUT = 2
     """Bad flags, files, configs or scenarios."""
     UNFINISHED = 3
-    """``run``/``resume`` ended with turns left in progress or quarantined (counts printed);
-    ``phaseline resume`` continues the in-progress ones."""
+    """``run``/``resume`` ended with turns left in progress, quarantined or suspended (counts
+    printed); ``phaseline resume`` continues the in-progress ones, ``phaseline resume TURN``
+    a suspended one."""
 
 
 class BadInput(click.ClickException):
@@ -220,6 +223,10 @@ def _summary(title: str, stats: RunStats, report: str | None) -> None:
         Path(report).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _few(ids: list[str]) -> str:
+    return ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
+
+
 def _exit_unless_final(stats: RunStats) -> None:
     """Exit :attr:`ExitStatus.UNFINISHED`, with the counts, unless every turn is final."""
     if stats.all_final:
@@ -228,8 +235,13 @@ def _exit_unless_final(stats: RunStats) -> None:
         console.print(
             f"[red]quarantined ({len(stats.quarantined)}): {', '.join(stats.quarantined)}"
         )
+    if stats.suspended:
+        console.print(
+            f"[red]suspended as poison ({len(stats.suspended)}): {_few(stats.suspended)} "
+            "(phaseline inspect TURN says why; phaseline resume TURN runs it again)"
+        )
     if stats.unfinished:
-        shown = ", ".join(stats.unfinished[:10]) + (" ..." if len(stats.unfinished) > 10 else "")
+        shown = _few(stats.unfinished)
         console.print(
             f"[red]{len(stats.unfinished)} of {stats.turns} turns not finished "
             f"(still in progress: phaseline resume continues them): {shown}"
@@ -292,6 +304,8 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
     for record in finals.values():
         stats.turns += 1
         stats.outcomes[record.counters.outcome] += 1
+        if record.counters.outcome == SUSPENDED_POISON:
+            stats.suspended.append(record.turn_id)
         stats.resumed += record.counters.resume_attempts > 0
         stats.checkpoints += record.seq
     return stats
@@ -339,32 +353,62 @@ def run(
 
 @main.command()
 @_common
+@click.argument("named", metavar="[TURN_ID]...", nargs=-1)
 @_ray_options
 @_report_option
 def resume(
-    redis_url: str | None, namespace: str | None, config_path: str | None, in_process: bool,
-    hosts: int, ray_address: str | None, report: str | None,
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    named: tuple[str, ...], in_process: bool, hosts: int, ray_address: str | None,
+    report: str | None,
 ) -> None:  # fmt: skip
-    """Resume every in-progress turn in the store and run it to the end."""
+    """Resume every in-progress turn in the store, or just the TURN_IDs (a suspended one too:
+    after a fix, it runs again), and run them to the end."""
     settings = _settings(config_path, redis_url, namespace)
     keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    for tid in named:
+        check_turn_id(tid)
+
+    async def chosen(store: RedisCheckpointStore) -> list[str]:
+        """The named turns that are (now) in progress; the others are reported as they are."""
+        ids = []
+        for tid in dict.fromkeys(named):
+            try:
+                record = await reopen(store, tid)
+            except RecordNotFound:
+                raise BadInput(f"no turn {tid} in namespace {keys.namespace!r}") from None
+            if record.in_progress:
+                ids.append(tid)
+            else:
+                console.print(f"turn {tid} is final already ({record.counters.outcome})")
+        return ids
 
     async def in_proc(client: aioredis.Redis) -> RunStats:
-        bar = _Bar(len(await RedisCheckpointStore(client, keys).list_in_progress()), "resume")
+        store = RedisCheckpointStore(client, keys)
+        ids = await chosen(store) if named else None
+        bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
         engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
-            return await engine.resume_all()
+            if ids is None:
+                return await engine.resume_all()
+            await engine.note_predecessor(died=True)
+            return await engine.resume_turns(ids)
 
     async def on_ray(rt: Runtime) -> RunStats:
         # The supervisor has every host adopt its slot's in-progress turns as it starts.
         started = time.monotonic()
-        scan = await rt.store.load_in_progress()
-        ids = [r.turn_id for r in scan.records]
+        errors: list[str] = []
+        if named:
+            ids = await chosen(rt.store)
+            await rt.adopt(ids)
+        else:
+            scan = await rt.store.load_in_progress()
+            ids = [r.turn_id for r in scan.records]
+            errors = [e.key for e in scan.errors]
         bar = _Bar(len(ids), "resume")
         with bar.progress:
             finals = await rt.wait(ids, timeout=24 * 3600, on_done=bar.advance)
         stats = _stats_of(finals, time.monotonic() - started)
-        stats.quarantined.extend(e.key for e in scan.errors)
+        stats.quarantined.extend(errors)
         return stats
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
@@ -429,8 +473,12 @@ def demo(
 @click.option("--kill-interval", type=click.FloatRange(0.1, 3600), default=2, show_default=True,
               help="Mean seconds between faults.")  # fmt: skip
 @click.option("--targets", default="all", show_default=True,
-              help=f"Comma-separated fault targets: {', '.join(TARGETS)}.")  # fmt: skip
+              help=f"Comma-separated fault targets: {', '.join(TARGETS)} ('none': only the "
+              "poison turns' own faults).")  # fmt: skip
 @click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--poison", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
+              help="Turns that run a poison variant of the scenario (a model call that "
+              "SIGKILLs its process); each must end suspended:poison.")  # fmt: skip
 @click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True)
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
 @click.option("--report", type=click.Path(dir_okay=False), required=True,
@@ -439,15 +487,17 @@ def demo(
               help="Write the PNG timeline here.")  # fmt: skip
 def chaos(
     redis_url: str | None, namespace: str | None, config_path: str | None, scenario_path: str,
-    turns: int, duration: float, kill_interval: float, targets: str, seed: int, hosts: int,
-    ray_address: str | None, report: str, plot: str | None,
+    turns: int, duration: float, kill_interval: float, targets: str, seed: int, poison: int,
+    hosts: int, ray_address: str | None, report: str, plot: str | None,
 ) -> None:  # fmt: skip
     """Kill runtime processes at random under load; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
     scenario = load_scenario(scenario_path)
     BUILTIN_TOOLS.require(scenario.tools)
     chosen = parse_targets(targets, embedded=settings.redis.url is None)
-    cfg = ChaosConfig(scenario, turns, duration, kill_interval, chosen, seed)
+    if poison > turns:
+        raise BadInput(f"--poison {poison} is more than --turns {turns}")
+    cfg = ChaosConfig(scenario, turns, duration, kill_interval, chosen, seed, poison)
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
     async def go(server: EmbeddedRedis | None, url: str) -> ChaosReport:
@@ -484,13 +534,22 @@ def chaos(
         title=f"chaos seed {seed}: {turns} turns, {len(result.faults)} faults", show_header=False
     )
     for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
-              "duplicate_side_effects", "stale_writes_accepted", "outcome_unknown_results",
-              "resumed_turns", "most_resumes_of_one_turn"):  # fmt: skip
+              "duplicate_side_effects", "stale_writes_accepted", "suspended_unexpectedly",
+              "aborted", "outcome_unknown_results", "resumed_turns",
+              "most_resumes_of_one_turn"):  # fmt: skip
         table.add_row(k, str(v[k]))
+    if poison:
+        table.add_row(
+            "poison turns suspended", f"{v['poison_suspended']} of {v['poison_turns']}, "
+            f"{v['poison_host_deaths']} host deaths under them",
+        )  # fmt: skip
     table.add_row("kills", json.dumps(data["kills_per_target"]))
+    table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
     table.add_row(
         "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
     )
+    for kind, lat in data["recovery_latency_ms_by_kind"].items():
+        table.add_row(f"  after {kind} (n={lat['n']})", "{p50}/{p99}/{max}".format(**lat))
     table.add_row("turns/s", str(data["turns_per_s"]))
     table.add_row("verdict", "[green]ok" if data["ok"] else "[red]NOT OK")
     out.print(table)
@@ -568,6 +627,13 @@ def inspect(
         value = getattr(record, name)
         fields.add_row(name, value.value if isinstance(value, TurnPhase) else str(value))
     fields.add_row("counters", json.dumps(dump_model(record.counters)))
+    c = record.counters
+    if c.outcome == SUSPENDED_POISON:
+        fields.add_row(
+            "suspended because",
+            f"{evidence(c.stalled_resumes, c.isolated_deaths)}; after a fix, "
+            f"phaseline resume {turn_id} runs it again",
+        )
     out.print(fields)
     transcript = Table(title="transcript")
     for col in ("#", "role", "source", "id", "content"):

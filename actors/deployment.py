@@ -47,8 +47,22 @@ class Deployment(BaseModel):
         """Ray actor name of a singleton role (``supervisor``, ``checkpoint``, ...)."""
         return f"{self.settings.redis.namespace}.{role}"
 
+    @property
+    def isolation_slot(self) -> int:
+        """The slot of the isolation host, after the ``hosts`` shared ones: it runs the turns
+        the poison-turn policy isolates, alone, one at a time (``actors.poison``)."""
+        return self.hosts
+
+    def slots(self) -> range:
+        """Every host slot the supervisor keeps alive, the isolation slot included."""
+        return range(self.hosts + 1)
+
+    def host_label(self, slot: int) -> str:
+        """``host<N>`` for a shared slot, ``isolation`` for the isolation slot."""
+        return "isolation" if slot == self.isolation_slot else f"host{slot}"
+
     def host_name(self, slot: int, generation: int) -> str:
-        return f"{self.settings.redis.namespace}.host{slot}.g{generation}"
+        return f"{self.settings.redis.namespace}.{self.host_label(slot)}.g{generation}"
 
     def tool_worker_name(self, pool: str, index: int) -> str:
         return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
@@ -100,6 +114,7 @@ class HostDirectory:
         return self._cache[key]
 
     async def handle_for(self, turn_id: str) -> Any | None:
+        """The host of the turn's slot (an isolated turn may be on the isolation host)."""
         return await self.handle(self.deployment.slot_of(turn_id))
 
     async def handles(self) -> dict[int, Any]:

@@ -21,14 +21,22 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from actors.config import Settings
-from actors.loop import Checkpointer, LoopSettings, TurnDeps, TurnLoop, TurnOutcome
-from actors.resume import ResumePlan, plan_resume
+from actors.loop import (
+    Checkpointer,
+    LoopSettings,
+    ProbationHooks,
+    TurnDeps,
+    TurnLoop,
+    TurnOutcome,
+)
+from actors.poison import SUSPENDED_POISON, isolation_backoff_s
+from actors.resume import ResumePlan, died_inside, plan_resume
 from actors.scenario import Scenario
 from actors.scripted import ScriptedLLM
 from actors.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
 from actors.tools import BUILTIN_TOOLS, ToolRegistry
 from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
-from bus.errors import StoreError
+from bus.errors import StaleOwner, StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -36,6 +44,7 @@ from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
+from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import CheckpointRecord, Message, MessageMeta, TurnSpec
@@ -43,7 +52,7 @@ from store.records import CheckpointRecord, Message, MessageMeta, TurnSpec
 log = logging.getLogger(__name__)
 
 #: Loop outcomes that leave the turn's record in progress (someone must still end it).
-NOT_ENDED = frozenset({"interrupted", "fenced", "unusable"})
+NOT_ENDED = frozenset({"interrupted", "fenced", "unusable", "released", "isolate"})
 
 SYSTEM_PROMPT = "You are a phaseline scripted agent. Use the tools, then answer."
 
@@ -111,15 +120,19 @@ class RunStats:
     unfinished: list[str] = field(default_factory=list)
     """Turns without a final record when the run ended (interrupted by Redis, fenced by an
     owner that had not finished yet, unreadable); ``phaseline resume`` picks them up."""
+    suspended: list[str] = field(default_factory=list)
+    """Turns parked as ``suspended:poison``; ``phaseline resume TURN`` runs one again."""
 
     @property
     def all_final(self) -> bool:
         """Every turn of the run reached a final record (what exit status 0 promises)."""
-        return not self.unfinished and not self.quarantined
+        return not self.unfinished and not self.quarantined and not self.suspended
 
     def add(self, outcome: TurnOutcome) -> None:
         self.turns += 1
         self.outcomes[outcome.outcome] += 1
+        if outcome.outcome == SUSPENDED_POISON:
+            self.suspended.append(outcome.turn_id)
         self.checkpoints += outcome.saves
         self.failed_saves += outcome.failed_saves
 
@@ -137,6 +150,7 @@ class RunStats:
             "turns_per_s": round(self.turns / self.wall_s, 2) if self.wall_s else None,
             "host_rss_mib": self.host_rss_mib,
             "unfinished": len(self.unfinished),
+            "suspended": len(self.suspended),
         }
 
 
@@ -157,7 +171,9 @@ class LocalEngine:
         on_status: Callable[[SoftIdle], None] | None = None,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
+        on_isolate: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_isolate`` hears of every turn this engine queued for the isolation host."""
         self.keys = keys
         self.store = RedisCheckpointStore(
             client, keys, max_record_bytes=max_record_bytes, durability=durability
@@ -166,6 +182,7 @@ class LocalEngine:
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
+        self.isolation = Isolation(client, keys)
         self.checkpoints: Checkpointer = checkpoints or self.store
         self.loop_settings = loop_settings
         self.registry = registry
@@ -175,6 +192,12 @@ class LocalEngine:
         self._loops: dict[str, TurnLoop] = {}
         self.on_transition = on_transition
         self._on_status = on_status
+        self._on_isolate = on_isolate
+        self._died_first: str | None = None
+        """The turn inside whose step the previous isolation host died: it runs first."""
+        self._unended: tuple[str, int] | None = None
+        """A probation whose marker could not be cleared yet (Redis was away): cleared before
+        the next one starts, or its leftover marker would read as a death."""
 
     @classmethod
     def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> LocalEngine:
@@ -214,31 +237,156 @@ class LocalEngine:
         return await self._run_all([self.start(r, scenario) for r in records])
 
     async def resume_all(self) -> RunStats:
-        """Resume every in-progress turn in the store (after its process died)."""
+        """Resume every in-progress turn in the store (after its process died): the shared ones
+        together, then the isolated ones alone, one at a time (``actors.poison``)."""
+        await self.note_predecessor(died=True)
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
-        return await self._run_all([self.resume(r.turn_id) for r in scan.records])
+        return await self.resume_turns([r.turn_id for r in scan.records])
+
+    async def resume_turns(self, turn_ids: Sequence[str]) -> RunStats:
+        """Resume these turns; those the policy isolates (now or before) run alone after."""
+        queued = await self.isolation.members()
+        shared = [t for t in turn_ids if t not in queued]
+        isolated = [t for t in turn_ids if t in queued]
+
+        async def everything() -> list[TurnOutcome]:
+            first = list(await asyncio.gather(*(self.resume(t) for t in shared)))
+            isolated.extend(o.turn_id for o in first if o.outcome == "isolate")
+            return [o for o in first if o.outcome != "isolate"] + await self._alone(isolated)
+
+        return await self._run_all_from(everything)
+
+    async def _alone(self, turn_ids: list[str]) -> list[TurnOutcome]:
+        """Probation runs of queued turns, one at a time in queue order (waiting out their
+        backoff); a released turn goes on beside the next probation."""
+        wanted = set(turn_ids)
+        ended: list[TurnOutcome] = []
+        released: list[asyncio.Task[TurnOutcome]] = []
+        while wanted:
+            turn_id, wait_s = await self.next_probation()
+            if turn_id is None:
+                if wait_s is None:
+                    break  # taken off the queue by someone else
+                await asyncio.sleep(wait_s)  # the backoff of the next isolated attempt
+                continue
+            outcome = await self.probation(turn_id)
+            if outcome.outcome == "interrupted":
+                ended.append(outcome)
+                break  # Redis is away: the next resume carries on
+            wanted.discard(turn_id)
+            if outcome.outcome == "released":
+                released.append(asyncio.ensure_future(self.resume(turn_id)))
+            elif turn_id in turn_ids:
+                ended.append(outcome)
+        return ended + list(await asyncio.gather(*released))
 
     async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome:
-        """Continue a turn from its last checkpoint under a new epoch (claimed by the plan)."""
+        """Continue a turn from its last checkpoint under a new epoch (claimed by the plan).
+        A turn the policy isolates is queued for the isolation host instead (``isolate``)."""
         if plan is None:
             plan = await plan_resume(self.store, self.ledger, self.inbox, turn_id)
+        if plan.action == "isolate":
+            await self.isolation.enqueue(turn_id)
+            log.warning("turn %s: %s", turn_id, plan.detail)
+            if self._on_isolate is not None:
+                self._on_isolate(turn_id)
+            return TurnOutcome(turn_id, "isolate", 0, 0, 0, 0)
+        return await self._run_plan(plan)
+
+    async def _run_plan(self, plan: ResumePlan, **loop_kw: Any) -> TurnOutcome:
+        turn_id = plan.turn_id
         if plan.action == "unusable":
             self.stats.quarantined.append(turn_id)
-        if plan.record is None or plan.scenario is None:
+        if plan.action == "suspended" and plan.record is not None:
+            log.error("turn %s suspended: %s", turn_id, plan.record.counters.isolated_deaths)
+            return TurnOutcome(turn_id, plan.detail, plan.record.epoch, 1, 0, 0)
+        if plan.action != "resume" or plan.record is None or plan.scenario is None:
             log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
             return TurnOutcome(turn_id, plan.action, 0, 0, 0, 0)
         self.stats.resumed += 1
-        loop = self.build_loop(plan.record, plan.scenario, resume_from=plan.resume_from)
-        if plan.action == "abort":
-            return await loop.abort("resume_limit")
+        loop = self.build_loop(plan.record, plan.scenario, resume_from=plan.resume_from, **loop_kw)
         return await self.drive(loop)
 
+    # -- isolation ----------------------------------------------------------------------------
+
+    async def note_predecessor(self, *, died: bool) -> None:
+        """Start of an isolation host (or of an in-process resume): read the probation marker
+        the previous one left. After a death, its turn goes first, once its backoff is over
+        (no other probation may replace the marker before that turn's claim has recorded the
+        death); after a freeze (``died`` False) the marker is no evidence and is dropped."""
+        marker = await self.isolation.current()
+        if marker is None:
+            return
+        if not died:
+            await self.isolation.forget()
+            return
+        try:
+            record = await self.store.load(marker.turn_id)
+        except StoreError:  # RecordNotFound and RecordError included: nothing to count
+            return
+        if died_inside(marker, record) is not None:
+            deaths = len(record.counters.isolated_deaths) + 1
+            await self.isolation.enqueue(marker.turn_id, delay_s=isolation_backoff_s(deaths))
+            self._died_first = marker.turn_id
+
+    async def next_probation(self) -> tuple[str | None, float | None]:
+        """The queued turn to run alone next, or None and the seconds until one is due (None:
+        nothing queued). The turn whose isolation host died goes first."""
+        ready, wait_s = await self.isolation.due()
+        first = self._died_first
+        if first is not None and first not in ready:
+            if first in await self.isolation.members():
+                return None, wait_s  # still in its backoff: nothing else may run before it
+            self._died_first = first = None
+        if first is not None:
+            return first, None
+        return (ready[0], None) if ready else (None, wait_s)
+
+    async def probation(self, turn_id: str) -> TurnOutcome:
+        """Claim a queued turn for the isolation host and run it alone until its first
+        checkpoint (``released``), its end, or suspension; takes it off the queue unless Redis
+        cut the run short."""
+        if self._unended is not None:
+            await self.isolation.end(*self._unended)
+            self._unended = None
+        plan = await plan_resume(
+            self.store, self.ledger, self.inbox, turn_id,
+            isolated=True, marker=await self.isolation.current(),
+        )  # fmt: skip
+        if plan.action != "resume" or plan.record is None:
+            outcome = await self._run_plan(plan)
+            await self.isolation.remove(turn_id)
+            if turn_id == self._died_first:
+                self._died_first = None
+            return outcome
+        epoch = plan.record.epoch
+        await self.isolation.begin(turn_id, epoch)
+        self._unended = (turn_id, epoch)
+        notes = _ProbationNotes(self.isolation, turn_id, epoch)
+        outcome = await self._run_plan(plan, probation=notes)
+        if turn_id == self._died_first:
+            self._died_first = None
+        try:
+            await self.isolation.end(turn_id, epoch)
+            self._unended = None
+        except StoreError as exc:
+            log.warning("probation marker of %s not cleared yet: %s", turn_id, exc)
+        if outcome.outcome != "interrupted":
+            await self.isolation.remove(turn_id)
+        return outcome
+
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
+        async def together() -> list[TurnOutcome]:
+            return list(await asyncio.gather(*coros))
+
+        return await self._run_all_from(together)
+
+    async def _run_all_from(self, work: Callable[[], Awaitable[list[TurnOutcome]]]) -> RunStats:
         started = time.monotonic()
         ticker = None if self.rules is None else asyncio.ensure_future(self._watchdog())
         try:
-            outcomes = await asyncio.gather(*coros)
+            outcomes = await work()
         finally:
             if ticker is not None:
                 ticker.cancel()
@@ -268,6 +416,7 @@ class LocalEngine:
         *,
         resume_from: str | None = None,
         settings: LoopSettings | None = None,
+        probation: ProbationHooks | None = None,
         **deps: Any,
     ) -> TurnLoop:
         """A loop for ``record`` wired to this engine; ``deps`` replace TurnDeps members."""
@@ -286,6 +435,7 @@ class LocalEngine:
             dataclasses.replace(wired, **deps),
             settings or self.loop_settings,
             resume_from=resume_from,
+            probation=probation,
         )
 
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
@@ -355,6 +505,20 @@ class LocalEngine:
                     log.info("turn %s: %s", action.turn_id, action.label)
                     if self._on_status is not None:
                         self._on_status(action)
+
+
+@dataclass(frozen=True, slots=True)
+class _ProbationNotes:
+    """The probation hooks of one isolated run: its steps go to the probation marker."""
+
+    isolation: Isolation
+    turn_id: str
+    epoch: int
+
+    async def step(self, step: str) -> None:
+        if not await self.isolation.step(self.turn_id, self.epoch, step):
+            # A successor isolation host replaced this one's marker: stop before the step.
+            raise StaleOwner(f"probation of {self.turn_id} epoch {self.epoch} taken over")
 
 
 def new_run_id() -> str:

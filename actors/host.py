@@ -5,11 +5,16 @@ through the CheckpointActor (batched), tools run as Ray tasks, transitions go to
 owns one *slot*; the Supervisor gives each slot a new *generation* (a new actor) when the old
 one dies or hangs, and the new one adopts every in-progress turn of the slot through a resume
 plan of the RecoveryActor (which bumps the epoch, so the old incarnation is fenced off).
+
+One more slot, after the shared ones, is the *isolation host*: it takes no turns of its own,
+but runs the turns the poison-turn policy isolated (``actors.poison``), one at a time, each
+until its first checkpoint, and then hands it back to its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -21,7 +26,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.checkpointer import CheckpointClient, actor_sender
-from actors.deployment import RAY_NAMESPACE, Deployment
+from actors.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.engine import LocalEngine
 from actors.loop import TurnOutcome
 from actors.ray_tools import RayToolRunner
@@ -42,6 +47,7 @@ class TurnHost:
         self.slot = slot
         self.generation = generation
         self.incarnation = uuid.uuid4().hex
+        self.isolating = slot == self.dep.isolation_slot
         self.client = connect(
             self.dep.redis_url, max_connections=128, retry_s=self.dep.settings.redis.retry_s
         )
@@ -57,9 +63,14 @@ class TurnHost:
             checkpoints=self.checkpoints,
             runner=RayToolRunner(self.dep),
             on_transition=self.publisher.add,
+            on_isolate=self._isolation_wanted,
         )
+        self.directory = HostDirectory(self.dep, self.client)
         self._tasks: dict[str, asyncio.Task[TurnOutcome]] = {}
         self._started = time.time()
+        self._wake = asyncio.Event()
+        self._probations: asyncio.Task[None] | None = None
+        self._pokes: set[asyncio.Task[None]] = set()
 
     def _checkpoint_actor(self) -> Any:
         return ray.get_actor(self.dep.name("checkpoint"), namespace=RAY_NAMESPACE)
@@ -68,6 +79,7 @@ class TurnHost:
         stats = self.engine.stats
         return {
             "slot": self.slot,
+            "isolation": self.isolating,
             "generation": self.generation,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
@@ -84,11 +96,28 @@ class TurnHost:
         """Start submitted turns (a turn that already ran somewhere is resumed instead)."""
         return sum(self._spawn(t, self._run_submitted(t)) for t in turn_ids)
 
-    async def adopt(self) -> int:
+    async def adopt(self, predecessor_died: bool | None = None) -> int:
         """Resume every in-progress turn of this slot that is not running here, planned in
-        one batch (each turn starts as soon as the batch is planned)."""
+        one batch (each turn starts as soon as the batch is planned). Turns queued for
+        isolation are left to the isolation host. There, the supervisor's first call starts
+        the probation runs and says whether the host it replaces died (its probation marker
+        is then evidence) or stopped answering (it is not); a call without that (None: a
+        shared host's nudge) only wakes the runs."""
+        if self.isolating:
+            if self._probations is None and predecessor_died is not None:
+                await self.engine.note_predecessor(died=predecessor_died)
+                self._probations = asyncio.ensure_future(self._run_probations())
+            elif self._probations is not None and self._probations.done():
+                self._probations = asyncio.ensure_future(self._run_probations())
+            self._wake.set()
+            return 0
         ids = await self.engine.store.list_in_progress()
-        mine = [t for t in ids if self.dep.slot_of(t) == self.slot and t not in self._tasks]
+        queued = await self.engine.isolation.members()
+        mine = [
+            t
+            for t in ids
+            if self.dep.slot_of(t) == self.slot and t not in self._tasks and t not in queued
+        ]
         if not mine:
             return 0
         plans = asyncio.ensure_future(self._plan(mine))
@@ -110,6 +139,50 @@ class TurnHost:
         """Wait until no turn runs here (tests and orderly shutdown)."""
         while self._tasks:
             await asyncio.wait(list(self._tasks.values()))
+
+    # -- isolation ----------------------------------------------------------------------------
+
+    async def _run_probations(self) -> None:
+        """The isolation host's loop: the due queued turns, one at a time."""
+        while True:
+            try:
+                self._wake.clear()
+                turn_id, wait_s = await self.engine.next_probation()
+                if turn_id is None:
+                    # Woken by a shared host that queued a turn, by the supervisor's periodic
+                    # adopt, or when the next backoff is over.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait_s)
+                    continue
+                task = asyncio.ensure_future(self.engine.probation(turn_id))
+                self._tasks[turn_id] = task
+                try:
+                    outcome = await task
+                finally:
+                    self._tasks.pop(turn_id, None)
+                self.engine.stats.add(outcome)
+                if outcome.outcome == "released":
+                    self._poke(self.directory.handle_for(turn_id))
+            except PhaselineError as exc:
+                log.warning("isolation host: %s; retrying", exc)
+                await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
+
+    def _isolation_wanted(self, _turn_id: str) -> None:
+        self._poke(self.directory.handle(self.dep.isolation_slot))
+
+    def _poke(self, host: Any) -> None:
+        """Ask another host to adopt now, without waiting for it (best effort: the
+        supervisor's periodic adopt is the fallback)."""
+
+        async def go() -> None:
+            with contextlib.suppress(PhaselineError, RayActorError):
+                handle = await host
+                if handle is not None:
+                    await handle.adopt.remote()
+
+        task = asyncio.ensure_future(go())
+        self._pokes.add(task)
+        task.add_done_callback(self._pokes.discard)
 
     # -- turn tasks ---------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from typing import Protocol
 from actors.compaction import compact
 from actors.llm import LLMClient, LLMRequest
 from actors.loopdetect import LoopThresholds, LoopVerdict, detect_loop
+from actors.poison import step_name
 from actors.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
 from actors.tools import ToolRegistry
 from bus.errors import (
@@ -81,6 +82,15 @@ class ToolBatches(Protocol):
         ...
 
 
+class ProbationHooks(Protocol):
+    """What a probation run (a turn isolated by the poison-turn policy) reports."""
+
+    async def step(self, step: str) -> None:
+        """Durably note the step about to begin (``phase@position``), before it begins: if the
+        process dies inside it, the next isolation host reads where."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
     """Knobs of the loop; defaults are the production values of DESIGN §3-4."""
@@ -129,7 +139,9 @@ class TurnOutcome:
     turn_id: str
     """The turn."""
     outcome: str
-    """``answered``, ``force_stopped``, ``aborted:<cause>``, or ``fenced`` (a newer owner)."""
+    """``answered``, ``force_stopped``, ``aborted:<cause>``, ``fenced`` (a newer owner),
+    ``released`` (a probation run that reached its checkpoint; its slot resumes it) or
+    ``interrupted`` (Redis failed under it)."""
     epoch: int
     """Epoch that ran it."""
     saves: int
@@ -148,6 +160,10 @@ class _TooLarge(Exception):
     """Internal: the next checkpoint is over the size cap; unwinds to end on the last one."""
 
 
+class _Released(Exception):
+    """Internal: a probation run saved its first checkpoint; unwinds with nothing in flight."""
+
+
 class TurnLoop:
     """Drives one turn from a record (fresh at ``submitted``, or claimed for a resume)."""
 
@@ -159,8 +175,11 @@ class TurnLoop:
         *,
         clock: Callable[[], float] = time.time,
         resume_from: str | None = None,
+        probation: ProbationHooks | None = None,
     ) -> None:
-        """``resume_from`` is the reason of the checkpoint a resumed turn restarts from."""
+        """``resume_from`` is the reason of the checkpoint a resumed turn restarts from;
+        ``probation`` makes this a probation run: it notes each step before it begins and
+        stops (outcome ``released``) right after its first mid-turn checkpoint."""
         self.turn_id = record.turn_id
         self.session_id = record.session_id
         self.epoch = record.epoch
@@ -173,6 +192,7 @@ class TurnLoop:
         self._meta = list(record.meta[record.baseline :])
         self._counters = record.counters
         self._resume_from = resume_from
+        self._probation = probation
         self._seq = record.seq
         self._saved = record
         """The last record known stored: what an oversized checkpoint falls back to."""
@@ -216,6 +236,8 @@ class TurnLoop:
             return await self._drive()
         except _Fenced:
             return self._outcome("fenced")
+        except _Released:
+            return self._outcome("released")
         except _TooLarge:
             return await self._end_oversized()
 
@@ -358,7 +380,16 @@ class TurnLoop:
 
     # -- model, tools, inbox ------------------------------------------------------------------
 
+    async def _note_step(self) -> None:
+        if self._probation is None:
+            return
+        try:
+            await self._probation.step(step_name(self.tracker.phase.value, len(self.messages)))
+        except StaleOwner as exc:
+            raise self._fenced(exc) from exc
+
     async def _call_llm(self, *, tools_enabled: bool) -> Message:
+        await self._note_step()
         request = LLMRequest(
             turn_id=self.turn_id,
             messages=self.messages,
@@ -382,6 +413,7 @@ class TurnLoop:
         return task.result()
 
     async def _run_batch(self, calls: Sequence[ToolCall]) -> None:
+        await self._note_step()
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
         denied = set()
@@ -533,6 +565,8 @@ class TurnLoop:
         self._last_save = now
         self._saved = record
         self.saves += 1
+        if self._probation is not None and not final:
+            raise _Released()
 
 
 def _new_id() -> str:

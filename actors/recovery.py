@@ -19,7 +19,6 @@ from enum import Enum
 
 MAX_RETRIES = 3
 MAX_NUDGES = 3
-MAX_RESUMES = 3
 
 #: Every nudge starts with this, so a transcript reader (or the scripted model) can tell one.
 NUDGE_PREFIX = "[nudge]"
@@ -103,11 +102,3 @@ def nudge_text(problem: Problem) -> str:
             "or give your final answer."
         )
     return f"{NUDGE_PREFIX} Your last reply was empty. Please continue the task."
-
-
-def may_resume(stalled_resumes: int) -> bool:
-    """A turn already resumed this many times in a row without saving progress in between (it
-    may be what kills its host) is aborted instead of resumed. Losses between which the turn
-    saved a checkpoint are not counted: on a cluster that keeps losing hosts (the chaos run
-    loses one every few seconds) a long turn that progresses is resumed as often as it takes."""
-    return stalled_resumes < MAX_RESUMES

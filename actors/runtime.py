@@ -128,6 +128,18 @@ class Runtime:
             raise failure
         return created
 
+    async def adopt(self, turn_ids: Iterable[str]) -> None:
+        """Have the hosts of these turns' slots pick up their in-progress turns now (instead of
+        at the supervisor's next periodic adopt), e.g. after ``phaseline resume TURN``."""
+        for slot in sorted({self.dep.slot_of(t) for t in turn_ids}):
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue  # being replaced: the new host adopts them
+            try:
+                await host.adopt.remote()
+            except ray.exceptions.RayActorError:
+                log.warning("host slot %d died while adopting; its successor adopts", slot)
+
     async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
         """Queue a user message; it enters the turn at its next boundary, exactly once."""
         return await self.inbox.push(turn_id, text_, message_id=message_id)

@@ -20,7 +20,7 @@ MAX_ROUND_BYTES = 64 * 2**20
 #: Bytes a whole scripted transcript may reach: the largest record a checkpoint may hold.
 MAX_TURN_BYTES = RECORD_BYTES_CEILING
 
-FaultKind = Literal["retryable", "context_length", "hang", "empty", "loop", "fatal"]
+FaultKind = Literal["retryable", "context_length", "hang", "empty", "loop", "fatal", "crash"]
 
 
 class Fault(BaseModel):

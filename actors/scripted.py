@@ -9,13 +9,17 @@ Nth model call of the turn, counted from the transcript (through compaction summ
 * ``hang``: that call never returns (until the watchdog cancels it);
 * ``empty``: that call returns an empty reply, unless the model was just nudged;
 * ``loop``: from that call on, the model repeats one identical tool call forever;
-* ``fatal``: that call raises FatalLLMError.
+* ``fatal``: that call raises FatalLLMError;
+* ``crash``: that call SIGKILLs the process it runs in, every time it is reached (a poison
+  turn: what the poison-turn policy of ``actors.poison`` must contain).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
 
 from actors.compaction import progress, read_summary
 from actors.llm import LLMRequest
@@ -54,6 +58,8 @@ class ScriptedLLM:
                 raise RetryableLLMError(f"scripted retryable error at call {call}")
             if fault.kind == "context_length" and not any(read_summary(m) for m in turn):
                 raise ContextLengthError(f"scripted context overflow at call {call}")
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "fatal":
                 raise FatalLLMError(f"scripted fatal error at call {call}")
             if fault.kind == "hang":

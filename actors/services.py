@@ -110,11 +110,16 @@ class WatchdogActor:
         for a in actions:
             if isinstance(a, HardCancel):
                 self.hard += 1
-                host = await self.hosts.handle_for(a.turn_id)
-                if host is not None:
-                    # if the host died meanwhile, its turns are being resumed anyway
-                    with contextlib.suppress(RayActorError):
-                        await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
+                # The turn runs on its slot's host, or alone on the isolation host; each
+                # cancels only a call of that very epoch.
+                for host in (
+                    await self.hosts.handle_for(a.turn_id),
+                    await self.hosts.handle(self.dep.isolation_slot),
+                ):
+                    if host is not None:
+                        # if the host died meanwhile, its turns are being resumed anyway
+                        with contextlib.suppress(RayActorError):
+                            await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
                 events.append(
                     StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
                 )

@@ -11,6 +11,9 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
   when the previous one was spawned (``standby``). It is recorded in Redis, asked to
   adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
   epoch, so the old incarnation is fenced), and the old actor is killed, best effort;
+* the isolation host (``Deployment.isolation_slot``, after the shared slots) is watched and
+  replaced the same way; its successor is told whether it died (then the turn it ran alone
+  counts that death, ``actors.poison``) or stopped answering (a freeze counts nothing);
 * a host incarnation seen for the first time (e.g. after a restart of the whole deployment)
   is asked to adopt as well, so turns left by a previous run are finished; every live host
   is asked again each ``adopt_interval_s``, so no in-progress turn stays orphaned.
@@ -129,7 +132,7 @@ class Supervisor:
                 ).remote(self.dep.to_wire())
         await asyncio.gather(
             *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
-            *(self._check_slot(slot) for slot in range(self.dep.hosts)),
+            *(self._check_slot(slot) for slot in self.dep.slots()),
         )
 
     async def _check_slot(self, slot: int) -> None:
@@ -150,7 +153,7 @@ class Supervisor:
             if dead or self._misses[slot] >= cfg.ping_misses:
                 why = "died" if dead else "stopped answering"
                 log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
-                await self._replace(slot, gen, handle)
+                await self._replace(slot, gen, handle, died=dead)
             return
         self._misses[slot] = 0
         self._park(slot, gen, handle)
@@ -159,16 +162,16 @@ class Supervisor:
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
             # (its task was cut short by a Redis failure, a lost call) is picked up again.
-            await handle.adopt.remote()
+            await handle.adopt.remote(False)  # no death to report: this host was alive
             self._adopted.add(info["incarnation"])
             self._last_adopt[slot] = now
 
-    async def _spawn(self, slot: int, generation: int) -> Any:
+    async def _spawn(self, slot: int, generation: int, *, predecessor_died: bool = False) -> Any:
         handle = self._host(slot, generation)
         info = await handle.hello.remote()
         await self.hosts.set_generation(slot, generation)
         self._park(slot, generation, handle)
-        await handle.adopt.remote()
+        await handle.adopt.remote(predecessor_died)
         self._adopted.add(info["incarnation"])
         self._misses[slot] = 0
         self._last_adopt[slot] = time.monotonic()
@@ -203,8 +206,8 @@ class Supervisor:
             except (PhaselineError, RayActorError) as exc:
                 log.warning("supervisor: %s; the watch loop retries", exc)
 
-    async def _replace(self, slot: int, generation: int, old: Any) -> None:
-        await self._spawn(slot, generation + 1)
+    async def _replace(self, slot: int, generation: int, old: Any, *, died: bool) -> None:
+        await self._spawn(slot, generation + 1, predecessor_died=died)
         with translated("count respawns"):
             await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
         if old is not None and self.dep.settings.supervisor.kill_replaced:

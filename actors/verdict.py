@@ -7,6 +7,9 @@ answer for a non-idempotent call caught in flight); meta is index-aligned with t
 ids intact; no non-idempotent call ran twice (side-effect counters); and the checkpoint
 events show no write accepted out of order (an older epoch after a newer one, or a seq that
 did not increase), which is what a stale owner's accepted write would look like.
+
+Poison turns (``expect_suspended``) are judged the other way round: each must end parked as
+``suspended:poison``, and no other turn may be suspended or aborted.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import redis.asyncio as aioredis
 
 from actors.engine import LocalEngine
 from actors.loop import LoopSettings
+from actors.poison import SUSPENDED_POISON
 from actors.scenario import Scenario
 from bus.errors import RecordError, RecordNotFound
 from store.checkpoint import RedisCheckpointStore
@@ -72,17 +76,31 @@ class Verdict:
     in_progress: list[str] = field(default_factory=list)
     duplicate_effects: list[str] = field(default_factory=list)
     stale_accepted: list[str] = field(default_factory=list)
+    suspended: list[str] = field(default_factory=list)
+    """Turns parked as ``suspended:poison`` that were not poison turns."""
+    aborted: list[str] = field(default_factory=list)
+    """Turns that ended ``aborted:<cause>`` (also counted in ``differ``)."""
+    poison_escaped: list[str] = field(default_factory=list)
+    """Poison turns that did not end suspended."""
+    poison: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Per poison turn: how many owners it lost (each a host death) and where its isolation
+    host died."""
     outcome_unknown: int = 0
     resumed: int = 0
     most_resumes: int = 0
-    """The most times one turn was resumed (a turn is aborted only after stalled resumes)."""
+    """The most times one turn was resumed."""
     checkpoints: int = 0
+    flagged: set[str] = field(default_factory=set)
+    """Turn ids behind any failing count (for the timeline; not in the JSON)."""
+    resumes: dict[str, int] = field(default_factory=dict)
+    """Resume attempts per turn (for the timeline; not in the JSON)."""
 
     @property
     def ok(self) -> bool:
         return not (
             self.lost or self.differ or self.meta_drift or self.in_progress
-            or self.duplicate_effects or self.stale_accepted
+            or self.duplicate_effects or self.stale_accepted or self.suspended
+            or self.aborted or self.poison_escaped
         )  # fmt: skip
 
     def as_dict(self) -> dict[str, object]:
@@ -95,6 +113,13 @@ class Verdict:
             "in_progress_left": len(self.in_progress),
             "duplicate_side_effects": len(self.duplicate_effects),
             "stale_writes_accepted": len(self.stale_accepted),
+            "suspended_unexpectedly": len(self.suspended),
+            "aborted": len(self.aborted),
+            "poison_turns": len(self.poison),
+            "poison_suspended": len(self.poison) - len(self.poison_escaped),
+            "poison_escaped": len(self.poison_escaped),
+            "poison_host_deaths": sum(int(str(p["owners_lost"])) for p in self.poison.values()),
+            "poison_detail": self.poison,
             "outcome_unknown_results": self.outcome_unknown,
             "resumed_turns": self.resumed,
             "most_resumes_of_one_turn": self.most_resumes,
@@ -106,6 +131,8 @@ class Verdict:
                     ("in_progress", self.in_progress),
                     ("duplicate_effects", self.duplicate_effects),
                     ("stale_accepted", self.stale_accepted),
+                    ("suspended", self.suspended), ("aborted", self.aborted),
+                    ("poison_escaped", self.poison_escaped),
                 )
                 if v
             },
@@ -128,8 +155,10 @@ async def judge(
     expected: Sequence[Message],
     *,
     effects_client: aioredis.Redis | None = None,
+    expect_suspended: frozenset[str] = frozenset(),
 ) -> Verdict:
-    """``effects_client``: where the side effects were counted, if not in ``client``'s Redis."""
+    """``effects_client``: where the side effects were counted, if not in ``client``'s Redis;
+    ``expect_suspended``: the poison turns, which must end suspended."""
     v = Verdict(turns=len(turn_ids))
     store = RedisCheckpointStore(client, keys)
     effects = EffectCounters(effects_client or client, keys)
@@ -138,10 +167,34 @@ async def judge(
             record = await store.load(tid)
         except (RecordNotFound, RecordError):
             v.lost.append(tid)
+            v.flagged.add(tid)
+            continue
+        outcome = record.counters.outcome
+        v.resumes[tid] = record.counters.resume_attempts
+        if tid in expect_suspended:
+            v.poison[tid] = {
+                "outcome": outcome,
+                "owners_lost": record.counters.resume_attempts,
+                "isolated_deaths": list(record.counters.isolated_deaths),
+            }
+            if outcome != SUSPENDED_POISON:
+                v.poison_escaped.append(f"{tid}: outcome {outcome or 'none (in progress)'}")
+                v.flagged.add(tid)
+            if any(n > 1 for n in (await effects.counts(tid)).values()):
+                v.duplicate_effects.append(tid)
+                v.flagged.add(tid)
             continue
         if record.in_progress:
             v.in_progress.append(tid)
+            v.flagged.add(tid)
             continue
+        if outcome == SUSPENDED_POISON:
+            v.suspended.append(f"{tid}: {list(record.counters.isolated_deaths)}")
+            v.flagged.add(tid)
+            continue
+        if outcome.startswith("aborted:"):
+            v.aborted.append(f"{tid}: {outcome}")
+            v.flagged.add(tid)
         v.resumed += record.counters.resume_attempts > 0
         v.most_resumes = max(v.most_resumes, record.counters.resume_attempts)
         v.checkpoints += record.seq
@@ -152,11 +205,15 @@ async def judge(
         diff = first_difference(record.messages, expected)
         if diff is not None:
             v.differ.append(f"{tid}: {diff} (outcome {record.counters.outcome})")
+            v.flagged.add(tid)
         if not meta_ok(record):
             v.meta_drift.append(tid)
+            v.flagged.add(tid)
         if any(n > 1 for n in (await effects.counts(tid)).values()):
             v.duplicate_effects.append(tid)
+            v.flagged.add(tid)
     v.stale_accepted = await out_of_order_writes(client, keys, set(turn_ids))
+    v.flagged.update(v.stale_accepted)
     return v
 
 

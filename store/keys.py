@@ -17,6 +17,10 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
     {ns}:{global}:supervisor        hash    supervisor counters (respawns)
+    {ns}:{global}:isolation         zset    turns to run alone on the isolation host -> not
+                                            before (unix ms); see store.isolation
+    {ns}:{global}:probation         hash    the turn running alone right now: turn_id, epoch,
+                                            step it started (phase@position), at
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one save script can touch them all.
@@ -107,6 +111,12 @@ class KeyLayout:
 
     def supervisor(self) -> str:
         return f"{self.namespace}:{{global}}:supervisor"
+
+    def isolation(self) -> str:
+        return f"{self.namespace}:{{global}}:isolation"
+
+    def probation(self) -> str:
+        return f"{self.namespace}:{{global}}:probation"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

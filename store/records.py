@@ -102,13 +102,19 @@ class Counters(_Frozen):
     stalled_resumes: int = 0
     """Resumes in a row with no checkpoint saved between them (the last write was the claim).
     The resume budget counts these, not ``resume_attempts``: a turn that keeps losing its host
-    at the same point is aborted, one that progresses between losses is not."""
+    at the same point is isolated (``actors.poison``), one that progresses between losses is
+    not."""
+    isolated_deaths: tuple[str, ...] = ()
+    """The step (``phase@position``) at which each death of the isolation host happened while
+    this turn ran alone on it: the evidence the poison-turn policy suspends a turn on."""
     tool_batches: int = 0
     """Tool batches executed; numbers the next batch so its call keys are stable on replay."""
     inbox_offset: int = 0
     """How many inbox entries the transcript already contains (exactly-once injection)."""
     outcome: str = ""
-    """Empty while running; ``answered``, ``force_stopped`` or ``aborted:<cause>`` at the end."""
+    """Empty while running; ``answered``, ``force_stopped`` or ``aborted:<cause>`` at the end,
+    ``suspended:poison`` for a turn parked by the poison-turn policy (not in progress, but
+    ``phaseline resume TURN`` runs it again)."""
 
 
 class CheckpointRecord(_Frozen):
@@ -130,7 +136,7 @@ class CheckpointRecord(_Frozen):
     """True until the final save."""
     reason: str
     """Why this save happened: ``submitted``, ``tool_batch``, ``compaction``, ``force_stop``,
-    ``resume`` or ``final``."""
+    ``resume`` (a claim), ``suspended``, ``unsuspended`` or ``final``."""
     messages: tuple[Message, ...]
     """The whole canonical transcript, baseline included (never a diff)."""
     meta: tuple[MessageMeta, ...]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.recovery import Action, Problem, Situation, decide_recovery, may_resume
+from actors.recovery import Action, Problem, Situation, decide_recovery
 
 Pr = Problem
 A = Action
@@ -49,6 +49,3 @@ def test_decide_recovery(situation: Situation, action: Action, cause: str, backo
 def test_every_action_is_reachable() -> None:
     assert {a for _, a, _, _ in CASES} == set(Action)
 
-
-def test_stalled_resumes_are_capped_at_three() -> None:
-    assert [may_resume(n) for n in range(5)] == [True, True, True, False, False]
