@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from actors.chaos import TARGETS, Fault, parse_targets, recoveries
+from actors.chaos import (
+    PLOT_ROWS,
+    TARGETS,
+    ChaosReport,
+    Fault,
+    parse_targets,
+    plot_rows,
+    recoveries,
+)
 from actors.timeline import plot_timeline
+from actors.verdict import Verdict
 from bus.errors import ConfigError
 from bus.phase import Transition, TurnPhase
 
@@ -35,15 +44,40 @@ def test_recovery_latency_is_kill_to_first_move_under_a_newer_epoch() -> None:
         move("a", 2, 12.0), move("a", 2, 13.0),
         move("b", 3, 10.25),
     ]  # fmt: skip
-    got = {t: round(ms) for t, _, ms in recoveries(moves, [fault], t0_unix=1000.0)}
-    assert got == {"a": 2000, "b": 250}
+    got = {t: (round(ms), kind) for t, _, ms, kind in recoveries(moves, [fault], 1000.0)}
+    assert got == {"a": (2000, "host"), "b": (250, "host")}
+
+
+def report_with(verdict: Verdict, recovered: list[tuple[str, float, float, str]]) -> ChaosReport:
+    return ChaosReport(
+        config={}, verdict=verdict, faults=[], wall_s=1.0, respawns=0, started_at=0.0,
+        latency_ms=[ms for _, _, ms, _ in recovered], moves=[], recovered=recovered,
+        turn_ids=[f"t{i}" for i in range(100)],
+    )  # fmt: skip
+
+
+def test_recovery_latency_is_reported_per_fault_kind() -> None:
+    rec = [("a", 1, 100.0, "host"), ("b", 1, 300.0, "host"), ("c", 2, 9000.0, "freeze")]
+    by_kind = report_with(Verdict(turns=3), rec).as_dict()["recovery_latency_ms_by_kind"]
+    assert by_kind["host"]["n"] == 2 and by_kind["host"]["p99"] == 300.0
+    assert by_kind["freeze"]["p50"] == 9000.0
+
+
+def test_the_timeline_always_shows_failed_suspended_and_most_resumed_turns() -> None:
+    v = Verdict(turns=100, flagged={"t95", "t96"}, resumes={f"t{i}": i % 3 for i in range(100)})
+    v.poison["t97"] = {"outcome": "suspended:poison"}
+    rows, highlighted = plot_rows(report_with(v, []))
+    assert rows[:3] == ["t95", "t96", "t97"]
+    assert {"t95", "t96", "t97"} <= highlighted and {"t2", "t5"} <= highlighted
+    assert len(rows) == PLOT_ROWS and len(set(rows)) == len(rows)
 
 
 def test_the_timeline_is_drawn(tmp_path: Path) -> None:
     moves = [move("a", 1, 0, P.AWAITING_LLM), move("a", 1, 1, P.EXECUTING_TOOLS),
              move("a", 2, 3, P.AWAITING_LLM), move("a", 2, 4, P.DONE)]  # fmt: skip
     out = tmp_path / "t.png"
-    plot_timeline(moves, [(2.0, "host")], [("a", 3.0)], 1000.0, out, sample=["a"], title="t")
+    kills = [(2.0, "host host0"), (2.01, "freeze host1")]
+    plot_timeline(moves, kills, [("a", 3.0)], 1000.0, out, sample=["a"], title="t", highlight={"a"})
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from actors.chaos import poison_variant
 from actors.engine import LocalEngine
 from actors.scenario import load_scenario
 from store.checkpoint import RedisCheckpointStore
+from store.codec import pack_model
 from store.keys import KeyLayout
 from tests.reference import FAST, reference
 
@@ -180,3 +182,60 @@ async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
         assert not (await store.load(turn)).in_progress
         counts = await engine.effects.counts(turn)
         assert counts and max(counts.values()) == 1, (turn, counts)  # nothing ran twice
+
+
+def phaseline(url: str, ns: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args, "--redis-url", url, "--namespace", ns,
+         "--config", str(ROOT / "configs" / "test.toml")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    """A turn whose third model call SIGKILLs its process, among three that do nothing wrong,
+    all in one ``phaseline resume --in-process``: the poison turn is run alone once it has
+    stalled twice, suspended after its second death there, and the others finish."""
+    keys = KeyLayout(namespace, shards=16)
+    normal = load_scenario(write_scenario(tmp_path, 40, '["echo", "counter_increment"]'))
+    poison = poison_variant(normal)  # its third model call SIGKILLs the process
+    engine = LocalEngine(real_client, keys, loop_settings=FAST)
+    await engine.submit_many(normal, ["ok1", "ok2", "ok3"])
+    await engine.submit(poison, "bad")
+
+    codes = []
+    for _ in range(8):  # each pass is a new process, as an operator's retries would be
+        done = phaseline(redis_url, namespace, "resume", "--in-process")
+        codes.append(done.returncode)
+        if done.returncode != -signal.SIGKILL:
+            break
+    # 1: all four together ("bad" saved two checkpoints first: progress); 2: the others
+    # finish, "bad" dies again with no progress (two stalled resumes); 3: "bad" alone, dies;
+    # 4: alone again after its backoff, dies in the same step; 5: suspended (exit 3: not every
+    # turn is final). The stated bound: two deaths among others, two alone.
+    assert codes == [-signal.SIGKILL] * 4 + [3], (codes, done.stderr[-2000:])
+    assert "suspended as poison (1): bad" in done.stdout + done.stderr
+
+    store = RedisCheckpointStore(real_client, keys)
+    bad = await store.load("bad")
+    assert not bad.in_progress and bad.counters.outcome == "suspended:poison"
+    assert len(bad.counters.isolated_deaths) == 2 and len(set(bad.counters.isolated_deaths)) == 1
+    ref = await reference(real_client, normal, ["ok1", "ok2", "ok3"])
+    for tid in ("ok1", "ok2", "ok3"):
+        final = await store.load(tid)
+        assert final.counters.outcome == "answered" and final.messages == ref[tid].messages, tid
+
+    shown = phaseline(redis_url, namespace, "inspect", "bad")
+    assert shown.returncode == 0 and "suspended because" in shown.stdout
+    assert "isolation host died 2 times" in shown.stdout
+
+    # after a fix (the agent no longer crashes: a new spec), resuming it by id finishes it
+    spec = await store.load_spec("bad")
+    fixed = spec.model_copy(update={"scenario": normal.model_dump(mode="json")})
+    await real_client.set(keys.spec("bad"), pack_model(fixed))
+    again = phaseline(redis_url, namespace, "resume", "bad", "--in-process")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (await store.load("bad")).counters.outcome == "answered"
+    assert phaseline(redis_url, namespace, "resume", "nosuch", "--in-process").returncode == 2

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from actors.engine import LocalEngine
 from actors.llm import LLMRequest
 from actors.loop import LoopSettings, TurnLoop
+from actors.poison import ISOLATE_AFTER
 from actors.resume import claim_for_resume, plan_resume
 from actors.scenario import Scenario, parse_scenario
 from actors.scripted import ScriptedLLM
@@ -239,7 +240,7 @@ async def test_an_in_progress_record_without_a_spec_is_quarantined_not_replanned
     assert ok.action == "resume" and ok.record is not None and ok.record.epoch == 2
 
 
-async def test_only_resumes_without_progress_use_up_the_resume_budget(
+async def test_only_resumes_without_progress_count_towards_isolation(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     engine = make_engine(real_client, keys)
@@ -247,15 +248,15 @@ async def test_only_resumes_without_progress_use_up_the_resume_budget(
     async def plan(turn_id: str) -> str:
         return (await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)).action
 
-    # claimed again and again before it saved anything: the fourth claim aborts it
+    # claimed again and again before it saved anything: not aborted, but isolated
     await engine.submit(scenario(), "stuck")
-    assert [await plan("stuck") for _ in range(3)] == ["resume"] * 3
-    assert (await engine.resume("stuck")).outcome == "aborted:resume_limit"
+    assert [await plan("stuck") for _ in range(ISOLATE_AFTER)] == ["resume"] * (
+        ISOLATE_AFTER - 1
+    ) + ["isolate"]
     stuck = await engine.store.load("stuck")
-    assert stuck.counters.stalled_resumes == 4 and stuck.counters.resume_attempts == 4
-    assert not stuck.in_progress and stuck.counters.outcome == "aborted:resume_limit"
+    assert stuck.in_progress and stuck.counters.stalled_resumes == ISOLATE_AFTER - 1
 
-    # a turn that saves a checkpoint after every claim is resumed as often as it takes
+    # a turn that saves a checkpoint after every claim is resumed in place as often as it takes
     await engine.submit(scenario(), "busy")
     for n in range(1, 7):
         assert await plan("busy") == "resume"

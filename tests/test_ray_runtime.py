@@ -13,6 +13,7 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
+from actors.chaos import poison_variant
 from actors.config import Settings
 from actors.runtime import Runtime
 from actors.scenario import Scenario, parse_scenario
@@ -118,6 +119,34 @@ async def test_sigkill_of_a_host_mid_turn(
     assert all(finals[t].epoch >= 2 for t in resumed)
     assert await rt.respawns() >= 1
     assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}
+
+
+async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """A turn whose third model call SIGKILLs its host, among turns that do nothing wrong: it
+    takes its shared host down twice (the first time after saving progress), then its
+    isolation host twice in the same step, and is parked; everyone else finishes correctly."""
+    rt = await start_runtime(hosts=2)
+    sc = scenario(rounds=4, tools=["echo", "counter_increment"], llm_latency_ms=100)
+    ids = [f"ok{i}" for i in range(8)]
+    await rt.submit(sc, ids)
+    await rt.submit(poison_variant(sc), ["bad"])
+    finals = await rt.wait([*ids, "bad"], timeout=240)
+
+    bad = finals.pop("bad")
+    assert bad.counters.outcome == "suspended:poison" and not bad.in_progress
+    (step,) = set(bad.counters.isolated_deaths)
+    assert bad.counters.isolated_deaths == (step, step)
+    assert bad.counters.resume_attempts == 4  # four owners lost: the host deaths it caused
+    gens = await rt.hosts.generations()
+    slot = rt.dep.slot_of("bad")
+    assert gens == {slot: 2, 1 - slot: 0, rt.dep.isolation_slot: 2}
+    assert await rt.respawns() == 4
+    await assert_all_correct(rt, real_client, sc, finals)
+    effects = EffectCounters(real_client, rt.dep.keys)
+    for tid in finals:
+        assert all(n == 1 for n in (await effects.counts(tid)).values()), tid
 
 
 async def test_sigkill_of_tool_workers_mid_call(

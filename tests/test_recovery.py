@@ -48,4 +48,3 @@ def test_decide_recovery(situation: Situation, action: Action, cause: str, backo
 
 def test_every_action_is_reachable() -> None:
     assert {a for _, a, _, _ in CASES} == set(Action)
-
