@@ -107,6 +107,10 @@ class SupervisorSettings(_Section):
     once (one more idle process per slot)."""
     kill_replaced: bool = True
     """Kill a replaced host. Off only to observe a zombie being fenced (tests, chaos)."""
+    probation_patience_s: float = Field(default=30.0, gt=0)
+    """How long the isolation host waits for a probation to reach its first checkpoint before
+    the next isolated turn may start: a turn that is slow (or hangs) is not a crash loop, and
+    must not hold the queue. It goes on, no longer on probation."""
 
 
 class ToolSettings(_Section):

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,7 @@ class LocalEngine:
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
         on_isolate: Callable[[str], None] | None = None,
+        probation_patience_s: float = 30.0,
     ) -> None:
         """``on_isolate`` hears of every turn this engine queued for the isolation host."""
         self.keys = keys
@@ -193,6 +194,9 @@ class LocalEngine:
         self.on_transition = on_transition
         self._on_status = on_status
         self._on_isolate = on_isolate
+        self.probation_patience_s = probation_patience_s
+        self._notes: _ProbationNotes | None = None
+        """The hooks of the probation running now (detached when patience runs out)."""
         self._died_first: str | None = None
         """The turn inside whose step the previous isolation host died: it runs first."""
         self._unended: tuple[str, int] | None = None
@@ -204,6 +208,7 @@ class LocalEngine:
         kw.setdefault("watchdog", settings.watchdog)
         kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
         kw.setdefault("durability", settings.redis.durability_policy())
+        kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
         return cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),
@@ -259,27 +264,59 @@ class LocalEngine:
 
     async def _alone(self, turn_ids: list[str]) -> list[TurnOutcome]:
         """Probation runs of queued turns, one at a time in queue order (waiting out their
-        backoff); a released turn goes on beside the next probation."""
+        backoff); a released turn, or one that outlasted the patience, goes on beside the
+        next probation."""
         wanted = set(turn_ids)
         ended: list[TurnOutcome] = []
-        released: list[asyncio.Task[TurnOutcome]] = []
+        going: list[asyncio.Task[TurnOutcome]] = []
         while wanted:
-            turn_id, wait_s = await self.next_probation()
+            turn_id, wait_s = await self.next_probation(among=wanted)
             if turn_id is None:
-                if wait_s is None:
-                    break  # taken off the queue by someone else
+                wanted &= await self.isolation.members()  # others may have taken some off
+                if not wanted or wait_s is None:
+                    break
                 await asyncio.sleep(wait_s)  # the backoff of the next isolated attempt
                 continue
-            outcome = await self.probation(turn_id)
-            if outcome.outcome == "interrupted":
-                ended.append(outcome)
-                break  # Redis is away: the next resume carries on
             wanted.discard(turn_id)
-            if outcome.outcome == "released":
-                released.append(asyncio.ensure_future(self.resume(turn_id)))
-            elif turn_id in turn_ids:
-                ended.append(outcome)
-        return ended + list(await asyncio.gather(*released))
+            task = await self.probation_settled(turn_id)
+            if task.done() and task.result().outcome == "interrupted":
+                ended.append(task.result())
+                break  # Redis is away: the next resume carries on
+            going.append(asyncio.ensure_future(self._after_probation(task)))
+        return ended + [o for o in await asyncio.gather(*going) if o.turn_id in turn_ids]
+
+    async def probation_settled(self, turn_id: str) -> asyncio.Task[TurnOutcome]:
+        """Start the probation of ``turn_id`` and return once it ended or the patience ran out
+        (then it is detached: no longer on probation, it goes on like any resumed turn)."""
+        task = asyncio.ensure_future(self.probation(turn_id))
+        await asyncio.wait({task}, timeout=self.probation_patience_s)
+        if not task.done():
+            log.warning(
+                "turn %s: no checkpoint after %.0f s alone; not a crash loop, it goes on beside "
+                "the next probation", turn_id, self.probation_patience_s,
+            )  # fmt: skip
+            await self.detach_probation()
+        return task
+
+    async def _after_probation(self, task: asyncio.Task[TurnOutcome]) -> TurnOutcome:
+        outcome = await task
+        if outcome.outcome == "released":
+            return await self.resume(outcome.turn_id)
+        return outcome
+
+    async def detach_probation(self) -> None:
+        """End the running probation early: its marker and queue entry go, its steps are no
+        longer noted, it is no longer released at its checkpoint."""
+        notes = self._notes
+        if notes is None:
+            return
+        notes.detached = True
+        self._notes = None
+        self._unended = None
+        if self._died_first == notes.turn_id:
+            self._died_first = None
+        await self.isolation.end(notes.turn_id, notes.epoch)
+        await self.isolation.remove(notes.turn_id)
 
     async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome:
         """Continue a turn from its last checkpoint under a new epoch (claimed by the plan).
@@ -330,16 +367,21 @@ class LocalEngine:
             await self.isolation.enqueue(marker.turn_id, delay_s=isolation_backoff_s(deaths))
             self._died_first = marker.turn_id
 
-    async def next_probation(self) -> tuple[str | None, float | None]:
-        """The queued turn to run alone next, or None and the seconds until one is due (None:
-        nothing queued). The turn whose isolation host died goes first."""
+    async def next_probation(
+        self, among: Collection[str] | None = None
+    ) -> tuple[str | None, float | None]:
+        """The queued turn to run alone next (of ``among``, if given), or None and the seconds
+        until one is due (None: nothing queued). The turn whose isolation host died goes
+        first."""
         ready, wait_s = await self.isolation.due()
+        if among is not None:
+            ready = [t for t in ready if t in among]
         first = self._died_first
-        if first is not None and first not in ready:
+        if first is not None and (among is None or first in among) and first not in ready:
             if first in await self.isolation.members():
                 return None, wait_s  # still in its backoff: nothing else may run before it
             self._died_first = first = None
-        if first is not None:
+        if first is not None and first in ready:
             return first, None
         return (ready[0], None) if ready else (None, wait_s)
 
@@ -363,8 +405,11 @@ class LocalEngine:
         epoch = plan.record.epoch
         await self.isolation.begin(turn_id, epoch)
         self._unended = (turn_id, epoch)
-        notes = _ProbationNotes(self.isolation, turn_id, epoch)
+        notes = self._notes = _ProbationNotes(self.isolation, turn_id, epoch)
         outcome = await self._run_plan(plan, probation=notes)
+        if notes.detached:
+            return outcome  # released from probation early: its marker and entry are gone
+        self._notes = None
         if turn_id == self._died_first:
             self._died_first = None
         try:
@@ -507,15 +552,23 @@ class LocalEngine:
                         self._on_status(action)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _ProbationNotes:
     """The probation hooks of one isolated run: its steps go to the probation marker."""
 
     isolation: Isolation
     turn_id: str
     epoch: int
+    detached: bool = False
+    """Patience ran out: it goes on as an ordinary run (no notes, no release)."""
+
+    @property
+    def releases(self) -> bool:
+        return not self.detached
 
     async def step(self, step: str) -> None:
+        if self.detached:
+            return
         if not await self.isolation.step(self.turn_id, self.epoch, step):
             # A successor isolation host replaced this one's marker: stop before the step.
             raise StaleOwner(f"probation of {self.turn_id} epoch {self.epoch} taken over")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -154,18 +155,27 @@ class TurnHost:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), wait_s)
                     continue
-                task = asyncio.ensure_future(self.engine.probation(turn_id))
-                self._tasks[turn_id] = task
-                try:
-                    outcome = await task
-                finally:
-                    self._tasks.pop(turn_id, None)
-                self.engine.stats.add(outcome)
-                if outcome.outcome == "released":
-                    self._poke(self.directory.handle_for(turn_id))
+                task = await self.engine.probation_settled(turn_id)
+                self._tasks[turn_id] = task  # if it outlasted the patience, it goes on here
+                task.add_done_callback(functools.partial(self._probation_ended, turn_id))
             except PhaselineError as exc:
                 log.warning("isolation host: %s; retrying", exc)
                 await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
+
+    def _probation_ended(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
+        self._tasks.pop(turn_id, None)
+        if task.cancelled() or task.exception() is not None:
+            log.error(
+                "probation of %s failed: %r",
+                turn_id,
+                None if task.cancelled() else task.exception(),
+            )
+            return
+        outcome = task.result()
+        if outcome.outcome == "released":  # counted once, by the host that ends it
+            self._poke(self.directory.handle_for(turn_id))
+        else:
+            self.engine.stats.add(outcome)
 
     def _isolation_wanted(self, _turn_id: str) -> None:
         self._poke(self.directory.handle(self.dep.isolation_slot))

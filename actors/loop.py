@@ -90,6 +90,11 @@ class ProbationHooks(Protocol):
         process dies inside it, the next isolation host reads where."""
         ...
 
+    @property
+    def releases(self) -> bool:
+        """Still on probation: the run stops (``released``) after its next checkpoint."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
@@ -565,7 +570,7 @@ class TurnLoop:
         self._last_save = now
         self._saved = record
         self.saves += 1
-        if self._probation is not None and not final:
+        if self._probation is not None and self._probation.releases and not final:
             raise _Released()
 
 

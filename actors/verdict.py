@@ -85,6 +85,8 @@ class Verdict:
     poison: dict[str, dict[str, object]] = field(default_factory=dict)
     """Per poison turn: how many owners it lost (each a host death) and where its isolation
     host died."""
+    poison_deaths: int = 0
+    """Owners the poison turns lost, summed: the host deaths under them."""
     outcome_unknown: int = 0
     resumed: int = 0
     most_resumes: int = 0
@@ -118,7 +120,7 @@ class Verdict:
             "poison_turns": len(self.poison),
             "poison_suspended": len(self.poison) - len(self.poison_escaped),
             "poison_escaped": len(self.poison_escaped),
-            "poison_host_deaths": sum(int(str(p["owners_lost"])) for p in self.poison.values()),
+            "poison_host_deaths": self.poison_deaths,
             "poison_detail": self.poison,
             "outcome_unknown_results": self.outcome_unknown,
             "resumed_turns": self.resumed,
@@ -177,6 +179,7 @@ async def judge(
                 "owners_lost": record.counters.resume_attempts,
                 "isolated_deaths": list(record.counters.isolated_deaths),
             }
+            v.poison_deaths += record.counters.resume_attempts
             if outcome != SUSPENDED_POISON:
                 v.poison_escaped.append(f"{tid}: outcome {outcome or 'none (in progress)'}")
                 v.flagged.add(tid)

@@ -314,3 +314,23 @@ async def test_a_suspended_turn_resumes_by_id_after_a_fix(
     assert final.counters.outcome == "answered"
     # reopening a final turn changes nothing
     assert (await reopen(engine.store, "fixme")).seq == final.seq
+
+
+async def test_a_slow_probation_does_not_hold_the_queue(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = LocalEngine(
+        real_client, keys, loop_settings=FAST, watchdog=None, probation_patience_s=0.2
+    )
+    await engine.submit(scenario(**HANG_FIRST_CALL), "slow")
+    await engine.submit(scenario(), "next")
+    await engine.isolation.enqueue("slow")
+    await engine.isolation.enqueue("next", delay_s=0.01)
+    assert (await engine.next_probation())[0] == "slow"
+    slow = await engine.probation_settled("slow")
+    assert not slow.done()  # still in its (hanging) model call, no longer on probation
+    assert await engine.isolation.members() == {"next"}
+    assert await engine.isolation.current() is None
+    released = await engine.probation_settled("next")
+    assert released.done() and released.result().outcome == "released"
+    slow.cancel()
