@@ -208,9 +208,13 @@ class Runtime:
 
     # -- the deployment -----------------------------------------------------------------------
 
-    async def host_info(self) -> list[dict[str, Any]]:
+    async def host_info(self, *, isolation: bool = False) -> list[dict[str, Any]]:
+        """``hello`` of every live host of the turn slots (and of the isolation host too, if
+        asked: it holds no turns of its own, so memory and load figures leave it out)."""
         out = []
-        for host in (await self.hosts.handles()).values():
+        for slot, host in (await self.hosts.handles()).items():
+            if slot == self.dep.isolation_slot and not isolation:
+                continue
             try:
                 out.append(await ask(host.hello.remote(), 5))
             except (asyncio.TimeoutError, ray.exceptions.RayActorError):

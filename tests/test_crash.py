@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from actors.chaos import poison_variant
 from actors.engine import LocalEngine
 from actors.scenario import load_scenario
+from actors.verdict import first_difference
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.keys import KeyLayout
@@ -225,7 +226,9 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
     ref = await reference(real_client, normal, ["ok1", "ok2", "ok3"])
     for tid in ("ok1", "ok2", "ok3"):
         final = await store.load(tid)
-        assert final.counters.outcome == "answered" and final.messages == ref[tid].messages, tid
+        assert final.counters.outcome == "answered", tid
+        # a counter_increment in flight at one of the SIGKILLs is answered outcome_unknown
+        assert first_difference(final.messages, ref[tid].messages) is None, tid
 
     shown = phaseline(redis_url, namespace, "inspect", "bad")
     assert shown.returncode == 0 and "suspended because" in shown.stdout
