@@ -31,17 +31,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from actors.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
-from actors.chaos import plot as plot_chaos
-from actors.config import Settings, load_settings
-from actors.demo import DemoReport, run_demo
-from actors.engine import LocalEngine, RunStats, new_run_id, turn_ids
-from actors.poison import SUSPENDED_POISON, evidence
-from actors.resume import reopen
-from actors.runtime import Runtime, ensure_ray
-from actors.scenario import load_scenario
-from actors.tools import BUILTIN_TOOLS
+from actors.cluster.runtime import Runtime, ensure_ray
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.config import Settings, load_settings
+from actors.engine.resume import reopen
+from actors.engine.scenario import load_scenario
+from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
+from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
+from actors.harness.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
+from actors.harness.chaos import plot as plot_chaos
+from actors.harness.demo import DemoReport, run_demo
+from actors.turn.poison import SUSPENDED_POISON, evidence
 from bus.errors import ConfigError, PhaselineError, RecordNotFound
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
@@ -255,7 +255,7 @@ def _ray_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
-        help="Number of TurnHost actors.",
+        help="Number of TurnActor actors.",
     )(fn)  # fmt: skip
     fn = click.option(
         "--in-process", is_flag=True, help="Run the turns in this process, without Ray."
@@ -333,7 +333,7 @@ def run(
     bar = _Bar(turns, f"run {rid}")
 
     async def in_proc(client: aioredis.Redis) -> RunStats:
-        engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
             return await engine.run_new(scenario, ids)
 
@@ -386,7 +386,7 @@ def resume(
         store = RedisCheckpointStore(client, keys)
         ids = await chosen(store) if named else None
         bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
-        engine = LocalEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
             if ids is None:
                 return await engine.resume_all()

@@ -67,7 +67,7 @@ class RecordNotFound(StoreError):
 
 
 class LLMError(PhaselineError):
-    """Base of the typed errors an :class:`~actors.llm.LLMClient` may raise."""
+    """Base of the typed errors an :class:`~actors.turn.llm.LLMClient` may raise."""
 
 
 class RetryableLLMError(LLMError):

@@ -5,7 +5,7 @@ figure on its own):
     .venv/bin/python scripts/durability_saves.py [--appendfsync everysec|always] [--seconds S]
 
 Starts a primary and a replica, then runs ack, fsync and replicas:1 in alternating rounds;
-prints the JSON of ``actors.bench.durability_modes``. ``$PHASELINE_REDIS_SERVER`` picks the
+prints the JSON of ``actors.harness.bench.durability_modes``. ``$PHASELINE_REDIS_SERVER`` picks the
 server binary.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.bench.durability_modes import durability_modes
+from actors.harness.bench.durability_modes import durability_modes
 from store.embedded import find_redis_server
 
 

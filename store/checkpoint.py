@@ -42,25 +42,11 @@ from store.connection import reading, text, translated
 from store.durability import Durability, DurabilityKind
 from store.keys import KeyLayout
 from store.lua import lua_script
-from store.records import CheckpointRecord, TurnSpec
+from store.records import CheckpointRecord, SaveAck, TurnSpec
 
 log = logging.getLogger(__name__)
 
 _SAVE_LUA = lua_script("checkpoint_save.lua")
-
-
-@dataclass(frozen=True, slots=True)
-class SaveAck:
-    """Proof that a record is durable in Redis."""
-
-    turn_id: str
-    """The turn saved."""
-    epoch: int
-    """Epoch written."""
-    seq: int
-    """Checkpoint number written."""
-    event_id: str
-    """Id of the checkpoint event in the shard's events stream."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,25 +11,12 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict
 
 from store.codec import pack_model, unpack_model
 from store.connection import raw as raw_bytes
 from store.connection import translated
 from store.keys import KeyLayout
-
-
-class InboxItem(BaseModel):
-    """One injected message."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    message_id: str
-    """Caller-visible id; kept in the message meta."""
-    text: str
-    """The user's words."""
-    at_ms: int
-    """Unix milliseconds of injection."""
+from store.records import InboxItem
 
 
 class Inbox:

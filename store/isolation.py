@@ -1,6 +1,6 @@
 """The isolation queue and the probation marker: where the poison-turn policy keeps its facts.
 
-A turn the policy isolates (``actors.poison``) waits in one sorted set, scored by the earliest
+A turn the policy isolates (``actors.turn.poison``) waits in one sorted set, scored by the earliest
 time it may run (its backoff). The isolation host runs the due ones one at a time; while one
 runs, the *probation marker* names it, its epoch and the step it has started. The marker is
 written before the step begins and cleared when the probation ends by itself, so a marker

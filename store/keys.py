@@ -10,7 +10,7 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
-    {ns}:{s<N>}:bus                 stream  phase transitions and status events (bus.streams)
+    {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
     {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason

@@ -6,6 +6,7 @@ are rejected so a record written by a newer build fails loudly instead of losing
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -102,7 +103,7 @@ class Counters(_Frozen):
     stalled_resumes: int = 0
     """Resumes in a row with no checkpoint saved between them (the last write was the claim).
     The resume budget counts these, not ``resume_attempts``: a turn that keeps losing its host
-    at the same point is isolated (``actors.poison``), one that progresses between losses is
+    at the same point is isolated (``actors.turn.poison``), one that progresses between losses is
     not."""
     isolated_deaths: tuple[str, ...] = ()
     """The step (``phase@position``) at which each death of the isolation host happened while
@@ -167,7 +168,7 @@ class TurnSpec(_Frozen):
     session_id: str
     """Conversation the turn belongs to."""
     scenario: dict[str, Any]
-    """The scenario table (validated again by ``actors.scenario`` when the turn is built)."""
+    """The scenario table (validated again by ``actors.engine.scenario`` when the turn is built)."""
     created_at: int
     """Unix milliseconds of submission."""
 
@@ -189,3 +190,28 @@ class LedgerEntry(_Frozen):
     """Random id of the write, unique per dispatch: two owners racing in the same millisecond
     never write identical bytes, so the compare-and-set tells a replay of one's own write
     (a retried request) from a rival's."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveAck:
+    """Proof that a record is durable in Redis."""
+
+    turn_id: str
+    """The turn saved."""
+    epoch: int
+    """Epoch written."""
+    seq: int
+    """Checkpoint number written."""
+    event_id: str
+    """Id of the checkpoint event in the shard's events stream."""
+
+
+class InboxItem(_Frozen):
+    """One injected message."""
+
+    message_id: str
+    """Caller-visible id; kept in the message meta."""
+    text: str
+    """The user's words."""
+    at_ms: int
+    """Unix milliseconds of injection."""

@@ -59,7 +59,7 @@ def ray_cluster() -> Iterator[None]:
     """One real local Ray cluster for the whole session."""
     import ray
 
-    from actors.deployment import RAY_NAMESPACE
+    from actors.cluster.deployment import RAY_NAMESPACE
 
     ray.init(
         num_cpus=2,

@@ -6,9 +6,9 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from actors.engine import LocalEngine
-from actors.loop import LoopSettings
-from actors.scenario import Scenario
+from actors.engine.scenario import Scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.loop import LoopSettings
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
 
@@ -20,7 +20,7 @@ async def reference(
 ) -> dict[str, CheckpointRecord]:
     """The fault-free run of the same scenario and turn ids, in its own namespace."""
     keys = KeyLayout(f"ref{uuid.uuid4().hex[:10]}", shards=4)
-    engine = LocalEngine(client, keys, loop_settings=FAST)
+    engine = TurnEngine(client, keys, loop_settings=FAST)
     fast = sc.model_copy(update={"llm_latency_ms": 0})  # tool latency is in the args
     await engine.run_new(fast, turn_ids)
     return {t: await engine.store.load(t) for t in turn_ids}

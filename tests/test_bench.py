@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
-from actors.bench.durability_modes import durability_modes
-from actors.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
-from actors.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
-from actors.bench.workload import durability_overhead
-from actors.config import Settings
-from actors.percentiles import summarize
-from actors.scenario import load_scenario
+from actors.engine.config import Settings
+from actors.engine.scenario import load_scenario
+from actors.harness.bench.durability_modes import durability_modes
+from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
+from actors.harness.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
+from actors.harness.bench.workload import durability_overhead
+from actors.harness.percentiles import summarize
 from bus.errors import ConfigError
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout

@@ -9,9 +9,9 @@ import pytest
 
 from bus.events import StatusEvent
 from bus.phase import Transition, TurnPhase
-from bus.streams import Bus, MemoryBus, RedisBus
 from store.connection import connect
 from store.keys import KeyLayout
+from store.streams import Bus, MemoryBus, RedisBus
 
 P = TurnPhase
 

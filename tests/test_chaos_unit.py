@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.chaos import (
+from actors.harness.chaos import (
     PLOT_ROWS,
     TARGETS,
     ChaosReport,
@@ -15,8 +15,8 @@ from actors.chaos import (
     plot_rows,
     recoveries,
 )
-from actors.timeline import plot_timeline
-from actors.verdict import Verdict
+from actors.harness.timeline import plot_timeline
+from actors.harness.verdict import Verdict
 from bus.errors import ConfigError
 from bus.phase import Transition, TurnPhase
 

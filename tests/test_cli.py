@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from actors.cli import main
-from actors.engine import LocalEngine
-from actors.scenario import load_scenario
+from actors.engine.scenario import load_scenario
+from actors.engine.turn_engine import TurnEngine
 from store.connection import connect, redact_url
 from store.keys import KeyLayout
 
@@ -26,9 +26,9 @@ def invoke(*args: str) -> tuple[int, str]:
 
 
 def test_every_shipped_scenario_and_config_is_valid() -> None:
-    from actors.config import load_settings
-    from actors.scenario import load_scenario
-    from actors.tools import BUILTIN_TOOLS
+    from actors.engine.config import load_settings
+    from actors.engine.scenario import load_scenario
+    from actors.engine.builtin_tools import BUILTIN_TOOLS
 
     scenarios = sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
     assert len(scenarios) >= 5
@@ -125,7 +125,7 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
     async def setup() -> None:
         client = connect(redis_url)
         keys = KeyLayout(namespace)
-        engine = LocalEngine(client, keys)
+        engine = TurnEngine(client, keys)
         await engine.submit_many(load_scenario(PLAIN), ["ok-1", "ok-2"])  # in progress, not run
         await client.set(keys.turn("bad"), b"a string, not a hash")
         await client.sadd(keys.in_progress_of("bad"), "bad")

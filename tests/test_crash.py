@@ -12,10 +12,10 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from actors.chaos import poison_variant
-from actors.engine import LocalEngine
-from actors.scenario import load_scenario
-from actors.verdict import first_difference
+from actors.engine.scenario import load_scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.harness.chaos import poison_variant
+from actors.harness.verdict import first_difference
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.keys import KeyLayout
@@ -102,7 +102,7 @@ async def test_sigkill_between_checkpoints_then_resume_equals_fault_free_run(
     ref = (await reference(real_client, sc, [turn_id]))[turn_id]
     assert crashed.messages == ref.messages[: len(crashed.messages)]
 
-    engine = LocalEngine(real_client, keys, loop_settings=FAST)
+    engine = TurnEngine(real_client, keys, loop_settings=FAST)
     stats = await engine.resume_all()
     assert stats.resumed == 1 and stats.outcomes == {"answered": 1}
     final = await store.load(turn_id)
@@ -177,7 +177,7 @@ async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
     _, err = await asyncio.to_thread(last.communicate, timeout=120)
     assert last.returncode == 0, err
     assert await store.list_in_progress() == []
-    engine = LocalEngine(real_client, keys)
+    engine = TurnEngine(real_client, keys)
     for i in range(turns):
         turn = f"race-t{i:06d}"
         assert not (await store.load(turn)).in_progress
@@ -202,7 +202,7 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
     keys = KeyLayout(namespace, shards=16)
     normal = load_scenario(write_scenario(tmp_path, 40, '["echo", "counter_increment"]'))
     poison = poison_variant(normal)  # its third model call SIGKILLs the process
-    engine = LocalEngine(real_client, keys, loop_settings=FAST)
+    engine = TurnEngine(real_client, keys, loop_settings=FAST)
     await engine.submit_many(normal, ["ok1", "ok2", "ok3"])
     await engine.submit(poison, "bad")
 

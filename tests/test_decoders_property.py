@@ -15,8 +15,7 @@ from bus.errors import RecordError
 from bus.events import BadBusEntry, decode_event, encode_event
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
-from store.inbox import InboxItem
-from store.records import LedgerEntry, TurnSpec
+from store.records import InboxItem, LedgerEntry, TurnSpec
 from tests.records_helpers import record
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.toolrun import BatchExecutor, LocalToolRunner
-from actors.tools import BUILTIN_TOOLS, ToolContext, ToolRegistry, ToolSpec
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.toolrun import BatchExecutor, LocalToolRunner
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
 from store.checkpoint import RedisCheckpointStore
 from store.effects import EffectCounters

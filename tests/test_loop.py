@@ -10,22 +10,22 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine import LocalEngine
-from actors.llm import LLMRequest
-from actors.loop import LoopSettings, TurnLoop
-from actors.poison import ISOLATE_AFTER
-from actors.resume import claim_for_resume, plan_resume
-from actors.scenario import Scenario, parse_scenario
-from actors.scripted import ScriptedLLM
-from actors.watchdog import WatchdogConfig
+from actors.engine.resume import claim_for_resume, plan_resume
+from actors.engine.scenario import Scenario, parse_scenario
+from actors.engine.scripted import ScriptedLLM
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.llm import LLMRequest
+from actors.turn.loop import LoopSettings, TurnLoop
+from actors.turn.poison import ISOLATE_AFTER
+from actors.turn.watchdog import WatchdogConfig
 from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
-from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.checkpoint import RedisCheckpointStore
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, Message, ToolResult
+from store.records import CheckpointRecord, LedgerEntry, Message, SaveAck, ToolResult
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 
@@ -58,13 +58,13 @@ class Recorder:
         return ack
 
 
-def make_engine(client: aioredis.Redis, keys: KeyLayout, **kw: Any) -> LocalEngine:
+def make_engine(client: aioredis.Redis, keys: KeyLayout, **kw: Any) -> TurnEngine:
     kw.setdefault("loop_settings", FAST)
-    return LocalEngine(client, keys, **kw)
+    return TurnEngine(client, keys, **kw)
 
 
 async def run_with_recorder(
-    engine: LocalEngine, sc: Scenario, turn_id: str, *, fail: int = 0, settings: LoopSettings = FAST
+    engine: TurnEngine, sc: Scenario, turn_id: str, *, fail: int = 0, settings: LoopSettings = FAST
 ) -> tuple[TurnLoop, Recorder, list[Transition]]:
     record = await engine.submit(sc, turn_id)
     rec = Recorder(engine.store, fail)

@@ -9,10 +9,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.chaos import parse_targets, poison_ids, poison_variant
-from actors.engine import LocalEngine
-from actors.loop import LoopSettings
-from actors.poison import (
+from actors.engine.resume import ResumePlan, plan_resume, reopen
+from actors.engine.scenario import Scenario, parse_scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.harness.chaos import parse_targets, poison_ids, poison_variant
+from actors.harness.timeline import label_levels
+from actors.turn.loop import LoopSettings
+from actors.turn.poison import (
     BACKOFF_CAP_S,
     ISOLATE_AFTER,
     SUSPENDED_POISON,
@@ -21,9 +24,6 @@ from actors.poison import (
     isolation_backoff_s,
     place,
 )
-from actors.resume import ResumePlan, plan_resume, reopen
-from actors.scenario import Scenario, parse_scenario
-from actors.timeline import label_levels
 from bus.errors import RecordError, StoreError
 from store.codec import pack, pack_model
 from store.isolation import Isolation
@@ -42,8 +42,8 @@ def scenario(**kw: Any) -> Scenario:
 HANG_FIRST_CALL = {"faults": [{"at_call": 1, "kind": "hang"}]}
 
 
-def engine_on(client: aioredis.Redis, keys: KeyLayout) -> LocalEngine:
-    return LocalEngine(client, keys, loop_settings=FAST, watchdog=None)
+def engine_on(client: aioredis.Redis, keys: KeyLayout) -> TurnEngine:
+    return TurnEngine(client, keys, loop_settings=FAST, watchdog=None)
 
 
 # -- the pure policy ----------------------------------------------------------------------------
@@ -137,7 +137,7 @@ async def test_isolation_queue_and_probation_marker(
 # -- the engine under the policy (real server) --------------------------------------------------
 
 
-async def claims(engine: LocalEngine, turn_id: str, n: int) -> None:
+async def claims(engine: TurnEngine, turn_id: str, n: int) -> None:
     for _ in range(n):
         plan = await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)
         assert plan.action == "resume"
@@ -171,7 +171,7 @@ async def test_a_stalled_turn_is_isolated_then_released_and_completes(
     assert final.counters.isolated_deaths == () and final.counters.outcome == "answered"
 
 
-async def die_in_probation(engine: LocalEngine, turn_id: str) -> str:
+async def die_in_probation(engine: TurnEngine, turn_id: str) -> str:
     """Run a probation until its step is noted, then cut it off as a SIGKILL would (no code of
     the host runs after it). Returns the step it died in."""
     epoch = (await engine.store.load(turn_id)).epoch
@@ -188,7 +188,7 @@ async def die_in_probation(engine: LocalEngine, turn_id: str) -> str:
     return step
 
 
-async def poisoned(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> LocalEngine:
+async def poisoned(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> TurnEngine:
     engine = engine_on(client, keys)
     await engine.submit(scenario(**HANG_FIRST_CALL), turn_id)
     await engine.isolation.enqueue(turn_id)
@@ -263,7 +263,7 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
     assert plan.record is not None and plan.record.counters.isolated_deaths == ()
 
 
-async def _epoch_past(engine: LocalEngine, turn_id: str, epoch: int) -> CheckpointRecord | None:
+async def _epoch_past(engine: TurnEngine, turn_id: str, epoch: int) -> CheckpointRecord | None:
     record = await engine.store.load(turn_id)
     return record if record.epoch > epoch else None
 
@@ -278,7 +278,7 @@ class _Unreachable:
 async def test_a_redis_failure_cutting_a_probation_leaves_no_evidence(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    engine = LocalEngine(
+    engine = TurnEngine(
         real_client, keys, loop_settings=FAST, watchdog=None, checkpoints=_Unreachable()
     )
     await engine.submit(scenario(), "cut")
@@ -319,7 +319,7 @@ async def test_a_suspended_turn_resumes_by_id_after_a_fix(
 async def test_a_slow_probation_does_not_hold_the_queue(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    engine = LocalEngine(
+    engine = TurnEngine(
         real_client, keys, loop_settings=FAST, watchdog=None, probation_patience_s=0.2
     )
     await engine.submit(scenario(**HANG_FIRST_CALL), "slow")

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from actors.compaction import compact, progress, read_summary
-from actors.llm import LLMRequest
-from actors.loopdetect import LoopVerdict, detect_loop
-from actors.scenario import parse_scenario
-from actors.scripted import ScriptedLLM
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import ScriptedLLM
+from actors.turn.compaction import compact, progress, read_summary
+from actors.turn.llm import LLMRequest
+from actors.turn.loopdetect import LoopVerdict, detect_loop
 from bus.errors import ContextLengthError, RetryableLLMError
 from store.records import Message, MessageMeta, ToolCall, ToolResult
 

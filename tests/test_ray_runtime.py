@@ -13,11 +13,11 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
-from actors.chaos import poison_variant
-from actors.config import Settings
-from actors.runtime import Runtime
-from actors.scenario import Scenario, parse_scenario
-from actors.verdict import first_difference
+from actors.cluster.runtime import Runtime
+from actors.engine.config import Settings
+from actors.engine.scenario import Scenario, parse_scenario
+from actors.harness.chaos import poison_variant
+from actors.harness.verdict import first_difference
 from bus.events import StatusEvent, decode_event
 from store.effects import EffectCounters
 from store.keys import KeyLayout
@@ -195,7 +195,7 @@ async def rt_effects(rt: Runtime, turn_id: str) -> dict[str, int]:
 
 
 async def tool_worker_info(rt: Runtime) -> list[dict[str, Any]]:
-    from actors.deployment import RAY_NAMESPACE
+    from actors.cluster.deployment import RAY_NAMESPACE
 
     out = []
     for i in range(rt.dep.settings.tools.workers):

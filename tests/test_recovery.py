@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.recovery import Action, Problem, Situation, decide_recovery
+from actors.turn.recovery import Action, Problem, Situation, decide_recovery
 
 Pr = Problem
 A = Action

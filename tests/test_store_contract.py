@@ -19,11 +19,11 @@ from bus.errors import (
     TurnExists,
     UnknownSchema,
 )
-from store.checkpoint import RedisCheckpointStore, SaveAck
+from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, encode_record
 from store.connection import connect
 from store.keys import KeyLayout
-from store.records import Message, TurnSpec
+from store.records import Message, SaveAck, TurnSpec
 from tests.records_helpers import record
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from actors.engine import LocalEngine
-from actors.scenario import parse_scenario
-from actors.verdict import judge, reference_transcript
+from actors.engine.scenario import parse_scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.harness.verdict import judge, reference_transcript
 from store.codec import encode_record
 from store.effects import EffectCounters
 from store.keys import KeyLayout
@@ -20,7 +20,7 @@ IDS = [f"v{i}" for i in range(6)]
 
 
 async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, ...]:
-    await LocalEngine(client, keys, loop_settings=FAST).run_new(SC, IDS)
+    await TurnEngine(client, keys, loop_settings=FAST).run_new(SC, IDS)
     return await reference_transcript(client, SC, f"{keys.namespace}-ref")
 
 
@@ -32,7 +32,7 @@ async def test_a_clean_run_is_ok(real_client: aioredis.Redis, keys: KeyLayout) -
 
 async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: KeyLayout) -> None:
     expected = await clean_run(real_client, keys)
-    store = LocalEngine(real_client, keys).store
+    store = TurnEngine(real_client, keys).store
     # 1. a transcript altered in Redis
     r = await store.load("v0")
     altered = r.model_copy(
@@ -84,7 +84,7 @@ async def test_outcome_unknown_in_place_of_a_result_is_accepted(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     expected = await clean_run(real_client, keys)
-    store = LocalEngine(real_client, keys).store
+    store = TurnEngine(real_client, keys).store
     r = await store.load("v0")
     i = next(
         i

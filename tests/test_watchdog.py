@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from actors.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
+from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
 from bus.phase import Transition, TurnPhase
 
 P = TurnPhase

@@ -1,0 +1,205 @@
+"""The CheckpointActor and the host-side client that group-commits through it.
+
+Hosts never write checkpoints themselves: a :class:`CheckpointClient` queues each turn's
+snapshot and sends whatever has queued while the previous call was in flight as one batch, so
+checkpoint throughput is not capped by one Ray call per save. The actor validates each record
+and writes the batch with :meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one
+pipeline of fenced save scripts). Records cross Ray as msgpack, never as pickles.
+
+Where a batch goes is a :data:`BatchSender`: :func:`actor_sender` (the CheckpointActor, what
+hosts use) or :func:`local_sender` (the same validation and transactions in this process, the
+Ray-free ceiling ``phaseline bench`` compares against).
+
+If the actor dies mid-batch the client resends the batch to its restarted incarnation; a save
+that had already landed comes back as ``AlreadySaved`` and counts as acked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.cluster.deployment import Deployment
+from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
+from store.checkpoint import RedisCheckpointStore
+from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
+from store.connection import connect
+from store.records import CheckpointRecord, SaveAck
+
+log = logging.getLogger(__name__)
+
+Answer = tuple[str, str]
+"""``("ok", event_id)``, ``("stale", why)``, ``("too_large", why)`` or ``("error", why)`` per
+record."""
+
+_Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
+
+BatchSender = Callable[[list[bytes]], Awaitable[list[Answer]]]
+"""Saves a batch of wire records, one answer each. Raises :class:`ServiceRestarting` when the
+batch may be sent again, :class:`StoreError` when it failed as a whole."""
+
+
+def record_to_wire(record: CheckpointRecord) -> bytes:
+    """The wire form: the record's Redis hash, encoded once, by the host."""
+    return EncodedRecord.of(record).to_wire()
+
+
+async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> list[Answer]:
+    """Check and save a batch of wire records; one answer per record, in order."""
+    answers: list[Answer | None] = [None] * len(blobs)
+    records: list[EncodedRecord] = []
+    where: list[int] = []
+    for i, blob in enumerate(blobs):
+        try:
+            records.append(EncodedRecord.from_wire(blob))
+            where.append(i)
+        except ValueError as exc:
+            answers[i] = ("error", f"invalid record: {exc}")
+    for i, result in zip(where, await store.save_many(records), strict=True):
+        if isinstance(result, SaveAck):
+            answers[i] = ("ok", result.event_id)
+        elif isinstance(result, AlreadySaved):
+            answers[i] = ("ok", "replayed")
+        elif isinstance(result, StaleOwner):
+            answers[i] = ("stale", str(result))
+        elif isinstance(result, RecordTooLarge):
+            answers[i] = ("too_large", str(result))
+        else:
+            answers[i] = ("error", str(result))
+    return [a if a is not None else ("error", "not answered") for a in answers]
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class CheckpointActor:
+    """Performs the atomic, fenced saves of every host."""
+
+    def __init__(self, deployment_json: str) -> None:
+        dep = Deployment.from_wire(deployment_json)
+        self._client = connect(
+            dep.redis_url, max_connections=64, retry_s=dep.settings.redis.retry_s
+        )
+        self._store = RedisCheckpointStore(
+            self._client,
+            dep.keys,
+            max_record_bytes=dep.settings.checkpoint.max_record_bytes,
+            durability=dep.settings.redis.durability_policy(),
+        )
+        self._batches = 0
+        self._saves = 0
+
+    async def save_batch(self, blobs: list[bytes]) -> list[Answer]:
+        self._batches += 1
+        self._saves += len(blobs)
+        return await save_wire_batch(self._store, blobs)
+
+    async def hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "batches": self._batches, "saves": self._saves}
+
+
+def actor_sender(actor: Callable[[], Any]) -> BatchSender:
+    """Send batches to the CheckpointActor; ``actor`` returns its current handle (looked up
+    again after a death)."""
+
+    async def send(blobs: list[bytes]) -> list[Answer]:
+        try:
+            answers: list[Answer] = await actor().save_batch.remote(blobs)
+        except RayActorError as exc:
+            # Died with the batch in flight; its restarted incarnation may get it again.
+            raise ServiceRestarting(f"checkpoint actor unavailable: {exc}") from exc
+        except (RayTaskError, ValueError) as exc:  # it raised, or is not registered (yet)
+            raise StoreError(f"checkpoint batch failed: {exc}") from exc
+        return answers
+
+    return send
+
+
+def local_sender(store: RedisCheckpointStore) -> BatchSender:
+    """Validate and save batches in this process: the CheckpointActor's work without Ray."""
+    return functools.partial(save_wire_batch, store)
+
+
+class CheckpointClient:
+    """A :class:`~actors.turn.loop.Checkpointer` that group-commits saves through a sender."""
+
+    def __init__(
+        self,
+        send: BatchSender,
+        *,
+        max_batch: int = 1024,
+        retry_for_s: float = 60.0,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    ) -> None:
+        self._send_batch = send
+        self.max_record_bytes = max_record_bytes
+        self.max_batch = max_batch
+        self.retry_for_s = retry_for_s
+        self._queue: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.resends = 0
+
+    async def save(self, record: CheckpointRecord) -> SaveAck:
+        encoded = EncodedRecord.of(record)
+        # Checked here too (the store's measure), so an oversized record never crosses Ray.
+        check_record_size(record.turn_id, encoded.nbytes, self.max_record_bytes)
+        blob = encoded.to_wire()
+        fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
+        self._queue.append((blob, fut, record))
+        self._wake.set()
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_forever())
+        return await fut
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+                await self._send(batch)
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_for_s
+        blobs = [blob for blob, _, _ in batch]
+        while True:
+            try:
+                answers = await self._send_batch(blobs)
+                break
+            except StoreError as exc:
+                # Fail this batch, never hang it: each loop retries its save at the next site.
+                _fail(batch, exc)
+                return
+            except ServiceRestarting as exc:
+                # Saves that had landed come back as AlreadySaved on the resend, i.e. acked.
+                self.resends += 1
+                if loop.time() > deadline:
+                    _fail(batch, StoreError(str(exc)))
+                    return
+                await asyncio.sleep(0.2)  # backoff while Ray restarts the actor
+        self.batches += 1
+        for (_, fut, record), (status, detail) in zip(batch, answers, strict=True):
+            if fut.done():
+                continue
+            if status == "ok":
+                fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, detail))
+            elif status == "stale":
+                fut.set_exception(StaleOwner(detail))
+            elif status == "too_large":
+                fut.set_exception(RecordTooLarge(detail))
+            else:
+                fut.set_exception(StoreError(detail))
+
+
+def _fail(batch: list[_Pending], exc: StoreError) -> None:
+    for _, fut, _ in batch:
+        if not fut.done():
+            fut.set_exception(exc)

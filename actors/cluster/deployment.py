@@ -1,0 +1,132 @@
+"""Where a phaseline deployment lives: its Redis, settings, host count and actor names.
+
+Actors receive a :class:`Deployment` as JSON (validated on arrival), so any of them can be
+restarted anywhere and find its peers by name. Host slots map turns to hosts by a stable rule
+(crc32 of the turn id); each slot's current generation is kept in Redis (``KeyLayout.hosts``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.engine.config import Settings
+from store.connection import text, translated
+from store.keys import KeyLayout
+
+#: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
+RAY_NAMESPACE = "phaseline"
+
+
+class Deployment(BaseModel):
+    """Everything an actor needs to find Redis, its settings and its peers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    redis_url: str
+    """The Redis every actor uses."""
+    settings: Settings
+    """Validated runtime settings."""
+    hosts: int = Field(ge=1, le=1024)
+    """Number of TurnActor slots."""
+    effects_url: str | None = None
+    """Where the built-in non-idempotent tool performs its side effect; None: ``redis_url``.
+    The chaos target ``power_loss`` points it at a witness server outside the Redis under
+    test, so losing that Redis's AOF tail cannot hide a duplicated side effect."""
+
+    @property
+    def keys(self) -> KeyLayout:
+        return KeyLayout(self.settings.redis.namespace, self.settings.redis.shards)
+
+    def name(self, role: str) -> str:
+        """Ray actor name of a singleton role (``supervisor``, ``checkpoint``, ...)."""
+        return f"{self.settings.redis.namespace}.{role}"
+
+    @property
+    def isolation_slot(self) -> int:
+        """The slot of the isolation host, after the ``hosts`` shared ones: it runs the turns
+        the poison-turn policy isolates, alone, one at a time (``actors.turn.poison``)."""
+        return self.hosts
+
+    def slots(self) -> range:
+        """Every host slot the supervisor keeps alive, the isolation slot included."""
+        return range(self.hosts + 1)
+
+    def host_label(self, slot: int) -> str:
+        """``host<N>`` for a shared slot, ``isolation`` for the isolation slot."""
+        return "isolation" if slot == self.isolation_slot else f"host{slot}"
+
+    def host_name(self, slot: int, generation: int) -> str:
+        return f"{self.settings.redis.namespace}.{self.host_label(slot)}.g{generation}"
+
+    def tool_worker_name(self, pool: str, index: int) -> str:
+        return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
+
+    def slot_of(self, turn_id: str) -> int:
+        """The stable host slot of a turn."""
+        return zlib.crc32(turn_id.encode()) % self.hosts
+
+    def to_wire(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_wire(cls, data: str) -> Deployment:
+        return cls.model_validate_json(data)
+
+
+class HostDirectory:
+    """Finds the current TurnActor of a slot (generation from Redis, handle from Ray)."""
+
+    def __init__(self, deployment: Deployment, client: aioredis.Redis) -> None:
+        self.deployment = deployment
+        self.client = client
+        self._cache: dict[tuple[int, int], Any] = {}
+
+    async def generations(self) -> dict[int, int]:
+        with translated("read host generations"):
+            raw = await self.client.hgetall(self.deployment.keys.hosts())
+        return {int(text(k)): int(text(v)) for k, v in raw.items()}
+
+    async def set_generation(self, slot: int, generation: int) -> None:
+        with translated("write host generation"):
+            await self.client.hset(self.deployment.keys.hosts(), str(slot), str(generation))
+
+    async def handle(self, slot: int, generation: int | None = None) -> Any | None:
+        """The live host actor of ``slot`` (of ``generation`` when the caller has already read
+        it), or None if it has none right now."""
+        if generation is None:
+            generation = (await self.generations()).get(slot)
+        if generation is None:
+            return None
+        key = (slot, generation)
+        if key not in self._cache:
+            try:
+                self._cache[key] = ray.get_actor(
+                    self.deployment.host_name(slot, generation), namespace=RAY_NAMESPACE
+                )
+            except ValueError:
+                return None
+        return self._cache[key]
+
+    async def handle_for(self, turn_id: str) -> Any | None:
+        """The host of the turn's slot (an isolated turn may be on the isolation host)."""
+        return await self.handle(self.deployment.slot_of(turn_id))
+
+    async def handles(self) -> dict[int, Any]:
+        """Every slot's live host actor, from one read of the generations."""
+        out = {}
+        for slot, generation in sorted((await self.generations()).items()):
+            handle = await self.handle(slot, generation)
+            if handle is not None:
+                out[slot] = handle
+        return out
+
+
+async def ask(ref: Any, timeout: float) -> Any:
+    """Await a Ray call for at most ``timeout`` seconds (``asyncio.TimeoutError`` past it)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)

@@ -1,0 +1,59 @@
+"""The RecoveryActor: a restartable singleton that hosts the recovery policy and plans resumes.
+
+It has no state of its own: a plan is a pure read of Redis (checkpoint, tool ledger, inbox)
+plus the fencing claim (``actors.engine.resume``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import ray
+
+from actors.cluster.deployment import Deployment
+from actors.engine.resume import plan_resume
+from actors.turn.recovery import Problem, Situation, decide_recovery
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect
+from store.inbox import Inbox
+from store.ledger import ToolLedger
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_GROUP = "watchdog"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class RecoveryActor:
+    """Hosts the recovery policy and builds resume plans (checkpoint + ledger + inbox)."""
+
+    def __init__(self, deployment_json: str) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.client = connect(
+            self.dep.redis_url, max_connections=32, retry_s=self.dep.settings.redis.retry_s
+        )
+        keys = self.dep.keys
+        self.store = RedisCheckpointStore(self.client, keys)
+        self.ledger = ToolLedger(self.client, keys)
+        self.inbox = Inbox(self.client, keys)
+        self.plans = 0
+
+    async def plan_many(self, turn_ids: list[str]) -> list[bytes]:
+        """Claim each turn for a new owner; the plans in msgpack wire form, in order. One call
+        for a whole host's turns: a new host adopts hundreds at once."""
+        self.plans += len(turn_ids)
+        plans = await asyncio.gather(
+            *(plan_resume(self.store, self.ledger, self.inbox, t) for t in turn_ids)
+        )
+        return [p.to_wire() for p in plans]
+
+    async def decide(self, problem: str, **situation: Any) -> dict[str, Any]:
+        """``decide_recovery`` for callers outside a turn loop (operators, tests)."""
+        d = decide_recovery(Situation(Problem(problem), **situation))
+        return {"action": d.action.value, "cause": d.cause, "backoff_s": d.backoff_s}
+
+    async def hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "plans": self.plans}

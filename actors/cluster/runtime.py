@@ -1,0 +1,256 @@
+"""The Runtime facade: start or join a deployment, submit turns, talk to them, wait, shut down.
+
+Callers hold a :class:`Runtime` and turn ids, never actor objects. Redis holds every fact; the
+Supervisor (detached) keeps the actors alive, so a ``Runtime`` can be dropped and re-created
+(``phaseline resume``) without losing a turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.supervisor import Supervisor
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.config import Settings
+from actors.engine.scenario import Scenario
+from actors.engine.turn_engine import new_turn
+from bus.errors import ConfigError, PhaselineError, StoreError, TurnExists
+from store.approvals import Approvals
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect, read_streams, redact_url, text, translated
+from store.inbox import Inbox
+from store.records import CheckpointRecord, InboxItem
+
+log = logging.getLogger(__name__)
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Start a local Ray (or join ``address``) unless one is up; True if this started it."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address,
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return address is None
+
+
+class Runtime:
+    def __init__(self, dep: Deployment, client: aioredis.Redis, supervisor: Any, owns_ray: bool):
+        self.dep = dep
+        self.client = client
+        self.supervisor = supervisor
+        self.owns_ray = owns_ray
+        self.store = RedisCheckpointStore(client, dep.keys)
+        self.inbox = Inbox(client, dep.keys)
+        self.approvals = Approvals(client, dep.keys)
+        self.hosts = HostDirectory(dep, client)
+
+    @classmethod
+    async def start(
+        cls,
+        settings: Settings,
+        *,
+        redis_url: str,
+        hosts: int = 2,
+        ray_address: str | None = None,
+        effects_url: str | None = None,
+    ) -> Runtime:
+        """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
+        owns_ray = ensure_ray(ray_address)
+        dep = Deployment(
+            redis_url=redis_url, settings=settings, hosts=hosts, effects_url=effects_url
+        )
+        client = connect(redis_url, retry_s=settings.redis.retry_s)
+        with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
+            await client.ping()
+        supervisor = Supervisor.options(  # type: ignore[attr-defined]
+            name=dep.name("supervisor"),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+        ).remote(dep.to_wire())
+        info = await supervisor.ensure.remote()
+        running = Deployment.from_wire(info["deployment"])
+        if running.hosts != hosts or running.redis_url != redis_url:
+            raise ConfigError(
+                f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts "
+                f"on {redact_url(running.redis_url)}; shut it down first or use another --namespace"
+            )
+        return cls(running, client, supervisor, owns_ray)
+
+    # -- turns --------------------------------------------------------------------------------
+
+    async def submit(self, scenario: Scenario, turn_ids: Iterable[str]) -> list[str]:
+        """Create the turns in Redis and hand each to its host slot; returns the new ones.
+
+        Idempotent: a turn that already exists is left alone, so a submission cut short by a
+        Redis failure can simply be repeated. Any other failure raises after the turns that
+        were created have been handed over.
+        """
+        BUILTIN_TOOLS.require(scenario.tools)
+        turns = [new_turn(scenario, t) for t in turn_ids]
+        created: list[str] = []
+        failure: StoreError | None = None
+        for (spec, _), result in zip(turns, await self.store.submit_many(turns), strict=True):
+            if isinstance(result, TurnExists):
+                continue
+            if isinstance(result, StoreError):
+                failure = failure or result
+                continue
+            created.append(spec.turn_id)
+        by_slot: dict[int, list[str]] = defaultdict(list)
+        for tid in created:
+            by_slot[self.dep.slot_of(tid)].append(tid)
+        for slot, ids in by_slot.items():
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue  # being replaced: the new host adopts the slot's in-progress turns
+            try:
+                await host.run_turns.remote(ids)
+            except ray.exceptions.RayActorError:
+                log.warning("host slot %d died while taking turns; its successor adopts them", slot)
+        if failure is not None:
+            raise failure
+        return created
+
+    async def adopt(self, turn_ids: Iterable[str]) -> None:
+        """Have the hosts of these turns' slots pick up their in-progress turns now (instead of
+        at the supervisor's next periodic adopt), e.g. after ``phaseline resume TURN``."""
+        for slot in sorted({self.dep.slot_of(t) for t in turn_ids}):
+            host = await self.hosts.handle(slot)
+            if host is None:
+                continue  # being replaced: the new host adopts them
+            try:
+                await host.adopt.remote()
+            except ray.exceptions.RayActorError:
+                log.warning("host slot %d died while adopting; its successor adopts", slot)
+
+    async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
+        """Queue a user message; it enters the turn at its next boundary, exactly once."""
+        return await self.inbox.push(turn_id, text_, message_id=message_id)
+
+    async def pending_approvals(self, turn_id: str) -> list[str]:
+        return await self.approvals.pending(turn_id)
+
+    async def decide(self, turn_id: str, call_key: str, approve: bool) -> bool:
+        """Approve or deny a waiting tool call; False if it was already decided."""
+        return await self.approvals.decide(turn_id, call_key, approve)
+
+    async def wait(
+        self,
+        turn_ids: Iterable[str],
+        *,
+        timeout: float = 600.0,
+        on_done: Callable[[str], None] | None = None,
+    ) -> dict[str, CheckpointRecord]:
+        """Block until every turn's final record is stored; returns them."""
+        waiting = set(turn_ids)
+        done: dict[str, CheckpointRecord] = {}
+        keys = self.dep.keys
+        cursors = {keys.events(s): "0-0" for s in keys.all_shards()}
+        deadline = time.monotonic() + timeout
+        last_scan = 0.0
+        while waiting:
+            now = time.monotonic()
+            if now > deadline:
+                raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
+            scan = now - last_scan > 5  # events may be trimmed: every 5 s, confirm from records
+            if scan:
+                last_scan = now
+            try:
+                await self._collect(waiting, done, cursors, scan=scan, on_done=on_done)
+            except StoreError as exc:  # Redis restarting: keep waiting
+                log.warning("waiting through a Redis error: %s", exc)
+                await asyncio.sleep(0.5)
+        return done
+
+    async def _collect(
+        self,
+        waiting: set[str],
+        done: dict[str, CheckpointRecord],
+        cursors: dict[str, str],
+        *,
+        scan: bool,
+        on_done: Callable[[str], None] | None,
+    ) -> None:
+        finished: set[str] = set()
+        for stream, entries in await read_streams(self.client, cursors, count=5000, block_ms=500):
+            for entry_id, fields in entries:
+                cursors[stream] = entry_id
+                tid = text(fields[b"turn_id"])
+                if tid in waiting and fields[b"in_progress"] == b"0":
+                    finished.add(tid)
+        if scan:  # events may be trimmed: confirm from the records
+            finished |= waiting - set(await self.store.list_in_progress())
+        for tid in finished & waiting:
+            record = await self.store.load(tid)
+            if record.in_progress:
+                continue
+            done[tid] = record
+            waiting.discard(tid)
+            if on_done is not None:
+                on_done(tid)
+
+    # -- the deployment -----------------------------------------------------------------------
+
+    async def host_info(self, *, isolation: bool = False) -> list[dict[str, Any]]:
+        """``hello`` of every live host of the turn slots (and of the isolation host too, if
+        asked: it holds no turns of its own, so memory and load figures leave it out)."""
+        out = []
+        for slot, host in (await self.hosts.handles()).items():
+            if slot == self.dep.isolation_slot and not isolation:
+                continue
+            try:
+                out.append(await ask(host.hello.remote(), 5))
+            except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+                continue
+        return out
+
+    async def service_pid(self, role: str) -> int:
+        handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
+        return int((await handle.hello.remote())["pid"])
+
+    async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
+        host = await self.hosts.handle(slot)
+        if host is None:
+            raise PhaselineError(f"host slot {slot} has no live actor")
+        pid = int((await host.hello.remote())["pid"])
+        os.kill(pid, sig)
+        return pid
+
+    async def respawns(self) -> int:
+        with translated("read supervisor stats"):
+            raw = await self.client.hget(self.dep.keys.supervisor(), "respawns")
+        return int(raw or 0)
+
+    async def shutdown(self) -> None:
+        """Stop every actor of the deployment, then Ray if this runtime started it."""
+        try:
+            await self.supervisor.stop.remote()
+            ray.kill(self.supervisor, no_restart=True)
+        except ray.exceptions.RayActorError:
+            pass
+        try:
+            with translated("forget host generations"):
+                await self.client.delete(self.dep.keys.hosts())
+        except StoreError:
+            pass
+        await self.client.aclose()
+        if self.owns_ray:
+            ray.shutdown()

@@ -1,0 +1,247 @@
+"""The Supervisor: detached, restartable, stateless (everything it knows is in Redis or Ray).
+
+Every ``ping_interval_s`` it makes sure the singleton services exist (CheckpointActor,
+WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every host slot:
+
+* a host that is gone (``RayActorError``, or no actor under its name) is replaced at once: a
+  call parked on each host fails the moment Ray sees its process die, which triggers the
+  check without waiting for the next ping;
+* a host that misses ``ping_misses`` pings in a row (hung, or SIGSTOPped) is replaced too;
+* a replacement is a new *generation* (a new named actor), already started as an idle standby
+  when the previous one was spawned (``standby``). It is recorded in Redis, asked to
+  adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
+  epoch, so the old incarnation is fenced), and the old actor is killed, best effort;
+* the isolation host (``Deployment.isolation_slot``, after the shared slots) is watched and
+  replaced the same way; its successor is told whether it died (then the turn it ran alone
+  counts that death, ``actors.turn.poison``) or stopped answering (a freeze counts nothing);
+* a host incarnation seen for the first time (e.g. after a restart of the whole deployment)
+  is asked to adopt as well, so turns left by a previous run are finished; every live host
+  is asked again each ``adopt_interval_s``, so no in-progress turn stays orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from actors.cluster.checkpoint_actor import CheckpointActor
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.recovery_actor import RecoveryActor
+from actors.cluster.tool_workers import ToolWorker, pool_name
+from actors.cluster.turn_actor import TurnActor
+from actors.cluster.watchdog_actor import WatchdogActor
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from bus.errors import PhaselineError
+from store.connection import connect, translated
+
+log = logging.getLogger(__name__)
+
+SERVICES = {"checkpoint": CheckpointActor, "watchdog": WatchdogActor, "recovery": RecoveryActor}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Supervisor:
+    def __init__(self, deployment_json: str) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.client = connect(
+            self.dep.redis_url, max_connections=8, retry_s=self.dep.settings.redis.retry_s
+        )
+        self.hosts = HostDirectory(self.dep, self.client)
+        self._adopted: set[str] = set()
+        self._misses: dict[int, int] = defaultdict(int)
+        self._last_adopt: dict[int, float] = defaultdict(float)
+        self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        # Boot itself, also after Ray restarted it: nobody else may be around to ask.
+        ray.get_runtime_context().current_actor.ensure.remote()
+
+    # -- public -------------------------------------------------------------------------------
+
+    async def ensure(self) -> dict[str, Any]:
+        """Bring the deployment up (idempotent) and keep watching it."""
+        await self._reconcile()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._watch())
+        return await self.hello()
+
+    async def hello(self) -> dict[str, Any]:
+        with translated("read supervisor stats"):
+            respawns = await self.client.hget(self.dep.keys.supervisor(), "respawns")
+        return {
+            "pid": os.getpid(),
+            "hosts": self.dep.hosts,
+            "respawns": int(respawns or 0),
+            "watching": self._task is not None and not self._task.done(),
+            "deployment": self.dep.to_wire(),
+        }
+
+    async def stop(self) -> None:
+        """Kill every actor of the deployment (not the supervisor itself)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        gens = await self.hosts.generations()
+        for slot, gen in gens.items():
+            _kill(self.dep.host_name(slot, gen))
+            _kill(self.dep.host_name(slot, gen + 1))  # the standby
+        for role in SERVICES:
+            _kill(self.dep.name(role))
+        for pool in _tool_pools():
+            for i in range(self.dep.settings.tools.workers):
+                _kill(self.dep.tool_worker_name(pool, i))
+
+    # -- the watch ----------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.dep.settings.supervisor.ping_interval_s)  # watch period
+            try:
+                await self._reconcile()
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("supervisor: %s; retrying", exc)
+
+    async def _reconcile(self) -> None:
+        cfg = self.dep.settings.supervisor
+        services = [
+            cls.options(  # type: ignore[attr-defined]
+                name=self.dep.name(role),
+                namespace=RAY_NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+            ).remote(self.dep.to_wire())
+            for role, cls in SERVICES.items()
+        ]
+        for pool, resources in _tool_pools().items():
+            for i in range(self.dep.settings.tools.workers):
+                ToolWorker.options(  # type: ignore[attr-defined]
+                    name=self.dep.tool_worker_name(pool, i),
+                    namespace=RAY_NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    max_concurrency=10_000,
+                    resources=resources or None,
+                ).remote(self.dep.to_wire())
+        await asyncio.gather(
+            *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
+            *(self._check_slot(slot) for slot in self.dep.slots()),
+        )
+
+    async def _check_slot(self, slot: int) -> None:
+        """One check at a time per slot (the watch loop and a death notice may both ask)."""
+        async with self._locks[slot]:
+            await self._check_slot_now(slot, (await self.hosts.generations()).get(slot))
+
+    async def _check_slot_now(self, slot: int, gen: int | None) -> None:
+        cfg = self.dep.settings.supervisor
+        if gen is None:
+            await self._spawn(slot, 0)
+            return
+        handle = await self.hosts.handle(slot, gen)
+        info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
+        if handle is None or info is None:
+            dead = handle is None or not await _alive(handle)
+            self._misses[slot] += 1
+            if dead or self._misses[slot] >= cfg.ping_misses:
+                why = "died" if dead else "stopped answering"
+                log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
+                await self._replace(slot, gen, handle, died=dead)
+            return
+        self._misses[slot] = 0
+        self._park(slot, gen, handle)
+        now = time.monotonic()
+        fresh = info["incarnation"] not in self._adopted
+        if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
+            # Also periodically: a turn in progress in Redis that its live host does not run
+            # (its task was cut short by a Redis failure, a lost call) is picked up again.
+            await handle.adopt.remote(False)  # no death to report: this host was alive
+            self._adopted.add(info["incarnation"])
+            self._last_adopt[slot] = now
+
+    async def _spawn(self, slot: int, generation: int, *, predecessor_died: bool = False) -> Any:
+        handle = self._host(slot, generation)
+        info = await handle.hello.remote()
+        await self.hosts.set_generation(slot, generation)
+        self._park(slot, generation, handle)
+        await handle.adopt.remote(predecessor_died)
+        self._adopted.add(info["incarnation"])
+        self._misses[slot] = 0
+        self._last_adopt[slot] = time.monotonic()
+        if self.dep.settings.supervisor.standby:
+            # The next generation, started now and idle until it is needed: replacing a dead
+            # host then costs no process start and no imports.
+            self._host(slot, generation + 1)
+        return handle
+
+    def _host(self, slot: int, generation: int) -> Any:
+        return TurnActor.options(  # type: ignore[attr-defined]
+            name=self.dep.host_name(slot, generation),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_concurrency=10_000,
+        ).remote(self.dep.to_wire(), slot, generation)
+
+    def _park(self, slot: int, generation: int, handle: Any) -> None:
+        """Keep a call parked on the slot's host; its failure is the death notice."""
+        parked = self._parked.get(slot)
+        if parked is not None and parked[0] == generation and not parked[1].done():
+            return
+        self._parked[slot] = (generation, asyncio.ensure_future(self._on_death(slot, handle)))
+
+    async def _on_death(self, slot: int, handle: Any) -> None:
+        with contextlib.suppress(RayActorError):
+            await handle.park.remote()
+        if not self._stopping:
+            try:
+                await self._check_slot(slot)
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("supervisor: %s; the watch loop retries", exc)
+
+    async def _replace(self, slot: int, generation: int, old: Any, *, died: bool) -> None:
+        await self._spawn(slot, generation + 1, predecessor_died=died)
+        with translated("count respawns"):
+            await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
+        if old is not None and self.dep.settings.supervisor.kill_replaced:
+            with contextlib.suppress(RayActorError, ValueError):
+                ray.kill(old, no_restart=True)
+
+
+async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
+    try:
+        reply: dict[str, Any] = await ask(handle.hello.remote(), timeout)
+        return reply
+    except (asyncio.TimeoutError, RayActorError):
+        return None
+
+
+async def _alive(handle: Any) -> bool:
+    """False once Ray itself says the actor is dead (a ping timeout alone is not death)."""
+    try:
+        await ask(handle.hello.remote(), 0.05)
+    except RayActorError:
+        return False
+    except asyncio.TimeoutError:
+        return True
+    return True
+
+
+def _tool_pools() -> dict[str, dict[str, float]]:
+    return {
+        pool_name(s.resources): dict(s.resources)
+        for s in map(BUILTIN_TOOLS.get, BUILTIN_TOOLS.names())
+    }
+
+
+def _kill(name: str) -> None:
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)

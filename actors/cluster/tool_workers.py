@@ -1,0 +1,128 @@
+"""Tools on the cluster: tool calls run as Ray actor tasks on a pool of ToolWorker actors.
+
+Why a pool of async actors and not one plain Ray task per call: tools are I/O-bound and a turn
+host may have thousands of calls in flight. Plain tasks need one worker process each; on the
+2-core dev machine 50 turns of the plain scenario took 117 s that way, Ray starting 26 worker
+processes (docs/ARCHITECTURE.md). A ToolWorker runs hundreds of calls concurrently in one
+process and the pool spreads over the cluster (and grows with ``[tools] workers``).
+
+Per call: the host enforces the tool's concurrency limit and timeout (cancelling the actor
+task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, or the
+tool's store fails under it, an idempotent tool is retried (on another worker), a
+non-idempotent one is reported ``outcome_unknown`` and never re-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError, TaskCancelledError
+
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.toolrun import IDEMPOTENT_ATTEMPTS, lost_call, timed_out, tool_result
+from actors.turn.tools import ToolContext, ToolSpec
+from bus.errors import StoreError
+from store.connection import connect
+from store.effects import EffectCounters
+from store.records import ToolCall, ToolResult
+
+log = logging.getLogger(__name__)
+
+
+def pool_name(resources: Mapping[str, float]) -> str:
+    """Pools are keyed by the Ray resources their workers hold ('default': none)."""
+    if not resources:
+        return "default"
+    return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class ToolWorker:
+    """Runs registered tools; one process serves many concurrent calls."""
+
+    def __init__(self, deployment_json: str) -> None:
+        dep = Deployment.from_wire(deployment_json)
+        self._client = connect(  # the effects store: what the tools here write to
+            dep.effects_url or dep.redis_url,
+            max_connections=64,
+            retry_s=dep.settings.redis.retry_s,
+        )
+        self._effects = EffectCounters(self._client, dep.keys)
+        self.calls = 0
+
+    async def call(self, name: str, args_json: str, turn_id: str, call_key: str) -> str:
+        """Arguments travel as JSON, never as pickles; a tool's exception is its error."""
+        self.calls += 1
+        ctx = ToolContext(turn_id, call_key, self._effects)
+        return await BUILTIN_TOOLS.get(name).fn(json.loads(args_json), ctx)
+
+    async def hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "calls": self.calls}
+
+
+class RayToolRunner:
+    """A :class:`~actors.engine.toolrun.ToolRunner` that sends each call to a ToolWorker."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep = dep
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    def _worker(self, spec: ToolSpec, call_key: str, attempt: int) -> Any:
+        n = self.dep.settings.tools.workers
+        index = (zlib.crc32(call_key.encode()) + attempt) % n
+        return ray.get_actor(
+            self.dep.tool_worker_name(pool_name(spec.resources), index), namespace=RAY_NAMESPACE
+        )
+
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        args = json.dumps(call.args)
+        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
+        async with limit:
+            for attempt in range(attempts):
+                try:
+                    worker = self._worker(spec, ctx.call_key, attempt)
+                except ValueError:  # the pool is being (re)created
+                    await asyncio.sleep(0.2)  # backoff before the next attempt
+                    continue
+                ref = worker.call.remote(call.name, args, ctx.turn_id, ctx.call_key)
+                try:
+                    output = await ask(ref, spec.timeout_s)
+                    return tool_result(call, "ok", str(output))
+                except asyncio.TimeoutError:
+                    ray.cancel(ref)
+                    return timed_out(call, spec)
+                except asyncio.CancelledError:
+                    ray.cancel(ref)
+                    raise
+                except TaskCancelledError:
+                    return tool_result(call, "error", f"{call.name} was cancelled")
+                except RayActorError as exc:
+                    log.warning(
+                        "tool worker died during %s (attempt %d): %s", call.name, attempt, exc
+                    )
+                    continue
+                except RayError as exc:
+                    if not isinstance(getattr(exc, "cause", None), StoreError):
+                        return tool_result(call, "error", _last_line(exc))  # the tool's own failure
+                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                    if not spec.idempotent:
+                        return lost_call(call, "lost its store mid-call")
+                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
+        if spec.idempotent:
+            return tool_result(
+                call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
+            )
+        return lost_call(call, "had its worker die mid-call")
+
+
+def _last_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[-1][:500]

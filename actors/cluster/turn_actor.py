@@ -1,0 +1,253 @@
+"""TurnActor: the async Ray actor that hosts many turns, one asyncio task per turn.
+
+A host is the engine (:class:`~actors.engine.turn_engine.TurnEngine`) with Ray parts plugged
+in: saves go through the CheckpointActor (batched), tool calls go to the ToolWorker actors,
+transitions go to the bus. A host
+owns one *slot*; the Supervisor gives each slot a new *generation* (a new actor) when the old
+one dies or hangs, and the new one adopts every in-progress turn of the slot through a resume
+plan of the RecoveryActor (which bumps the epoch, so the old incarnation is fenced off).
+
+One more slot, after the shared ones, is the *isolation host*: it takes no turns of its own,
+but runs the turns the poison-turn policy isolated (``actors.turn.poison``), one at a time, each
+until its first checkpoint, and then hands it back to its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import psutil
+import ray
+from ray.exceptions import RayActorError
+
+from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.cluster.tool_workers import RayToolRunner
+from actors.engine.resume import ResumePlan, plan_resume
+from actors.engine.scenario import parse_scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.loop import TurnOutcome
+from bus.errors import PhaselineError
+from bus.events import encode_event
+from store.connection import connect
+from store.streams import BufferedPublisher, RedisBus
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class TurnActor:
+    def __init__(self, deployment_json: str, slot: int, generation: int) -> None:
+        self.dep = Deployment.from_wire(deployment_json)
+        self.slot = slot
+        self.generation = generation
+        self.incarnation = uuid.uuid4().hex
+        self.isolating = slot == self.dep.isolation_slot
+        self.client = connect(
+            self.dep.redis_url, max_connections=128, retry_s=self.dep.settings.redis.retry_s
+        )
+        self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
+        self.checkpoints = CheckpointClient(
+            actor_sender(self._checkpoint_actor),
+            max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
+        )
+        self.engine = TurnEngine.from_settings(
+            self.client,
+            self.dep.settings,
+            watchdog=None,
+            checkpoints=self.checkpoints,
+            runner=RayToolRunner(self.dep),
+            on_transition=self.publisher.add,
+            on_isolate=self._isolation_wanted,
+        )
+        self.directory = HostDirectory(self.dep, self.client)
+        self._tasks: dict[str, asyncio.Task[TurnOutcome]] = {}
+        self._started = time.time()
+        self._wake = asyncio.Event()
+        self._probations: asyncio.Task[None] | None = None
+        self._pokes: set[asyncio.Task[None]] = set()
+
+    def _checkpoint_actor(self) -> Any:
+        return ray.get_actor(self.dep.name("checkpoint"), namespace=RAY_NAMESPACE)
+
+    async def hello(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        return {
+            "slot": self.slot,
+            "isolation": self.isolating,
+            "generation": self.generation,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "running": len(self._tasks),
+            "finished": stats.turns,
+            "outcomes": dict(stats.outcomes),
+            "resumed": stats.resumed,
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "checkpoint_batches": self.checkpoints.batches,
+            "events_dropped": self.publisher.dropped,
+        }
+
+    async def run_turns(self, turn_ids: list[str]) -> int:
+        """Start submitted turns (a turn that already ran somewhere is resumed instead)."""
+        return sum(self._spawn(t, self._run_submitted(t)) for t in turn_ids)
+
+    async def adopt(self, predecessor_died: bool | None = None) -> int:
+        """Resume every in-progress turn of this slot that is not running here, planned in
+        one batch (each turn starts as soon as the batch is planned). Turns queued for
+        isolation are left to the isolation host. There, the supervisor's first call starts
+        the probation runs and says whether the host it replaces died (its probation marker
+        is then evidence) or stopped answering (it is not); a call without that (None: a
+        shared host's nudge) only wakes the runs."""
+        if self.isolating:
+            if self._probations is None and predecessor_died is not None:
+                await self.engine.note_predecessor(died=predecessor_died)
+                self._probations = asyncio.ensure_future(self._run_probations())
+            elif self._probations is not None and self._probations.done():
+                self._probations = asyncio.ensure_future(self._run_probations())
+            self._wake.set()
+            return 0
+        ids = await self.engine.store.list_in_progress()
+        queued = await self.engine.isolation.members()
+        mine = [
+            t
+            for t in ids
+            if self.dep.slot_of(t) == self.slot and t not in self._tasks and t not in queued
+        ]
+        if not mine:
+            return 0
+        plans = asyncio.ensure_future(self._plan(mine))
+        return sum(self._spawn(t, self._resume_planned(t, i, plans)) for i, t in enumerate(mine))
+
+    async def park(self) -> None:
+        """Never returns: the Supervisor keeps one call parked here, so Ray tells it the moment
+        this process dies (the call fails) instead of at its next ping."""
+        await asyncio.Event().wait()
+
+    async def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
+        return self.engine.cancel_llm(turn_id, epoch, cause)
+
+    async def phases(self) -> list[dict[str, str | int]]:
+        """Current phase of every running turn, in the bus wire form (for a new watchdog)."""
+        return [encode_event(t) for t in self.engine.phases()]
+
+    async def drain(self) -> None:
+        """Wait until no turn runs here (tests and orderly shutdown)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
+
+    # -- isolation ----------------------------------------------------------------------------
+
+    async def _run_probations(self) -> None:
+        """The isolation host's loop: the due queued turns, one at a time."""
+        while True:
+            try:
+                self._wake.clear()
+                turn_id, wait_s = await self.engine.next_probation()
+                if turn_id is None:
+                    # Woken by a shared host that queued a turn, by the supervisor's periodic
+                    # adopt, or when the next backoff is over.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait_s)
+                    continue
+                task = await self.engine.probation_settled(turn_id)
+                self._tasks[turn_id] = task  # if it outlasted the patience, it goes on here
+                task.add_done_callback(functools.partial(self._probation_ended, turn_id))
+            except PhaselineError as exc:
+                log.warning("isolation host: %s; retrying", exc)
+                await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
+
+    def _probation_ended(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
+        self._tasks.pop(turn_id, None)
+        if task.cancelled() or task.exception() is not None:
+            log.error(
+                "probation of %s failed: %r",
+                turn_id,
+                None if task.cancelled() else task.exception(),
+            )
+            return
+        outcome = task.result()
+        if outcome.outcome == "released":  # counted once, by the host that ends it
+            self._poke(self.directory.handle_for(turn_id))
+        else:
+            self.engine.stats.add(outcome)
+
+    def _isolation_wanted(self, _turn_id: str) -> None:
+        self._poke(self.directory.handle(self.dep.isolation_slot))
+
+    def _poke(self, host: Any) -> None:
+        """Ask another host to adopt now, without waiting for it (best effort: the
+        supervisor's periodic adopt is the fallback)."""
+
+        async def go() -> None:
+            with contextlib.suppress(PhaselineError, RayActorError):
+                handle = await host
+                if handle is not None:
+                    await handle.adopt.remote()
+
+        task = asyncio.ensure_future(go())
+        self._pokes.add(task)
+        task.add_done_callback(self._pokes.discard)
+
+    # -- turn tasks ---------------------------------------------------------------------------
+
+    def _spawn(self, turn_id: str, coro: Any) -> bool:
+        if turn_id in self._tasks:
+            coro.close()
+            return False
+        task = asyncio.ensure_future(coro)
+        self._tasks[turn_id] = task
+        task.add_done_callback(lambda _t, tid=turn_id: self._finished(tid, _t))
+        return True
+
+    def _finished(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
+        self._tasks.pop(turn_id, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("turn %s failed in host %s: %r", turn_id, self.slot, exc)
+            return
+        self.engine.stats.add(task.result())
+
+    async def _run_submitted(self, turn_id: str) -> TurnOutcome:
+        store = self.engine.store
+        try:
+            record = await store.load(turn_id)
+        except PhaselineError as exc:  # not found, undecodable, or Redis away
+            log.error("turn %s cannot start: %s", turn_id, exc)
+            return TurnOutcome(turn_id, "unusable", 0, 0, 0, 0)
+        if record.reason == "submitted" and record.epoch == 1 and record.in_progress:
+            spec = await store.load_spec(turn_id)
+            scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
+            return await self.engine.start(record, scenario)
+        return await self._resume(turn_id)
+
+    async def _resume(self, turn_id: str) -> TurnOutcome:
+        (plan,) = await self._plan([turn_id])
+        return await self.engine.resume(turn_id, plan)
+
+    async def _resume_planned(
+        self, turn_id: str, index: int, plans: asyncio.Future[list[ResumePlan]]
+    ) -> TurnOutcome:
+        return await self.engine.resume(turn_id, (await plans)[index])
+
+    async def _plan(self, turn_ids: list[str]) -> list[ResumePlan]:
+        """Ask the RecoveryActor; while it restarts, plan here with the same function."""
+        try:
+            actor = ray.get_actor(self.dep.name("recovery"), namespace=RAY_NAMESPACE)
+            return [ResumePlan.from_wire(w) for w in await actor.plan_many.remote(turn_ids)]
+        except (RayActorError, ValueError) as exc:
+            log.warning("recovery actor unavailable (%s); planning %d locally", exc, len(turn_ids))
+            e = self.engine
+            return list(
+                await asyncio.gather(
+                    *(plan_resume(e.store, e.ledger, e.inbox, t) for t in turn_ids)
+                )
+            )

@@ -1,0 +1,168 @@
+"""Runtime settings: one pydantic model, loadable from ``configs/*.toml``, overridable by flags.
+
+Precedence, highest first: CLI flag, environment (``PHASELINE_REDIS_URL``), config file, default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from actors.engine.tomlfile import describe, read_toml
+from actors.turn.loop import LoopSettings
+from actors.turn.watchdog import WatchdogConfig
+from bus.errors import ConfigError
+from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
+from store.connection import DEFAULT_RETRY_S, check_redis_url
+from store.durability import Durability, parse_durability
+from store.keys import KeyLayout
+
+REDIS_URL_ENV = "PHASELINE_REDIS_URL"
+
+
+class _Section(BaseModel):
+    # strict: ``shards = true`` or ``workers = "2"`` is a mistake, not a value to coerce.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class RedisSettings(_Section):
+    url: str | None = None
+    """Redis to use; None starts the embedded server."""
+    namespace: str = "pl"
+    """Key prefix (store.keys)."""
+    shards: int = Field(default=16, ge=1, le=16384)
+    """Shard hash tags; fixed for the life of a namespace."""
+    durability: str = "fsync"
+    """What a checkpoint's acknowledgement promises: ``ack`` (Redis answered; the AOF is
+    fsynced within a second), ``fsync`` (each group-commit batch waits for ``WAITAOF 1 0``:
+    the local AOF is on disk) or ``replicas:N`` (``WAIT N``). docs/ARCHITECTURE.md says why
+    ``fsync`` is the default."""
+    durability_timeout_ms: int = Field(default=2000, ge=1, le=600_000)
+    """How long a batch waits for that promise before its saves count as failed."""
+    retry_s: float = Field(default=DEFAULT_RETRY_S, ge=0, le=3600)
+    """Seconds each Redis command keeps retrying through connection errors (a restart, a
+    failover) before the turn is interrupted; 0 fails at once."""
+    data_dir: str = ".phaseline/redis"
+    """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        return None if url is None else check_redis_url(url)
+
+    @field_validator("durability")
+    @classmethod
+    def _check_durability(cls, text: str) -> str:
+        parse_durability(text)
+        return text
+
+    def durability_policy(self) -> Durability:
+        """The parsed :attr:`durability` setting."""
+        return parse_durability(self.durability, timeout_ms=self.durability_timeout_ms)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RedisSettings:
+        try:
+            KeyLayout(self.namespace, self.shards)  # the one place keys are validated
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+
+class CheckpointSettings(_Section):
+    min_interval_s: float = Field(default=2.0, ge=0)
+    """Minimum seconds between mid-turn saves of one turn."""
+    max_record_bytes: int = Field(
+        default=DEFAULT_MAX_RECORD_BYTES, ge=4096, le=RECORD_BYTES_CEILING
+    )
+    """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
+    ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
+    mid_turn: bool = True
+    """False writes only the submission and final records, so a crash loses the turn's model
+    progress (committed tool calls are still reused from the ledger). It exists to measure
+    what durability costs (``phaseline bench``); never turn it off in production."""
+
+
+class ApprovalSettings(_Section):
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Cap on waiting for a decision; denied after it."""
+    poll_s: float = Field(default=0.2, gt=0)
+    """How often a pending decision is re-read."""
+
+
+class SupervisorSettings(_Section):
+    ping_interval_s: float = Field(default=0.5, gt=0)
+    """How often every host is pinged."""
+    ping_timeout_s: float = Field(default=3.0, gt=0)
+    """A ping unanswered for this long is a miss."""
+    ping_misses: int = Field(default=3, ge=1)
+    """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
+    adopt_interval_s: float = Field(default=10.0, gt=0)
+    """How often live hosts re-adopt in-progress turns of their slot that they do not run."""
+    standby: bool = True
+    """Keep each slot's next host generation started and idle, so a replacement is ready at
+    once (one more idle process per slot)."""
+    kill_replaced: bool = True
+    """Kill a replaced host. Off only to observe a zombie being fenced (tests, chaos)."""
+    probation_patience_s: float = Field(default=30.0, gt=0)
+    """How long the isolation host waits for a probation to reach its first checkpoint before
+    the next isolated turn may start: a turn that is slow (or hangs) is not a crash loop, and
+    must not hold the queue. It goes on, no longer on probation."""
+
+
+class ToolSettings(_Section):
+    workers: int = Field(default=2, ge=1, le=1024)
+    """ToolWorker actors per resource pool (each runs many calls concurrently)."""
+
+
+class LoopTuning(_Section):
+    strict: bool = False
+    """Raise on illegal phase transitions instead of logging them."""
+    backoff_scale: float = Field(default=1.0, ge=0)
+    """Multiplier of the 1/2/4 s retry backoff."""
+
+
+class Settings(_Section):
+    redis: RedisSettings = RedisSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    approvals: ApprovalSettings = ApprovalSettings()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    loop: LoopTuning = LoopTuning()
+    supervisor: SupervisorSettings = SupervisorSettings()
+    tools: ToolSettings = ToolSettings()
+
+    def loop_settings(self) -> LoopSettings:
+        return LoopSettings(
+            strict=self.loop.strict,
+            checkpoint_min_interval_s=self.checkpoint.min_interval_s,
+            checkpoint_mid_turn=self.checkpoint.mid_turn,
+            approval_timeout_s=self.approvals.timeout_s,
+            approval_poll_s=self.approvals.poll_s,
+            backoff_scale=self.loop.backoff_scale,
+        )
+
+    def with_overrides(self, **redis: Any) -> Settings:
+        """Apply non-None Redis overrides (flags); the env var fills ``url`` below a flag."""
+        values = {k: v for k, v in redis.items() if v is not None}
+        if "url" not in values and os.environ.get(REDIS_URL_ENV):
+            values["url"] = os.environ[REDIS_URL_ENV]
+        if not values:
+            return self
+        try:
+            redis_settings = RedisSettings.model_validate({**self.redis.model_dump(), **values})
+        except ValidationError as exc:
+            raise ConfigError(f"invalid Redis settings:\n{describe(exc)}") from None
+        return self.model_copy(update={"redis": redis_settings})
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Defaults, or a validated TOML file; every problem is a :class:`ConfigError`."""
+    if path is None:
+        return Settings()
+    try:
+        return Settings.model_validate(read_toml(path, "config"))
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid config:\n{describe(exc)}") from None

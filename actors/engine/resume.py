@@ -1,0 +1,227 @@
+"""Resume plans: what a new owner needs to continue a turn whose host died.
+
+A plan reads the last checkpoint, the turn's spec, its tool ledger and its inbox, and makes the
+fencing claim (``epoch + 1``, one more resume attempt, persisted before any model call). A turn
+claimed again before it saved anything counts a stalled resume; where it runs next, or whether
+it is parked as ``suspended:poison``, is the poison-turn policy's call (``actors.turn.poison``). The
+same function serves the in-process engine, the RecoveryActor and the isolation host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from actors.engine.scenario import Scenario, parse_scenario
+from actors.turn.poison import SUSPENDED_POISON, Placement, place
+from bus.errors import ConfigError, RecordError, RecordNotFound, StaleOwner
+from store.checkpoint import RedisCheckpointStore
+from store.codec import dump_model, pack, unpack
+from store.inbox import Inbox
+from store.isolation import Probation
+from store.ledger import ToolLedger
+from store.records import CheckpointRecord
+
+PlanAction = Literal["resume", "isolate", "suspended", "fenced", "finished", "unusable"]
+PLAN_ACTIONS: frozenset[str] = frozenset(get_args(PlanAction))
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePlan:
+    """What to do with one turn that lost its host."""
+
+    turn_id: str
+    """The turn."""
+    action: PlanAction
+    """``resume`` (run ``record``), ``isolate`` (not claimed: it must run alone on the
+    isolation host), ``suspended`` (parked as ``suspended:poison`` by this claim), ``fenced``
+    (another owner claimed it first), ``finished`` (not in progress any more), ``unusable``
+    (record or spec failed to decode and were quarantined)."""
+    record: CheckpointRecord | None = None
+    """The claimed record (new epoch) for ``resume``; the parked one for ``suspended``."""
+    resume_from: str = ""
+    """Reason of the checkpoint the turn restarts from (``force_stop`` resumes the wrap-up)."""
+    scenario: Scenario | None = None
+    """The turn's scenario, from its spec."""
+    in_flight: int = 0
+    """Tool calls the ledger shows dispatched but unfinished (non-idempotent ones will be
+    reported ``outcome_unknown``, idempotent ones re-run)."""
+    pending_inbox: int = 0
+    """Injected messages not yet in the transcript; appended after it at the first boundary."""
+    detail: str = ""
+    """Why, for logs."""
+
+    def to_wire(self) -> bytes:
+        """msgpack form for crossing a Ray call (validated again by :meth:`from_wire`)."""
+        return pack(
+            {
+                "turn_id": self.turn_id,
+                "action": self.action,
+                "record": None if self.record is None else dump_model(self.record),
+                "resume_from": self.resume_from,
+                "scenario": None if self.scenario is None else dump_model(self.scenario),
+                "in_flight": self.in_flight,
+                "pending_inbox": self.pending_inbox,
+                "detail": self.detail,
+            }
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> ResumePlan:
+        d: dict[str, Any] = unpack(data)
+        if d["action"] not in PLAN_ACTIONS:
+            raise RecordError(
+                f"plan of {str(d.get('turn_id'))[:128]}",
+                f"unknown action {str(d['action'])[:40]!r}",
+            )
+        return cls(
+            turn_id=str(d["turn_id"]),
+            action=d["action"],
+            record=None if d["record"] is None else CheckpointRecord.model_validate(d["record"]),
+            resume_from=str(d["resume_from"]),
+            scenario=None if d["scenario"] is None else parse_scenario(d["scenario"]),
+            in_flight=int(d["in_flight"]),
+            pending_inbox=int(d["pending_inbox"]),
+            detail=str(d["detail"]),
+        )
+
+
+#: ``reason`` of a claim record: the last write before the new owner saves anything.
+CLAIM_REASON = "resume"
+
+
+def stalled_resumes(record: CheckpointRecord) -> int:
+    """Resumes in a row without progress up to ``record``: its count if the record is itself a
+    claim (nothing was saved since), else 0 (the turn saved a checkpoint after its last claim)."""
+    return record.counters.stalled_resumes if record.reason == CLAIM_REASON else 0
+
+
+def claim_for_resume(
+    record: CheckpointRecord, *, now_ms: int, died_at: str | None = None
+) -> CheckpointRecord:
+    """The fencing write of a new owner: same transcript, epoch + 1, one more resume attempt
+    (and, when its isolated predecessor died inside a step, that step as evidence)."""
+    c = record.counters
+    deaths = c.isolated_deaths if died_at is None else (*c.isolated_deaths, died_at)
+    counters = c.model_copy(
+        update={
+            "resume_attempts": c.resume_attempts + 1,
+            "stalled_resumes": stalled_resumes(record) + 1,
+            "isolated_deaths": deaths,
+        }
+    )
+    return record.model_copy(
+        update={
+            "epoch": record.epoch + 1,
+            "seq": record.seq + 1,
+            "reason": CLAIM_REASON,
+            "counters": counters,
+            "updated_at": now_ms,
+        }
+    )
+
+
+def suspended(claimed: CheckpointRecord) -> CheckpointRecord:
+    """A claim turned into the parked record: out of the in-progress index, with its evidence."""
+    counters = claimed.counters.model_copy(update={"outcome": SUSPENDED_POISON})
+    return claimed.model_copy(
+        update={"in_progress": False, "reason": "suspended", "counters": counters}
+    )
+
+
+def unsuspended(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
+    """An operator's ``phaseline resume TURN`` of a parked turn: back in progress, evidence
+    cleared (the next claim treats it as a turn that lost its host once)."""
+    counters = record.counters.model_copy(
+        update={"outcome": "", "stalled_resumes": 0, "isolated_deaths": ()}
+    )
+    return record.model_copy(
+        update={
+            "epoch": record.epoch + 1,
+            "seq": record.seq + 1,
+            "in_progress": True,
+            "reason": "unsuspended",
+            "counters": counters,
+            "updated_at": now_ms,
+        }
+    )
+
+
+async def reopen(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord:
+    """An operator asked for this turn by id: a suspended one goes back in progress (fenced
+    like any claim); any other record is returned as it is."""
+    record = await store.load(turn_id)
+    if record.in_progress or record.counters.outcome != SUSPENDED_POISON:
+        return record
+    reopened = unsuspended(record, now_ms=int(time.time() * 1000))
+    await store.save(reopened)
+    return reopened
+
+
+def died_inside(marker: Probation | None, record: CheckpointRecord) -> str | None:
+    """The step inside which the isolation host died with this turn, if the probation marker
+    says so: it names this turn at the epoch the record still has (nobody claimed it since),
+    and a step had begun. A marker is cleared whenever a probation ends without its host
+    dying, and forgotten after a freeze, so what is left is a death."""
+    if marker is None or marker.turn_id != record.turn_id or marker.epoch != record.epoch:
+        return None
+    return marker.step or None
+
+
+async def plan_resume(
+    store: RedisCheckpointStore,
+    ledger: ToolLedger,
+    inbox: Inbox,
+    turn_id: str,
+    *,
+    isolated: bool = False,
+    marker: Probation | None = None,
+) -> ResumePlan:
+    """Load, inspect and claim one turn. Bad records are quarantined (``unusable``).
+
+    ``isolated``: the caller is the isolation host (it runs what it claims alone), and
+    ``marker`` the probation marker it found (:func:`died_inside` reads the evidence from it).
+    A shared caller gets ``isolate`` (and claims nothing) for a turn the policy isolates."""
+    try:
+        record = await store.load(turn_id)
+    except (RecordNotFound, RecordError) as exc:  # deleted under us, or quarantined on load
+        return ResumePlan(turn_id, "unusable", detail=str(exc))
+    if not record.in_progress:
+        return ResumePlan(turn_id, "finished", detail=record.counters.outcome)
+    try:
+        spec = await store.load_spec(turn_id)
+        scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
+        entries = await ledger.entries(turn_id)
+    except (RecordNotFound, RecordError, ConfigError) as exc:
+        # An in-progress record whose spec is missing or bad, or whose ledger is unreadable,
+        # can never resume: take it aside, so it is reported once instead of planned again
+        # at every adopt.
+        await store.quarantine(turn_id, f"unusable: {exc}")
+        return ResumePlan(turn_id, "unusable", detail=str(exc))
+    died_at = died_inside(marker, record) if isolated else None
+    deaths = (*record.counters.isolated_deaths, *((died_at,) if died_at else ()))
+    placement = place(stalled_resumes(record) + 1, deaths)
+    if placement is Placement.ISOLATED and not isolated:
+        return ResumePlan(turn_id, "isolate", detail="stalled: runs alone on the isolation host")
+    in_flight = sum(e.state == "dispatched" for e in entries.values())
+    pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))
+    claimed = claim_for_resume(record, now_ms=int(time.time() * 1000), died_at=died_at)
+    if placement is Placement.SUSPEND:
+        claimed = suspended(claimed)
+    try:
+        await store.save(claimed)
+    except StaleOwner as exc:
+        return ResumePlan(turn_id, "fenced", detail=str(exc))
+    if placement is Placement.SUSPEND:
+        return ResumePlan(turn_id, "suspended", record=claimed, detail=SUSPENDED_POISON)
+    return ResumePlan(
+        turn_id,
+        "resume",
+        record=claimed,
+        resume_from=record.reason,
+        scenario=scenario,
+        in_flight=in_flight,
+        pending_inbox=pending,
+        detail=f"resume attempt {claimed.counters.resume_attempts}",
+    )

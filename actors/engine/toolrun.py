@@ -1,0 +1,233 @@
+"""Running a tool batch under the ledger, so a resumed turn never repeats a finished call.
+
+:class:`BatchExecutor` holds the ledger rules (pure decisions over ledger entries plus the
+writes that journal them); a :class:`ToolRunner` does the actual execution, in this process
+(:class:`LocalToolRunner`) or on the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
+from bus.errors import StoreError, UnknownTool
+from store.codec import pack_model
+from store.ledger import Change, ToolLedger, call_key
+from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus
+
+log = logging.getLogger(__name__)
+
+
+class ToolRunner(Protocol):
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        """Execute one call; never raise for a tool's own failure, return its result instead."""
+        ...
+
+
+#: Rounds of deciding a batch again after losing compare-and-sets to a racing owner. An entry
+#: only moves forward (prepared -> dispatched -> settled), so two rounds always suffice.
+_DECIDE_ROUNDS = 3
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+#: Attempts of an idempotent call whose executor failed under it (worker died, Redis dropped).
+IDEMPOTENT_ATTEMPTS = 3
+
+
+def tool_result(call: ToolCall, status: ToolStatus, output: str) -> ToolResult:
+    """The result of ``call`` as the model will read it."""
+    return ToolResult(call_id=call.id, name=call.name, status=status, output=output)
+
+
+def timed_out(call: ToolCall, spec: ToolSpec) -> ToolResult:
+    return tool_result(call, "timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
+
+
+def lost_call(call: ToolCall, why: str) -> ToolResult:
+    """The result of a non-idempotent call whose executor failed under it: nobody can tell
+    whether its effect happened, so the model is told so and the call is never re-run."""
+    return tool_result(
+        call,
+        "outcome_unknown",
+        f"{call.name} {why}; it may or may not have taken effect and will not be re-run",
+    )
+
+
+class LocalToolRunner:
+    """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout.
+
+    A tool that fails because the store under it failed (``StoreError``) is an infrastructure
+    failure, not the tool's answer: an idempotent tool is retried, a non-idempotent one is
+    reported ``outcome_unknown``.
+    """
+
+    def __init__(self) -> None:
+        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
+        async with limit:
+            for attempt in range(attempts):
+                try:
+                    output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
+                    return tool_result(call, "ok", output)
+                except asyncio.TimeoutError:
+                    return timed_out(call, spec)
+                except StoreError as exc:
+                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                    if not spec.idempotent:
+                        return lost_call(call, "lost its store mid-call")
+                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
+                except Exception as exc:  # a tool's bug is the model's problem, not the turn's
+                    log.info("tool %s failed: %r", call.name, exc)
+                    return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
+        return tool_result(
+            call, "error", f"{call.name}: its store kept failing ({attempts} attempts)"
+        )
+
+
+def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:
+    """What to do with a call given its ledger entry: ``reuse``, ``unknown`` or ``run``."""
+    if entry is None or entry.state == "prepared":
+        return "run"
+    if entry.result is not None and entry.state in ("committed", "failed", "outcome_unknown"):
+        return "reuse"
+    # dispatched: it was in flight when its host died.
+    return "run" if idempotent else "unknown"
+
+
+class BatchExecutor:
+    """Runs one batch: journal, reuse what the ledger already has, run the rest concurrently."""
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        runner: ToolRunner,
+        ledger: ToolLedger,
+        effects: EffectSink | None,
+    ) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.ledger = ledger
+        self.effects = effects
+
+    def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
+        return [call_key(turn_id, batch, c.name, c.args, i) for i, c in enumerate(calls)]
+
+    async def run_batch(
+        self,
+        turn_id: str,
+        epoch: int,
+        batch: int,
+        calls: Sequence[ToolCall],
+        denied: frozenset[int] = frozenset(),
+    ) -> list[ToolResult]:
+        """Journal, decide per call from the ledger, run what must run; results in order.
+
+        The owner's decisions (``dispatched`` for what runs, the settled state of what does
+        not) are one compare-and-set fenced on ``epoch``: a fenced owner gets
+        :class:`~bus.errors.StaleOwner` and runs nothing; a call whose entry changed since it
+        was read (a racing owner dispatched or settled it) is decided again from what won.
+        Round trips: one to journal ``prepared`` and read prior entries, one for the fenced
+        step, then one per call as it finishes.
+        """
+        keys = self.keys_for(turn_id, batch, calls)
+        reads = await self.ledger.prepare(
+            turn_id, [(k, c.name) for k, c in zip(keys, calls, strict=True)]
+        )
+        results: list[ToolResult | None] = [None] * len(calls)
+        runnable: dict[int, tuple[ToolSpec, bytes]] = {}
+        pending = dict(enumerate(keys))
+        for _ in range(_DECIDE_ROUNDS):
+            changes: dict[str, Change] = {}
+            for i, key in pending.items():
+                decided = self._decide(calls[i], reads[key].entry, i in denied)
+                if isinstance(decided, ToolSpec):
+                    entry = LedgerEntry(
+                        state="dispatched", name=calls[i].name, updated_at=_now_ms(),
+                        epoch=epoch, writer=uuid.uuid4().hex,
+                    )  # fmt: skip
+                    changes[key] = Change(reads[key].raw, entry)
+                    runnable[i] = (decided, pack_model(entry))
+                    continue
+                state, res = decided
+                results[i] = res
+                if state is not None:
+                    entry = LedgerEntry(
+                        state=state, name=calls[i].name, result=res, updated_at=_now_ms(),
+                        epoch=epoch, writer=uuid.uuid4().hex,
+                    )  # fmt: skip
+                    changes[key] = Change(reads[key].raw, entry)
+            won = await self.ledger.transition(turn_id, changes, epoch=epoch)
+            lost = {i: k for i, k in pending.items() if k in won and not won[k]}
+            if not lost:
+                break
+            # Another owner changed these entries since we read them: decide again from theirs.
+            for i in lost:
+                runnable.pop(i, None)
+                results[i] = None
+            reads.update(await self.ledger.get_many(turn_id, list(lost.values())))
+            pending = lost
+        else:
+            raise StoreError(f"turn {turn_id}: ledger of batch {batch} kept changing under it")
+        for i, res in zip(
+            runnable,
+            await asyncio.gather(
+                *(
+                    self._run(turn_id, keys[i], calls[i], spec, dispatched)
+                    for i, (spec, dispatched) in runnable.items()
+                )
+            ),
+            strict=True,
+        ):
+            results[i] = res
+        return [r for r in results if r is not None]
+
+    def _decide(
+        self, call: ToolCall, entry: LedgerEntry, denied: bool
+    ) -> ToolSpec | tuple[LedgerState | None, ToolResult]:
+        """Pure: run it (its spec), or its result and the ledger state to journal (None: keep)."""
+
+        try:
+            spec = self.registry.get(call.name)
+        except UnknownTool as exc:
+            return "failed", tool_result(call, "error", str(exc))
+        verdict = resume_verdict(entry, spec.idempotent)
+        if verdict == "reuse":
+            assert entry.result is not None
+            # The model-assigned call id may differ on replay; the outcome is what is reused.
+            return None, entry.result.model_copy(update={"call_id": call.id})
+        if verdict == "unknown":
+            return "outcome_unknown", lost_call(call, "was running when its host died")
+        if denied:
+            return "committed", tool_result(call, "denied", f"{call.name} was not approved")
+        return spec
+
+    async def _run(
+        self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec, dispatched: bytes
+    ) -> ToolResult:
+        res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
+        state: LedgerState = "committed" if res.status == "ok" else "failed"
+        if res.status == "outcome_unknown":
+            state = "outcome_unknown"
+        # Not fenced: the call ran, so its outcome is true whoever owns the turn now. Compared
+        # with our own dispatch, so it never overwrites what a successor settled meanwhile.
+        entry = LedgerEntry(
+            state=state, name=call.name, result=res, updated_at=_now_ms(),
+            writer=uuid.uuid4().hex,
+        )  # fmt: skip
+        won = await self.ledger.transition(turn_id, {key: Change(dispatched, entry)}, epoch=None)
+        if not won[key]:
+            log.warning(
+                "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
+            )
+        return res

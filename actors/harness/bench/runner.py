@@ -1,0 +1,328 @@
+"""The bench run: every figure in order, the report, and the targets of issue 5.
+
+Ray and Redis are shared by all figures; each figure that needs a deployment starts a fresh
+one. Figures are measured one after another, never at the same time, so each has the machine
+to itself (with its baseline measured right beside it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+from ray.exceptions import RayError
+
+from actors.engine.config import Settings
+from actors.engine.scenario import load_scenario
+from actors.harness.bench.durability_modes import durability_modes
+from actors.harness.bench.probe import BenchProbe
+from actors.harness.bench.recovery import host_kill_recovery, ray_restart_ms
+from actors.harness.bench.sizes import checkpoint_sizes
+from actors.harness.bench.workload import deployed, durability_overhead, host_capacity, host_scaling
+from actors.harness.percentiles import summarize
+from bus.errors import ConfigError, PhaselineError
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect, translated
+from store.keys import KeyLayout
+
+SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
+
+FIGURES = (
+    "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
+    "recovery",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """How much of each figure to measure; :data:`QUICK` and :data:`FULL` are the two sizes."""
+
+    latency_saves: int
+    """Sequential saves per path for the latency figure."""
+    throughput_turns: tuple[int, ...] = (1, 100, 1000)
+    """Concurrent saving turns of the throughput figure."""
+    throughput_s: float
+    """Seconds each throughput path runs at each concurrency."""
+    record_messages: int = 12
+    """Messages in the record the probe saves (a turn five tool rounds in)."""
+    payload_bytes: int = 500
+    """Size of each message text and tool output in the probe's and the size figure's records."""
+    durability_turns: int
+    """Concurrent turns of the durability figure."""
+    durability_reps: int
+    """On/off pairs of the durability figure (medians are reported)."""
+    scaling_turns: int
+    """Turns of the host-count figure."""
+    host_counts: tuple[int, ...] = (1, 2, 4)
+    """Host counts of the host-count figure."""
+    capacity_ladder: tuple[int, ...]
+    """Concurrent turns tried on one host."""
+    recovery_turns: int = 500
+    """Turns in flight on the host that is killed."""
+    ray_restarts: int
+    """Empty-actor restarts measured as the recovery baseline."""
+    modes_s: float = 3.0
+    """Seconds each durability mode runs per round of the durability-modes figure."""
+    size_lengths: tuple[int, ...] = (10, 50, 100, 250, 500)
+    """Transcript lengths of the size figure."""
+
+
+QUICK = BenchConfig(
+    modes_s=1.5,
+    latency_saves=200,
+    throughput_s=2.0,
+    durability_turns=1000,
+    durability_reps=2,
+    scaling_turns=300,
+    capacity_ladder=(5000,),
+    ray_restarts=3,
+)
+FULL = BenchConfig(
+    latency_saves=1000,
+    throughput_s=5.0,
+    durability_turns=1000,
+    durability_reps=5,
+    scaling_turns=1000,
+    capacity_ladder=(1000, 5000, 10000),
+    ray_restarts=5,
+)
+
+
+def parse_figures(spec: str) -> tuple[str, ...]:
+    """``all`` or a comma-separated subset of :data:`FIGURES`; anything else is a ConfigError."""
+    if spec.strip() == "all":
+        return FIGURES
+    chosen = tuple(s.strip() for s in spec.split(",") if s.strip())
+    unknown = sorted(set(chosen) - set(FIGURES))
+    if unknown or not chosen:
+        raise ConfigError(f"unknown figures {unknown or spec!r}; choose from {', '.join(FIGURES)}")
+    return chosen
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+async def _probe_figures(
+    base: Settings, url: str, cfg: BenchConfig, figures: tuple[str, ...]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # The probe's synthetic turns are in progress with no host task and no spec, so the periodic
+    # adopt would take them for orphans and quarantine them mid-measurement: keep it off here.
+    sup = base.supervisor.model_copy(update={"adopt_interval_s": 86_400.0})
+    async with deployed(
+        base.model_copy(update={"supervisor": sup}), url, hosts=1, label="probe"
+    ) as rt:
+        probe = BenchProbe.remote(  # type: ignore[attr-defined]
+            rt.dep.to_wire(), cfg.record_messages, cfg.payload_bytes
+        )
+        await probe.pid.remote()
+        await probe.latency.remote(20)  # warm-up: connections, Ray call path
+        if "latency" in figures:
+            ms = await probe.latency.remote(cfg.latency_saves)
+            actor, bare = summarize(ms["batched"], digits=3), summarize(ms["bare"], digits=3)
+            out["checkpoint_latency"] = {
+                "turns": 1,
+                "record_messages": cfg.record_messages,
+                "actor_ms": actor,
+                "baseline_bare_multi_exec_ms": bare,
+                "ratio_p50": _ratio(actor["p50"], bare["p50"]),
+                "ratio_p99": _ratio(actor["p99"], bare["p99"]),
+            }
+        if "throughput" in figures:
+            rows = []
+            for turns in cfg.throughput_turns:
+                row: dict[str, Any] = {"turns": turns}
+                for path in ("batched", "unbatched", "raw"):
+                    await probe.throughput.remote(path, turns, min(0.5, cfg.throughput_s))
+                    got = await probe.throughput.remote(path, turns, cfg.throughput_s)
+                    row[f"{path}_saves_per_s"] = round(got["saves_per_s"])
+                row["ratio_to_unbatched"] = _ratio(
+                    row["batched_saves_per_s"], row["unbatched_saves_per_s"]
+                )
+                row["ratio_to_raw"] = _ratio(row["batched_saves_per_s"], row["raw_saves_per_s"])
+                rows.append(row)
+            out["checkpoint_throughput"] = {
+                "record_messages": cfg.record_messages,
+                "seconds_per_path": cfg.throughput_s,
+                "rows": rows,
+            }
+        ray.kill(probe)
+    return out
+
+
+async def run_bench(
+    base: Settings,
+    url: str,
+    cfg: BenchConfig,
+    *,
+    figures: tuple[str, ...] = FIGURES,
+    on_figure: Callable[[str, dict[str, Any]], None] = lambda name, data: None,
+) -> dict[str, Any]:
+    """Measure the chosen figures on Redis at ``url`` (Ray must be initialised)."""
+    started = time.time()
+    fig: dict[str, Any] = {}
+    fast = load_scenario(SCENARIOS / "bench.toml")
+    slow = load_scenario(SCENARIOS / "bench_slow.toml")
+
+    async def sizes() -> Any:
+        client = connect(url)
+        try:
+            store = RedisCheckpointStore(client, KeyLayout(f"benchsize{int(started)}"))
+            return await checkpoint_sizes(
+                client, store, lengths=cfg.size_lengths, payload_bytes=cfg.payload_bytes
+            )
+        finally:
+            await client.aclose()
+
+    async def recovery() -> Any:
+        restarts = await ray_restart_ms(cfg.ray_restarts)
+        kill = await host_kill_recovery(base, url, slow, turns=cfg.recovery_turns)
+        baseline = statistics.median(restarts)
+        kill["baseline_ray_restart_ms"] = summarize(restarts)
+        kill["ratio_p50"] = _ratio(kill["latency_ms"]["p50"], baseline)
+        kill["ratio_p99"] = _ratio(kill["latency_ms"]["p99"], baseline)
+        return kill
+
+    plan: list[tuple[str, str, Callable[[], Awaitable[Any]]]] = [
+        ("sizes", "bytes_per_checkpoint", sizes),
+        ("probe", "checkpoint_latency+checkpoint_throughput",
+         lambda: _probe_figures(base, url, cfg, figures)),
+        ("durability", "durability_overhead",
+         lambda: durability_overhead(base, url, fast, turns=cfg.durability_turns,
+                                     reps=cfg.durability_reps, hosts=2)),
+        ("durability_modes", "durability_modes",
+         lambda: durability_modes(seconds=cfg.modes_s, reps=cfg.durability_reps)),
+        ("scaling", "turns_per_s_by_hosts",
+         lambda: host_scaling(base, url, fast, turns=cfg.scaling_turns,
+                              host_counts=cfg.host_counts)),
+        ("capacity", "host_capacity",
+         lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder)),
+        ("recovery", "recovery", recovery),
+    ]  # fmt: skip
+    for figure, name, measure in plan:
+        wanted = {"latency", "throughput"} if figure == "probe" else {figure}
+        if not wanted & set(figures):
+            continue
+        try:
+            data = await measure()
+        except (PhaselineError, RayError, asyncio.TimeoutError) as exc:
+            # Reported, not fatal: the other figures are still worth having.
+            data = {"error": f"{type(exc).__name__}: {exc}"}
+        results = data if figure == "probe" and "error" not in data else {name: data}
+        for key, value in results.items():
+            fig[key] = value
+            on_figure(key, value)
+    return {
+        "machine": await machine(url),
+        "config": dataclasses.asdict(cfg),
+        "started_at": started,
+        "wall_s": round(time.time() - started, 1),
+        "figures": fig,
+        "targets": targets(fig),
+    }
+
+
+def _target(name: str, value: float | None, op: str, bound: float, note: str) -> dict[str, Any]:
+    met = value is not None and (value >= bound if op == ">=" else value <= bound)
+    return {"name": name, "value": value, "target": f"{op} {bound:g}", "met": met, "note": note}
+
+
+def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """The four targets of issue 5 (the first and the last have two parts each), for the
+    figures measured; a figure that failed gives its targets no value, and its error."""
+    out = []
+
+    def add(name: str, value: Any, op: str, bound: float, note: str, data: dict[str, Any]) -> None:
+        out.append(_target(name, value, op, bound, data.get("error", note)))
+
+    thr = fig.get("checkpoint_throughput")
+    if thr is not None:
+        row: dict[str, Any] = next((r for r in thr.get("rows", []) if r["turns"] == 1000), {})
+        add(
+            "checkpoint_saves_per_s_at_1000_turns",
+            row.get("batched_saves_per_s"),
+            ">=",
+            10_000,
+            "batched path, through the CheckpointActor",
+            thr,
+        )
+        add(
+            "checkpoint_batched_vs_unbatched_at_1000_turns",
+            row.get("ratio_to_unbatched"),
+            ">=",
+            5,
+            "ratio of saves/s",
+            thr,
+        )
+    dur = fig.get("durability_overhead")
+    if dur is not None:
+        add(
+            "durability_overhead_pct",
+            dur.get("overhead_pct"),
+            "<=",
+            10,
+            f"{dur.get('turns')} concurrent turns of {dur.get('scenario')}",
+            dur,
+        )
+    rec = fig.get("recovery")
+    if rec is not None:
+        add(
+            "recovery_p99_vs_ray_restart",
+            rec.get("ratio_p99"),
+            "<=",
+            2,
+            f"{rec.get('turns')} turns on the killed host; baseline: the median empty-actor "
+            "restart",
+            rec,
+        )
+    cap = fig.get("host_capacity")
+    if cap is not None:
+        steps = [r["turns"] for r in cap.get("rows", [])]
+        add(
+            "concurrent_turns_per_host",
+            cap.get("max_turns_held"),
+            ">=",
+            5000,
+            f"largest step held of {steps}",
+            cap,
+        )
+        b = cap.get("bytes_per_turn_at_max")
+        add(
+            "memory_kib_per_turn_beyond_transcript",
+            None if b is None else round(b / 1024, 1),
+            "<=",
+            50,
+            "at the largest step held",
+            cap,
+        )
+    return out  # fmt: skip
+
+
+async def machine(url: str) -> dict[str, Any]:
+    """What the figures were measured on."""
+    client = connect(url)
+    try:
+        with translated("read redis version"):
+            info = await client.info("server")
+    finally:
+        await client.aclose()
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "ray": ray.__version__,
+        "redis_server": info.get("redis_version"),
+    }

@@ -1,0 +1,509 @@
+"""``phaseline chaos``: kill runtime processes at random under load, then judge from Redis.
+
+Modelled on the resource killers Ray runs in its own release tests: a seeded loop picks a
+target kind and a victim at random intervals and kills it, while turns keep arriving. Targets:
+
+* ``host``, ``tool``, ``checkpoint``, ``watchdog``, ``recovery``, ``supervisor``: SIGKILL of
+  that actor's process (a random one of its kind);
+* ``redis``: SIGKILL of the embedded redis-server and a restart on its AOF
+  (``appendfsync always``), so every client sees its connections drop;
+* ``freeze``: SIGSTOP of a host until the supervisor has replaced it and the successor has
+  claimed its turns, then SIGCONT: the old incarnation wakes up as a zombie;
+* ``power_loss``: the embedded server's machine loses power: SIGSTOP (no reply leaves it), then
+  SIGKILL, the AOF cut back to what its fsync policy had made durable (nothing acknowledged
+  under ``appendfsync always``, the last second under ``everysec``), and a restart. Side effects
+  are then counted on a witness server outside the Redis under test, so a lost tail cannot hide
+  a duplicate;
+* ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
+  the namespace is) claims and runs a few in-progress turns of a random host while that host
+  still runs them: the two race on every dispatch and save until one is fenced.
+
+``host`` and ``freeze`` pick among the shared hosts and the isolation host alike. With
+``poison`` > 0, that many turns run a variant of the scenario whose third model call SIGKILLs
+the process it runs in (a poison turn); the verdict wants each of them ``suspended:poison``
+and every other turn equal to the fault-free run. ``--targets none`` injects nothing else, so
+the host deaths counted are the poison turns' own.
+
+The verdict (``actors.harness.verdict``) is read from Redis afterwards against a fault-free run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.runtime import Runtime
+from actors.engine.scenario import Fault as ModelFault
+from actors.engine.scenario import Scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.harness.percentiles import summarize
+from actors.harness.transitions import first_moves_after, read_moves
+from actors.harness.verdict import Verdict, judge, reference_transcript
+from actors.turn.loop import TurnOutcome
+from bus.errors import ConfigError, PhaselineError
+from bus.phase import Transition
+from store.connection import connect
+from store.embedded import EmbeddedRedis
+from store.isolation import Isolation
+
+log = logging.getLogger(__name__)
+
+TARGETS = (
+    "host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze",
+    "concurrent_resume", "power_loss",
+)  # fmt: skip
+
+#: Targets that need the embedded server (they kill and restart it).
+EMBEDDED_ONLY = ("redis", "power_loss")
+
+#: Turns a ``concurrent_resume`` fault takes over at once.
+RIVAL_TURNS = 3
+
+
+#: The model call of a poison turn that SIGKILLs its process.
+POISON_AT_CALL = 3
+
+
+def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
+    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list."""
+    if spec == "none":
+        return ()
+    names = (
+        TARGETS if spec in ("all", "") else tuple(t.strip() for t in spec.split(",") if t.strip())
+    )
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
+    needs = [t for t in names if t in EMBEDDED_ONLY]
+    if needs and not embedded:
+        if spec in ("all", ""):
+            return tuple(t for t in names if t not in EMBEDDED_ONLY)
+        raise ConfigError(f"targets {needs} restart the embedded server; drop --redis-url for them")
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosConfig:
+    scenario: Scenario
+    """What every turn runs."""
+    turns: int
+    """Turns submitted, spread evenly over the first half of ``duration_s``."""
+    duration_s: float
+    """How long faults are injected."""
+    kill_interval_s: float
+    """Mean seconds between two faults (each interval is drawn from 0.5x..1.5x)."""
+    targets: tuple[str, ...]
+    """Kinds of victim."""
+    seed: int
+    """Seeds the victim and interval choices, so a failing run can be replayed."""
+    poison: int = 0
+    """Turns among ``turns`` that run :func:`poison_variant` of the scenario."""
+
+
+def poison_variant(scenario: Scenario) -> Scenario:
+    """The scenario with a model call that SIGKILLs its process whenever it is reached."""
+    at = min(POISON_AT_CALL, scenario.rounds + 1)
+    crash = ModelFault(at_call=at, kind="crash")
+    kept = tuple(f for f in scenario.faults if f.at_call != at)
+    return scenario.model_copy(update={"faults": (*kept, crash)})
+
+
+def poison_ids(ids: list[str], n: int) -> list[str]:
+    """``n`` of ``ids``, spread evenly from the middle of each stretch (deterministic)."""
+    n = min(n, len(ids))
+    return [ids[(2 * i + 1) * len(ids) // (2 * n)] for i in range(n)]
+
+
+@dataclass(slots=True)
+class Fault:
+    at_s: float
+    target: str
+    victim: str
+    pid: int | None
+    affected: dict[str, int] = field(default_factory=dict)
+    """For host faults: in-progress turn -> its epoch at the kill."""
+    note: str = ""
+
+    @property
+    def landed(self) -> bool:
+        """It did something (a skipped fault has neither a victim process nor a takeover)."""
+        return (
+            self.pid is not None
+            or self.target in EMBEDDED_ONLY
+            or bool(self.target == "concurrent_resume" and self.affected)
+        )
+
+
+@dataclass(slots=True)
+class ChaosReport:
+    config: dict[str, Any]
+    verdict: Verdict
+    faults: list[Fault]
+    wall_s: float
+    respawns: int
+    started_at: float
+    latency_ms: list[float]
+    moves: list[Transition]
+    """Every transition read from the bus (for the timeline; not in the JSON)."""
+    recovered: list[tuple[str, float, float, str]]
+    """(turn, seconds since start, latency ms, fault target) per recovered turn."""
+    turn_ids: list[str]
+    rivals: dict[str, int] = field(default_factory=dict)
+    """How the turns a ``concurrent_resume`` rival took over ended for the rival (``fenced``:
+    the host's side won them back)."""
+    replacements: dict[str, int] = field(default_factory=dict)
+    """Host label -> how many times the supervisor replaced it (deaths and freezes)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.verdict.ok,
+            "config": self.config,
+            "verdict": self.verdict.as_dict(),
+            "kills_per_target": dict(Counter(f.target for f in self.faults if f.landed)),
+            "faults": [
+                {
+                    "at_s": round(f.at_s, 2),
+                    "target": f.target,
+                    "victim": f.victim,
+                    "pid": f.pid,
+                    "affected_turns": len(f.affected),
+                    "note": f.note,
+                }
+                for f in self.faults
+            ],
+            "recovery_latency_ms": summarize(self.latency_ms),
+            "recovery_latency_ms_by_kind": {
+                kind: summarize(ms for _, _, ms, k in self.recovered if k == kind)
+                for kind in sorted({k for *_, k in self.recovered})
+            },
+            "respawns": self.respawns,
+            "replacements_per_host": self.replacements,
+            "rival_outcomes": self.rivals,
+            "wall_s": round(self.wall_s, 2),
+            "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
+        }
+
+
+#: Rows of the timeline: every flagged turn (up to this many), then the most resumed, then a
+#: sample of the affected ones and of the rest.
+PLOT_ROWS = 40
+PLOT_MOST_RESUMED = 8
+
+
+def plot_rows(report: ChaosReport) -> tuple[list[str], set[str]]:
+    """The turns the timeline shows, and those it highlights: every turn the verdict flagged
+    and every poison turn, then the most resumed ones, then affected turns, then a sample."""
+    v = report.verdict
+    order = {t: i for i, t in enumerate(report.turn_ids)}
+    flagged = sorted(v.flagged | set(v.poison), key=lambda t: order.get(t, 0))
+    by_resumes = sorted(v.resumes, key=lambda t: (-v.resumes[t], order.get(t, 0)))
+    most = [t for t in by_resumes if v.resumes[t] > 0][:PLOT_MOST_RESUMED]
+    highlighted = set(flagged) | set(most)
+    rows = list(dict.fromkeys([*flagged, *most]))
+    affected = sorted({t for f in report.faults for t in f.affected} - set(rows))
+    room = max(0, PLOT_ROWS - len(rows))
+    rows += affected[: room * 3 // 4]
+    rest = [t for t in report.turn_ids if t not in set(rows)]
+    rows += random.Random(0).sample(rest, min(len(rest), max(0, PLOT_ROWS - len(rows))))
+    return rows, highlighted
+
+
+def plot(report: ChaosReport, path: str) -> None:
+    """The timeline PNG (rows chosen by :func:`plot_rows`)."""
+    from actors.harness.timeline import plot_timeline
+
+    rows, highlighted = plot_rows(report)
+    kills = [(f.at_s, f"{f.target} {f.victim}") for f in report.faults if f.landed]
+    plot_timeline(
+        report.moves, kills, [(t, at) for t, at, *_ in report.recovered], report.started_at,
+        path, sample=rows, highlight=highlighted,
+        title=f"phaseline chaos: {report.verdict.turns} turns, {len(kills)} faults, "
+        f"verdict {'ok' if report.verdict.ok else 'NOT OK'}",
+    )  # fmt: skip
+
+
+class ChaosMonkey:
+    """Injects the faults of one run."""
+
+    def __init__(self, rt: Runtime, server: EmbeddedRedis | None, cfg: ChaosConfig) -> None:
+        self.rt = rt
+        self.server = server
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.faults: list[Fault] = []
+        self.t0 = time.monotonic()
+        self.rivals: list[asyncio.Task[TurnOutcome]] = []
+        self.aof_samples: deque[tuple[float, tuple[Path, int] | None]] = deque(maxlen=200)
+        self._rival: TurnEngine | None = None
+
+    async def run(self) -> None:
+        sampler = None
+        if "power_loss" in self.cfg.targets and self.server is not None:
+            sampler = asyncio.ensure_future(self._sample_aof())
+        try:
+            await self._faults()
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+
+    async def _sample_aof(self) -> None:
+        """Where the AOF stood over the last seconds: what a power loss under ``everysec`` may
+        cut back to."""
+        assert self.server is not None
+        while True:
+            with contextlib.suppress(OSError):
+                self.aof_samples.append((time.monotonic(), self.server.aof_tail()))
+            await asyncio.sleep(0.02)  # the sampling period
+
+    async def _faults(self) -> None:
+        deadline = self.t0 + self.cfg.duration_s
+        while True:
+            pause = self.rng.uniform(0.5, 1.5) * self.cfg.kill_interval_s
+            if time.monotonic() + pause > deadline:
+                return
+            await asyncio.sleep(pause)  # the fault schedule itself, not a synchronisation
+            if not self.cfg.targets:
+                return
+            target = self.rng.choice(self.cfg.targets)
+            try:
+                self.faults.append(await self.inject(target))
+            except (
+                PhaselineError,
+                ray.exceptions.RayActorError,
+                ValueError,
+                ProcessLookupError,
+            ) as exc:
+                self.faults.append(
+                    Fault(self.now(), target, "-", None, note=f"skipped: {exc}"[:200])
+                )
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def _affected(self, slot: int) -> dict[str, int]:
+        """In-progress turn -> epoch of the turns on ``slot`` (the isolation host: the turn on
+        probation there, if any)."""
+        if slot == self.rt.dep.isolation_slot:
+            marker = await Isolation(self.rt.client, self.rt.dep.keys).current()
+            return {} if marker is None else {marker.turn_id: marker.epoch}
+        out = {}
+        for tid in await self.rt.store.list_in_progress():
+            if self.rt.dep.slot_of(tid) == slot:
+                out[tid] = (await self.rt.store.load(tid)).epoch
+        return out
+
+    async def inject(self, target: str) -> Fault:
+        rt = self.rt
+        if target in ("host", "freeze"):
+            slot = self.rng.choice(rt.dep.slots())
+            affected = await self._affected(slot)
+            at = self.now()
+            if target == "host":
+                pid = await rt.kill_host(slot)
+                return Fault(at, target, rt.dep.host_label(slot), pid, affected)
+            before = await rt.respawns()
+            pid = await rt.kill_host(slot, signal.SIGSTOP)
+            try:
+                await self._until_claimed(before, affected)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return Fault(
+                at, target, rt.dep.host_label(slot), pid, affected, note="stopped until replaced"
+            )
+        if target == "tool":
+            index = self.rng.randrange(rt.dep.settings.tools.workers)
+            handle = ray.get_actor(
+                rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE
+            )
+            pid = int((await handle.hello.remote())["pid"])
+            os.kill(pid, signal.SIGKILL)
+            return Fault(self.now(), target, f"tools{index}", pid)
+        if target == "concurrent_resume":
+            return await self._rival_resume()
+        if target == "power_loss":
+            return await self._power_loss()
+        if target == "redis":
+            assert self.server is not None
+            at = self.now()
+            down = await asyncio.to_thread(self.server.restart)
+            return Fault(at, target, "redis-server", None, note=f"down {down:.2f} s")
+        pid = await rt.service_pid(target)
+        os.kill(pid, signal.SIGKILL)
+        return Fault(self.now(), target, target, pid)
+
+    async def _power_loss(self) -> Fault:
+        server = self.server
+        assert server is not None and server.process is not None
+        at = self.now()
+        server.process.send_signal(signal.SIGSTOP)  # from here on it acknowledges nothing
+        keep = server.aof_tail()
+        if server.appendfsync != "always":  # everysec: the last second was not yet on disk
+            older = [tail for t, tail in self.aof_samples if t <= time.monotonic() - 1.0]
+            if older and older[-1] is not None and keep is not None and older[-1][0] == keep[0]:
+                keep = older[-1]
+        dropped = await asyncio.to_thread(server.power_loss, keep)
+        note = f"appendfsync {server.appendfsync}: {dropped} AOF bytes lost"
+        return Fault(at, "power_loss", "redis-server", None, note=note)
+
+    async def _rival_resume(self) -> Fault:
+        """Claim and run a few turns of one host from here, as a second resumer would."""
+        if self._rival is None:
+            self._rival = TurnEngine.from_settings(
+                self.rt.client, self.rt.dep.settings, watchdog=None
+            )
+        slot = self.rng.randrange(self.rt.dep.hosts)
+        running = await self._affected(slot)  # turn -> epoch
+        taken = self.rng.sample(sorted(running), min(RIVAL_TURNS, len(running)))
+        affected = {t: running[t] for t in taken}
+        at = self.now()
+        self.rivals += [asyncio.ensure_future(self._rival.resume(t)) for t in taken]
+        return Fault(at, "concurrent_resume", f"host{slot}", None, affected,
+                     note=f"rival resumed {len(taken)}")  # fmt: skip
+
+    async def rivals_done(self) -> Counter[str]:
+        """Wait for every rival turn; how each ended (``fenced``: the host won it back)."""
+        ended = await asyncio.gather(*self.rivals, return_exceptions=True)
+        return Counter(o.outcome if isinstance(o, TurnOutcome) else type(o).__name__ for o in ended)
+
+    async def _until_claimed(self, respawns_before: int, affected: dict[str, int]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if await self.rt.respawns() > respawns_before:
+                    records = [await self.rt.store.load(t) for t in affected]
+                    # A turn the successor handed to the isolation host is not claimed until
+                    # its probation comes up: that counts as taken over too.
+                    queued = await Isolation(self.rt.client, self.rt.dep.keys).members()
+                    if all(
+                        r.epoch > affected[r.turn_id] or not r.in_progress or r.turn_id in queued
+                        for r in records
+                    ):
+                        return
+            except PhaselineError:
+                pass
+            await asyncio.sleep(0.1)  # polling the successor's claims, with a deadline
+        raise PhaselineError("frozen host was not replaced within 60 s")
+
+
+async def submit_over(
+    rt: Runtime,
+    scenario_of: Callable[[str], Scenario],
+    ids: list[str],
+    seconds: float,
+    on_submitted: Callable[[int], None],
+) -> None:
+    """Submit ``ids`` in one-second waves spread over ``seconds`` (retrying through outages),
+    each turn with its scenario."""
+    waves = max(1, int(seconds))
+    per = -(-len(ids) // waves)
+    for start in range(0, len(ids), per):
+        wave = ids[start : start + per]
+        groups: dict[Scenario, list[str]] = {}
+        for tid in wave:
+            groups.setdefault(scenario_of(tid), []).append(tid)
+        for scenario, group in groups.items():
+            while True:
+                try:
+                    await rt.submit(scenario, group)  # idempotent: repeating a wave is safe
+                    break
+                except PhaselineError as exc:
+                    log.warning("submission interrupted, repeating the wave: %s", exc)
+                    await asyncio.sleep(0.5)  # Redis restarting: retry the wave
+        on_submitted(len(wave))
+        await asyncio.sleep(1)  # the arrival schedule
+
+
+def recoveries(
+    moves: list[Transition], faults: list[Fault], t0_unix: float
+) -> list[tuple[str, float, float, str]]:
+    """(turn, seconds since start, latency ms, fault target): the first move of each affected
+    turn under a newer epoch after its host was killed, frozen or raced."""
+    out = []
+    for f in faults:
+        kill_ms = (t0_unix + f.at_s) * 1000
+        for tid, first in first_moves_after(moves, f.affected, kill_ms).items():
+            out.append((tid, first.at_ms / 1000 - t0_unix, first.at_ms - kill_ms, f.target))
+    return out
+
+
+async def run_chaos(
+    rt: Runtime,
+    server: EmbeddedRedis | None,
+    cfg: ChaosConfig,
+    *,
+    on_submitted: Callable[[int], None],
+    on_done: Callable[[str], None],
+) -> ChaosReport:
+    expected = await reference_transcript(rt.client, cfg.scenario, f"{rt.dep.keys.namespace}-ref")
+    ids = [f"chaos{cfg.seed}-t{i:06d}" for i in range(cfg.turns)]
+    poisoned = frozenset(poison_ids(ids, cfg.poison)) if cfg.poison else frozenset()
+    poison = poison_variant(cfg.scenario)
+
+    def scenario_of(tid: str) -> Scenario:
+        return poison if tid in poisoned else cfg.scenario
+
+    t0_unix = time.time()
+    monkey = ChaosMonkey(rt, server, cfg)
+    started = monkey.t0
+    await asyncio.gather(
+        submit_over(rt, scenario_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
+    )
+    try:
+        await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
+    except PhaselineError as exc:  # the verdict below reports what never finished
+        log.error("chaos run: %s", exc)
+    rivals = await monkey.rivals_done()
+    if rivals:
+        log.info("rival resumes ended: %s", dict(rivals))
+    wall = time.monotonic() - started
+    witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
+    try:
+        verdict = await judge(
+            rt.client, rt.dep.keys, ids, expected,
+            effects_client=witness, expect_suspended=poisoned,
+        )  # fmt: skip
+    finally:
+        if witness is not None:
+            await witness.aclose()
+    moves = await read_moves(rt.client, rt.dep.keys)
+    recovered = recoveries(moves, monkey.faults, t0_unix)
+    return ChaosReport(
+        config={
+            "scenario": cfg.scenario.name,
+            "turns": cfg.turns,
+            "duration_s": cfg.duration_s,
+            "kill_interval_s": cfg.kill_interval_s,
+            "targets": list(cfg.targets),
+            "seed": cfg.seed,
+            "poison": cfg.poison,
+            "hosts": rt.dep.hosts,
+            "namespace": rt.dep.keys.namespace,
+        },
+        verdict=verdict,
+        faults=monkey.faults,
+        wall_s=wall,
+        respawns=await rt.respawns(),
+        started_at=t0_unix,
+        latency_ms=[ms for _, _, ms, _ in recovered],
+        moves=moves,
+        recovered=recovered,
+        turn_ids=ids,
+        rivals=dict(rivals),
+        replacements={
+            rt.dep.host_label(slot): gen
+            for slot, gen in sorted((await rt.hosts.generations()).items())
+        },
+    )

@@ -1,0 +1,91 @@
+"""``phaseline demo``: many concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict.
+
+The verdict is :func:`actors.harness.verdict.judge`, read from Redis, not from the runtime's
+counters: every turn has a final record, its transcript equals a fault-free in-process run of
+the same scenario message for message, meta is index-aligned, nothing is left in progress, no side
+effect ran twice and no stale write was accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from actors.cluster.runtime import Runtime
+from actors.engine.scenario import Scenario
+from actors.harness.verdict import Verdict, judge, reference_transcript
+
+
+@dataclass(slots=True)
+class DemoReport:
+    verdict: Verdict
+    kills: list[dict[str, float | int]] = field(default_factory=list)
+    respawns: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict.ok
+
+    def as_dict(self) -> dict[str, object]:
+        v = self.verdict
+        return {
+            "ok": self.ok,
+            "turns": v.turns,
+            "completed": v.turns - len(v.lost) - len(v.in_progress),
+            "correct": v.turns
+            - len(
+                set(v.lost)
+                | set(v.in_progress)
+                | {d.split(":")[0] for d in v.differ}
+                | set(v.meta_drift)
+            ),
+            "resumed": v.resumed,
+            "checkpoints": v.checkpoints,
+            "kills": self.kills,
+            "respawns": self.respawns,
+            "verdict": v.as_dict(),
+            "wall_s": round(self.wall_s, 2),
+            "turns_per_s": round(v.turns / self.wall_s, 1) if self.wall_s else None,
+        }
+
+
+async def run_demo(
+    rt: Runtime,
+    scenario: Scenario,
+    ids: list[str],
+    *,
+    kill_at: float,
+    on_done: Callable[[str], None],
+) -> DemoReport:
+    expected = await reference_transcript(rt.client, scenario, f"{rt.dep.keys.namespace}-ref")
+    started = time.monotonic()
+    done = 0
+    due = asyncio.Event()
+    kills: list[dict[str, float | int]] = []
+
+    def check() -> None:
+        if done >= kill_at * len(ids):
+            due.set()
+
+    def finished(turn_id: str) -> None:
+        nonlocal done
+        done += 1
+        on_done(turn_id)
+        check()
+
+    await rt.submit(scenario, ids)
+    check()  # at kill_at 0 the kill is due at once, with every turn in flight
+    waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
+    kill_due = asyncio.ensure_future(due.wait())
+    await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
+    kill_due.cancel()
+    if not waiter.done():
+        pid = await rt.kill_host(0)
+        kills.append({"slot": 0, "pid": pid, "at_s": round(time.monotonic() - started, 2)})
+    await waiter
+    wall = time.monotonic() - started
+    verdict = await judge(rt.client, rt.dep.keys, ids, expected)
+    return DemoReport(verdict, kills, await rt.respawns(), wall)

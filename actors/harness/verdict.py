@@ -1,0 +1,239 @@
+"""The verdict of a run, read from the evidence in Redis, never from the runtime's counters.
+
+For every turn that was submitted: its final record exists and is not in progress; its
+transcript equals the fault-free transcript of its scenario message for message (a tool result
+``outcome_unknown`` is accepted in place of the call's real result: that is the documented
+answer for a non-idempotent call caught in flight); meta is index-aligned with the pre-turn
+ids intact; no non-idempotent call ran twice (side-effect counters); and the checkpoint
+events show no write accepted out of order (an older epoch after a newer one, or a seq that
+did not increase), which is what a stale owner's accepted write would look like.
+
+Poison turns (``expect_suspended``) are judged the other way round: each must end parked as
+``suspended:poison``, and no other turn may be suspended or aborted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from actors.engine.scenario import Scenario
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.loop import LoopSettings
+from actors.turn.poison import SUSPENDED_POISON
+from bus.errors import RecordError, RecordNotFound
+from store.checkpoint import RedisCheckpointStore
+from store.connection import read_range, text
+from store.effects import EffectCounters
+from store.keys import KeyLayout
+from store.records import CheckpointRecord, Message
+
+
+async def reference_transcript(
+    client: aioredis.Redis, scenario: Scenario, namespace: str
+) -> tuple[Message, ...]:
+    """The fault-free transcript of ``scenario``, run in this process in its own namespace
+    (the scripted model's replies depend on the scenario and the transcript only)."""
+    engine = TurnEngine(
+        client,
+        KeyLayout(namespace, shards=1),
+        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
+    )
+    await engine.run_new(scenario.model_copy(update={"llm_latency_ms": 0}), ["reference"])
+    return (await engine.store.load("reference")).messages
+
+
+def first_difference(messages: Sequence[Message], expected: Sequence[Message]) -> str | None:
+    """None if the transcript matches; else where and how it first differs."""
+    for i, (got, want) in enumerate(zip(messages, expected, strict=False)):
+        if got == want:
+            continue
+        g, w = got.tool_result, want.tool_result
+        unknown = g is not None and w is not None and g.status == "outcome_unknown"
+        if unknown and (g.call_id, g.name) == (w.call_id, w.name):  # type: ignore[union-attr]
+            continue
+        return f"message {i}: got {_brief(got)}, want {_brief(want)}"
+    if len(messages) != len(expected):
+        return f"{len(messages)} messages, want {len(expected)}"
+    return None
+
+
+def _brief(m: Message) -> str:
+    if m.tool_result is not None:
+        return f"tool {m.tool_result.name}[{m.tool_result.status}] {m.tool_result.output[:40]!r}"
+    calls = ",".join(c.name for c in m.tool_calls)
+    return f"{m.role} {m.text[:40]!r}" + (f" calls {calls}" if calls else "")
+
+
+@dataclass(slots=True)
+class Verdict:
+    turns: int = 0
+    lost: list[str] = field(default_factory=list)
+    differ: list[str] = field(default_factory=list)
+    meta_drift: list[str] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)
+    duplicate_effects: list[str] = field(default_factory=list)
+    stale_accepted: list[str] = field(default_factory=list)
+    suspended: list[str] = field(default_factory=list)
+    """Turns parked as ``suspended:poison`` that were not poison turns."""
+    aborted: list[str] = field(default_factory=list)
+    """Turns that ended ``aborted:<cause>`` (also counted in ``differ``)."""
+    poison_escaped: list[str] = field(default_factory=list)
+    """Poison turns that did not end suspended."""
+    poison: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Per poison turn: how many owners it lost (each a host death) and where its isolation
+    host died."""
+    poison_deaths: int = 0
+    """Owners the poison turns lost, summed: the host deaths under them."""
+    outcome_unknown: int = 0
+    resumed: int = 0
+    most_resumes: int = 0
+    """The most times one turn was resumed."""
+    checkpoints: int = 0
+    flagged: set[str] = field(default_factory=set)
+    """Turn ids behind any failing count (for the timeline; not in the JSON)."""
+    resumes: dict[str, int] = field(default_factory=dict)
+    """Resume attempts per turn (for the timeline; not in the JSON)."""
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost or self.differ or self.meta_drift or self.in_progress
+            or self.duplicate_effects or self.stale_accepted or self.suspended
+            or self.aborted or self.poison_escaped
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "turns": self.turns,
+            "lost": len(self.lost),
+            "transcripts_differ": len(self.differ),
+            "meta_drift": len(self.meta_drift),
+            "in_progress_left": len(self.in_progress),
+            "duplicate_side_effects": len(self.duplicate_effects),
+            "stale_writes_accepted": len(self.stale_accepted),
+            "suspended_unexpectedly": len(self.suspended),
+            "aborted": len(self.aborted),
+            "poison_turns": len(self.poison),
+            "poison_suspended": len(self.poison) - len(self.poison_escaped),
+            "poison_escaped": len(self.poison_escaped),
+            "poison_host_deaths": self.poison_deaths,
+            "poison_detail": self.poison,
+            "outcome_unknown_results": self.outcome_unknown,
+            "resumed_turns": self.resumed,
+            "most_resumes_of_one_turn": self.most_resumes,
+            "checkpoints": self.checkpoints,
+            "examples": {
+                k: v[:5]
+                for k, v in (
+                    ("lost", self.lost), ("differ", self.differ), ("meta_drift", self.meta_drift),
+                    ("in_progress", self.in_progress),
+                    ("duplicate_effects", self.duplicate_effects),
+                    ("stale_accepted", self.stale_accepted),
+                    ("suspended", self.suspended), ("aborted", self.aborted),
+                    ("poison_escaped", self.poison_escaped),
+                )
+                if v
+            },
+        }  # fmt: skip
+
+
+def meta_ok(record: CheckpointRecord) -> bool:
+    ids = [m.message_id for m in record.meta]
+    return (
+        len(record.meta) == len(record.messages)
+        and ids[: record.baseline] == [f"{record.turn_id}:system", f"{record.turn_id}:user"]
+        and len(ids) == len(set(ids))
+    )
+
+
+async def judge(
+    client: aioredis.Redis,
+    keys: KeyLayout,
+    turn_ids: Sequence[str],
+    expected: Sequence[Message],
+    *,
+    effects_client: aioredis.Redis | None = None,
+    expect_suspended: frozenset[str] = frozenset(),
+) -> Verdict:
+    """``effects_client``: where the side effects were counted, if not in ``client``'s Redis;
+    ``expect_suspended``: the poison turns, which must end suspended."""
+    v = Verdict(turns=len(turn_ids))
+    store = RedisCheckpointStore(client, keys)
+    effects = EffectCounters(effects_client or client, keys)
+    for tid in turn_ids:
+        try:
+            record = await store.load(tid)
+        except (RecordNotFound, RecordError):
+            v.lost.append(tid)
+            v.flagged.add(tid)
+            continue
+        outcome = record.counters.outcome
+        v.resumes[tid] = record.counters.resume_attempts
+        if tid in expect_suspended:
+            v.poison[tid] = {
+                "outcome": outcome,
+                "owners_lost": record.counters.resume_attempts,
+                "isolated_deaths": list(record.counters.isolated_deaths),
+            }
+            v.poison_deaths += record.counters.resume_attempts
+            if outcome != SUSPENDED_POISON:
+                v.poison_escaped.append(f"{tid}: outcome {outcome or 'none (in progress)'}")
+                v.flagged.add(tid)
+            if any(n > 1 for n in (await effects.counts(tid)).values()):
+                v.duplicate_effects.append(tid)
+                v.flagged.add(tid)
+            continue
+        if record.in_progress:
+            v.in_progress.append(tid)
+            v.flagged.add(tid)
+            continue
+        if outcome == SUSPENDED_POISON:
+            v.suspended.append(f"{tid}: {list(record.counters.isolated_deaths)}")
+            v.flagged.add(tid)
+            continue
+        if outcome.startswith("aborted:"):
+            v.aborted.append(f"{tid}: {outcome}")
+            v.flagged.add(tid)
+        v.resumed += record.counters.resume_attempts > 0
+        v.most_resumes = max(v.most_resumes, record.counters.resume_attempts)
+        v.checkpoints += record.seq
+        v.outcome_unknown += sum(
+            m.tool_result is not None and m.tool_result.status == "outcome_unknown"
+            for m in record.messages
+        )
+        diff = first_difference(record.messages, expected)
+        if diff is not None:
+            v.differ.append(f"{tid}: {diff} (outcome {record.counters.outcome})")
+            v.flagged.add(tid)
+        if not meta_ok(record):
+            v.meta_drift.append(tid)
+            v.flagged.add(tid)
+        if any(n > 1 for n in (await effects.counts(tid)).values()):
+            v.duplicate_effects.append(tid)
+            v.flagged.add(tid)
+    v.stale_accepted = await out_of_order_writes(client, keys, set(turn_ids))
+    v.flagged.update(v.stale_accepted)
+    return v
+
+
+async def out_of_order_writes(
+    client: aioredis.Redis, keys: KeyLayout, turn_ids: set[str]
+) -> list[str]:
+    """Turns whose checkpoint events show a write accepted after a newer one."""
+    last: dict[str, tuple[int, int]] = {}
+    bad: set[str] = set()
+    for shard in keys.all_shards():
+        for _, f in await read_range(client, keys.events(shard)):
+            tid = text(f[b"turn_id"])
+            if tid not in turn_ids:
+                continue
+            epoch, seq = int(f[b"epoch"]), int(f[b"seq"])
+            prev = last.get(tid)
+            if prev is not None and (epoch < prev[0] or seq <= prev[1]):
+                bad.add(tid)
+            last[tid] = (max(epoch, prev[0]) if prev else epoch, seq)
+    return sorted(bad)

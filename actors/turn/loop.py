@@ -1,0 +1,588 @@
+"""The turn loop: one agent turn as an explicit walk through the phases. No Ray in here.
+
+The loop owns the canonical transcript of its turn (pre-turn baseline + the turn's own messages)
+and checkpoints it only at the durable boundaries of DESIGN §3:
+
+1. after a tool batch completes (leaving ``executing_tools``),
+2. after a reactive compaction (leaving ``compacting``),
+3. before entering ``force_stop``,
+
+plus the final save at ``done``. Work that changes durable state sets a dirty flag; it is
+cleared only after a save succeeded (peek-then-take), so a failed or debounced save is retried
+at the next site. Every save rebuilds the whole transcript, never a diff. Each save is awaited
+before the next side effect, and a :class:`~bus.errors.StaleOwner` refusal stops the loop at
+once: a newer owner is driving the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from actors.turn.compaction import compact
+from actors.turn.llm import LLMClient, LLMRequest
+from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
+from actors.turn.poison import step_name
+from actors.turn.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
+from actors.turn.tools import ToolRegistry
+from bus.errors import (
+    ContextLengthError,
+    HardIdleTimeout,
+    LLMError,
+    RecordTooLarge,
+    RetryableLLMError,
+    StaleOwner,
+    StoreError,
+)
+from bus.phase import Listener, PhaseTracker, TurnPhase
+from store.records import (
+    CheckpointRecord,
+    InboxItem,
+    Message,
+    MessageMeta,
+    SaveAck,
+    Source,
+    ToolCall,
+    ToolResult,
+)
+
+log = logging.getLogger(__name__)
+P = TurnPhase
+
+
+class Checkpointer(Protocol):
+    async def save(self, record: CheckpointRecord) -> SaveAck: ...
+
+
+class InboxReader(Protocol):
+    async def read_from(self, turn_id: str, offset: int) -> list[InboxItem]: ...
+
+
+class ApprovalDesk(Protocol):
+    async def request(self, turn_id: str, call_key: str) -> None: ...
+    async def decision(self, turn_id: str, call_key: str) -> bool | None: ...
+
+
+class ToolBatches(Protocol):
+    def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]: ...
+    async def run_batch(
+        self,
+        turn_id: str,
+        epoch: int,
+        batch: int,
+        calls: Sequence[ToolCall],
+        denied: frozenset[int] = ...,
+    ) -> list[ToolResult]:
+        """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced."""
+        ...
+
+
+class ProbationHooks(Protocol):
+    """What a probation run (a turn isolated by the poison-turn policy) reports."""
+
+    async def step(self, step: str) -> None:
+        """Durably note the step about to begin (``phase@position``), before it begins: if the
+        process dies inside it, the next isolation host reads where."""
+        ...
+
+    @property
+    def releases(self) -> bool:
+        """Still on probation: the run stops (``released``) after its next checkpoint."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """Knobs of the loop; defaults are the production values of DESIGN §3-4."""
+
+    strict: bool = False
+    """Illegal phase transitions raise (tests) instead of being logged and counted."""
+    checkpoint_min_interval_s: float = 2.0
+    """Minimum seconds between mid-turn saves (0 in tests); never delays the final save."""
+    checkpoint_mid_turn: bool = True
+    """False skips every mid-turn save (only the final one is written): what ``phaseline
+    bench`` compares against to price durability. Never off in production."""
+    approval_timeout_s: float = 300.0
+    """Cap on ``awaiting_approval``; the call is denied past it."""
+    approval_poll_s: float = 0.2
+    """How often a pending approval is re-read from Redis."""
+    backoff_scale: float = 1.0
+    """Multiplier of the 1 s / 2 s / 4 s retry backoff (tests shrink it)."""
+    loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
+    """When the loop detector suspects and stops."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDeps:
+    """What a loop talks to; every member is an interface, so tests and engines swap them."""
+
+    llm: LLMClient
+    """The model."""
+    tools: ToolBatches
+    """Runs a tool batch under the ledger."""
+    registry: ToolRegistry
+    """Tool specs (approval flags)."""
+    checkpoints: Checkpointer
+    """Durable saves (the store, or a CheckpointActor client)."""
+    inbox: InboxReader
+    """Injected user messages."""
+    approvals: ApprovalDesk
+    """Approval decisions."""
+    listener: Listener | None = None
+    """Receives every phase transition (bus publisher, watchdog, progress display)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """How a turn ended, as seen by the loop that ended it."""
+
+    turn_id: str
+    """The turn."""
+    outcome: str
+    """``answered``, ``force_stopped``, ``aborted:<cause>``, ``fenced`` (a newer owner),
+    ``released`` (a probation run that reached its checkpoint; its slot resumes it) or
+    ``interrupted`` (Redis failed under it)."""
+    epoch: int
+    """Epoch that ran it."""
+    saves: int
+    """Checkpoints this loop wrote."""
+    failed_saves: int
+    """Saves that failed and were retried at a later site."""
+    messages: int
+    """Transcript length at the end."""
+
+
+class _Fenced(Exception):
+    """Internal: a save was refused by fencing; unwinds the loop without further effects."""
+
+
+class _TooLarge(Exception):
+    """Internal: the next checkpoint is over the size cap; unwinds to end on the last one."""
+
+
+class _Released(Exception):
+    """Internal: a probation run saved its first checkpoint; unwinds with nothing in flight."""
+
+
+class TurnLoop:
+    """Drives one turn from a record (fresh at ``submitted``, or claimed for a resume)."""
+
+    def __init__(
+        self,
+        record: CheckpointRecord,
+        deps: TurnDeps,
+        settings: LoopSettings = LoopSettings(),
+        *,
+        clock: Callable[[], float] = time.time,
+        resume_from: str | None = None,
+        probation: ProbationHooks | None = None,
+    ) -> None:
+        """``resume_from`` is the reason of the checkpoint a resumed turn restarts from;
+        ``probation`` makes this a probation run: it notes each step before it begins and
+        stops (outcome ``released``) right after its first mid-turn checkpoint."""
+        self.turn_id = record.turn_id
+        self.session_id = record.session_id
+        self.epoch = record.epoch
+        self.deps = deps
+        self.settings = settings
+        self._clock = clock
+        self._baseline = record.messages[: record.baseline]
+        self._baseline_meta = record.meta[: record.baseline]
+        self._turn = list(record.messages[record.baseline :])
+        self._meta = list(record.meta[record.baseline :])
+        self._counters = record.counters
+        self._resume_from = resume_from
+        self._probation = probation
+        self._seq = record.seq
+        self._saved = record
+        """The last record known stored: what an oversized checkpoint falls back to."""
+        self._dirty = False
+        self._last_save: float | None = None
+        self.saves = 0
+        self.failed_saves = 0
+        self.tracker = PhaseTracker(
+            self.turn_id,
+            epoch=self.epoch,
+            strict=settings.strict,
+            clock=clock,
+            listener=deps.listener,
+        )
+        self._llm_task: asyncio.Task[Message] | None = None
+        self._cancel_cause: str | None = None
+        self.pending_approval: str | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return (*self._baseline, *self._turn)
+
+    def cancel_llm(self, cause: str = "hard_idle_timeout") -> bool:
+        """Cancel the in-flight model call (the watchdog's hard timeout). False if none."""
+        task = self._llm_task
+        if task is None or task.done():
+            return False
+        self._cancel_cause = cause
+        task.cancel()
+        return True
+
+    async def run(self) -> TurnOutcome:
+        t = self.tracker
+        try:
+            t.to(P.SETUP)
+            if self._resume_from == "force_stop":
+                return await self._force_stop(checkpoint_first=False)
+            t.to(P.AWAITING_LLM)
+            return await self._drive()
+        except _Fenced:
+            return self._outcome("fenced")
+        except _Released:
+            return self._outcome("released")
+        except _TooLarge:
+            return await self._end_oversized()
+
+    async def abort(self, cause: str) -> TurnOutcome:
+        """End the turn without running it (e.g. out of resume attempts), saving its record."""
+        try:
+            return await self._finish(f"aborted:{cause}")
+        except _Fenced:
+            return self._outcome("fenced")
+
+    def interrupted(self) -> TurnOutcome:
+        """Outcome of a loop cut short by a store failure (its turn stays resumable)."""
+        return self._outcome("interrupted")
+
+    # -- the walk -----------------------------------------------------------------------------
+
+    async def _drive(self) -> TurnOutcome:
+        while True:
+            await self._drain_inbox()
+            try:
+                reply = await self._call_llm(tools_enabled=True)
+            except LLMError as exc:
+                decision = self._decide(_problem_of(exc))
+                done = await self._apply(decision, _problem_of(exc))
+                if done is not None:
+                    return done
+                continue
+            self._counters = self._counters.model_copy(update={"retry_attempts": 0})
+            if not reply.text and not reply.tool_calls:
+                decision = self._decide(Problem.EMPTY_REPLY)
+                done = await self._apply(decision, Problem.EMPTY_REPLY)
+                if done is not None:
+                    return done
+                continue
+            self._append(reply, "llm")
+            if not reply.tool_calls:
+                return await self._finish("answered")
+            verdict = detect_loop(self._turn, self.settings.loop_thresholds)
+            if verdict is not LoopVerdict.OK:
+                self._skip_batch(reply.tool_calls)
+                decision = self._decide(Problem.LOOP, loop_stop=verdict is LoopVerdict.STOP)
+                done = await self._apply(decision, Problem.LOOP)
+                if done is not None:
+                    return done
+                continue
+            self.tracker.to(P.EXECUTING_TOOLS)
+            await self._run_batch(reply.tool_calls)
+            await self._checkpoint("tool_batch")
+            self.tracker.to(P.AWAITING_LLM)
+
+    def _decide(self, problem: Problem, *, loop_stop: bool = False) -> Decision:
+        c = self._counters
+        return decide_recovery(
+            Situation(
+                problem=problem,
+                reactive_compacted=c.reactive_compacted,
+                retry_attempts=c.retry_attempts,
+                loop_stop=loop_stop,
+                nudges=c.nudges,
+            )
+        )
+
+    async def _apply(self, decision: Decision, problem: Problem) -> TurnOutcome | None:
+        """Carry out a recovery decision; returns the outcome when the turn ended."""
+        t = self.tracker
+        c = self._counters
+        if decision.action is Action.RETRY:
+            t.to(P.RETRYING_LLM)
+            self._counters = c.model_copy(update={"retry_attempts": c.retry_attempts + 1})
+            self._dirty = True
+            await asyncio.sleep(decision.backoff_s * self.settings.backoff_scale)
+            t.to(P.AWAITING_LLM)
+            return None
+        if decision.action is Action.COMPACT:
+            t.to(P.COMPACTING)
+            shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=_new_id())
+            if shrunk is None:
+                return await self._finish("aborted:context_length")
+            self._turn, self._meta = shrunk
+            self._counters = c.model_copy(update={"reactive_compacted": True})
+            self._dirty = True
+            await self._checkpoint("compaction")
+            t.to(P.AWAITING_LLM)
+            return None
+        if decision.action is Action.NUDGE:
+            t.to(P.INJECTING_MESSAGE)
+            self._append(Message(role="user", text=nudge_text(problem)), "system", injected=True)
+            self._counters = self._counters.model_copy(update={"nudges": c.nudges + 1})
+            t.restore()
+            return None
+        if decision.action is Action.FORCE_STOP:
+            return await self._force_stop(checkpoint_first=True)
+        return await self._finish(f"aborted:{decision.cause}")
+
+    async def _force_stop(self, *, checkpoint_first: bool) -> TurnOutcome:
+        if checkpoint_first:
+            await self._checkpoint("force_stop")
+        self.tracker.to(P.FORCE_STOP)
+        try:
+            reply = await self._call_llm(tools_enabled=False)
+        except LLMError as exc:
+            return await self._finish(f"aborted:{_problem_of(exc).value}")
+        self._append(reply, "llm")
+        return await self._finish("force_stopped")
+
+    async def _finish(self, outcome: str) -> TurnOutcome:
+        self.tracker.to(P.DONE)
+        self._counters = self._counters.model_copy(update={"outcome": outcome})
+        self._dirty = True
+        await self._checkpoint("final", final=True)
+        return self._outcome(outcome)
+
+    def _fenced(self, exc: StaleOwner) -> _Fenced:
+        """What unwinds this incarnation when a newer owner refused its save or dispatch."""
+        log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
+        return _Fenced()
+
+    async def _end_oversized(self) -> TurnOutcome:
+        """End the turn on its last stored checkpoint: the transcript grew past what a record
+        may hold, so nothing since that checkpoint can be kept."""
+        outcome = "aborted:record_too_large"
+        self._turn = list(self._saved.messages[self._saved.baseline :])
+        self._meta = list(self._saved.meta[self._saved.baseline :])
+        self._counters = self._saved.counters.model_copy(update={"outcome": outcome})
+        if self.tracker.phase is not P.DONE:
+            self.tracker.to(P.DONE)
+        self._dirty = True
+        try:
+            await self._checkpoint("final", final=True)
+        except _Fenced:
+            return self._outcome("fenced")
+        except _TooLarge:  # even the last checkpoint is over the cap now (it was lowered)
+            return self.interrupted()
+        return self._outcome(outcome)
+
+    def _outcome(self, outcome: str) -> TurnOutcome:
+        return TurnOutcome(
+            self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages)
+        )
+
+    # -- model, tools, inbox ------------------------------------------------------------------
+
+    async def _note_step(self) -> None:
+        if self._probation is None:
+            return
+        try:
+            await self._probation.step(step_name(self.tracker.phase.value, len(self.messages)))
+        except StaleOwner as exc:
+            raise self._fenced(exc) from exc
+
+    async def _call_llm(self, *, tools_enabled: bool) -> Message:
+        await self._note_step()
+        request = LLMRequest(
+            turn_id=self.turn_id,
+            messages=self.messages,
+            tools_enabled=tools_enabled,
+            attempt=self._counters.retry_attempts,
+        )
+        self._cancel_cause = None
+        task = asyncio.ensure_future(self.deps.llm.complete(request))
+        self._llm_task = task
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self._llm_task = None
+        if task.cancelled():
+            if self._cancel_cause is not None:
+                raise HardIdleTimeout(f"model call cancelled: {self._cancel_cause}")
+            raise asyncio.CancelledError()
+        return task.result()
+
+    async def _run_batch(self, calls: Sequence[ToolCall]) -> None:
+        await self._note_step()
+        batch = self._counters.tool_batches
+        keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
+        denied = set()
+        for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
+            needs_approval = call.name in self.deps.registry and (
+                self.deps.registry.get(call.name).requires_approval
+            )
+            if needs_approval and not await self._await_approval(key):
+                denied.add(i)
+        try:
+            results = await self.deps.tools.run_batch(
+                self.turn_id, self.epoch, batch, calls, frozenset(denied)
+            )
+        except StaleOwner as exc:
+            raise self._fenced(exc) from exc
+        for res in results:
+            self._append(Message(role="tool", tool_result=res), "tool")
+        self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
+
+    async def _await_approval(self, key: str) -> bool:
+        """Wait in the ``awaiting_approval`` transient; denied when the cap passes."""
+        desk = self.deps.approvals
+        decided = await desk.decision(self.turn_id, key)
+        if decided is not None:
+            return decided
+        self.tracker.to(P.AWAITING_APPROVAL)
+        self.pending_approval = key
+        try:
+            await desk.request(self.turn_id, key)
+            deadline = time.monotonic() + self.settings.approval_timeout_s
+            while (decided := await desk.decision(self.turn_id, key)) is None:
+                if time.monotonic() >= deadline:
+                    decided = False
+                    break
+                await asyncio.sleep(self.settings.approval_poll_s)  # polling Redis, with deadline
+        finally:
+            self.pending_approval = None
+        self.tracker.restore()
+        return decided
+
+    def _skip_batch(self, calls: Sequence[ToolCall]) -> None:
+        """Answer a looping batch without running it, keeping the transcript well-formed."""
+        for call in calls:
+            res = ToolResult(
+                call_id=call.id,
+                name=call.name,
+                status="skipped",
+                output="not run: this exact call was just repeated",
+            )
+            self._append(Message(role="tool", tool_result=res), "tool")
+
+    async def _drain_inbox(self) -> None:
+        offset = self._counters.inbox_offset
+        try:
+            items = await self.deps.inbox.read_from(self.turn_id, offset)
+        except StoreError as exc:
+            log.warning(
+                "turn %s: inbox unreadable, will retry at next boundary: %s", self.turn_id, exc
+            )
+            return
+        if not items:
+            return
+        self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
+        seen = {m.message_id for m in self._meta}
+        fresh = []
+        for item in items:  # a push resent by a client retry is the same message: once only
+            if item.message_id not in seen:
+                seen.add(item.message_id)
+                fresh.append(item)
+        if not fresh:
+            return
+        self.tracker.to(P.INJECTING_MESSAGE)
+        for item in fresh:
+            self._append(
+                Message(role="user", text=item.text),
+                "inbox",
+                message_id=item.message_id,
+                at_ms=item.at_ms,
+            )
+        self.tracker.restore()
+
+    # -- durable state ------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _append(
+        self,
+        message: Message,
+        source: Source,
+        *,
+        injected: bool = False,
+        message_id: str | None = None,
+        at_ms: int | None = None,
+    ) -> None:
+        self._turn.append(message)
+        self._meta.append(
+            MessageMeta(
+                source=source,
+                message_id=message_id or _new_id(),
+                at_ms=self._now_ms() if at_ms is None else at_ms,
+                system_injected=injected,
+            )
+        )
+        self._dirty = True
+
+    def snapshot(self, reason: str, *, in_progress: bool) -> CheckpointRecord:
+        """The whole record, rebuilt from the canonical list on top of the baseline."""
+        self._seq += 1
+        return CheckpointRecord(
+            turn_id=self.turn_id,
+            session_id=self.session_id,
+            epoch=self.epoch,
+            seq=self._seq,
+            phase=self.tracker.phase,
+            in_progress=in_progress,
+            reason=reason,
+            messages=(*self._baseline, *self._turn),
+            meta=(*self._baseline_meta, *self._meta),
+            baseline=len(self._baseline),
+            counters=self._counters,
+            updated_at=self._now_ms(),
+        )
+
+    async def _checkpoint(self, reason: str, *, final: bool = False) -> None:
+        if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
+            return
+        now = self._clock()
+        interval = self.settings.checkpoint_min_interval_s
+        if not final and self._last_save is not None and now - self._last_save < interval:
+            return  # debounced: stays dirty, the next site saves it
+        record = self.snapshot(reason, in_progress=not final)
+        try:
+            await self.deps.checkpoints.save(record)
+        except StaleOwner as exc:
+            raise self._fenced(exc) from exc
+        except RecordTooLarge as exc:
+            log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
+            raise _TooLarge() from exc
+        except StoreError as exc:
+            self.failed_saves += 1
+            if final:
+                raise
+            log.warning(
+                "turn %s: %s save failed, retried at next site: %s", self.turn_id, reason, exc
+            )
+            return
+        self._dirty = False
+        self._last_save = now
+        self._saved = record
+        self.saves += 1
+        if self._probation is not None and self._probation.releases and not final:
+            raise _Released()
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _problem_of(exc: LLMError) -> Problem:
+    if isinstance(exc, HardIdleTimeout):
+        return Problem.HARD_IDLE_TIMEOUT
+    if isinstance(exc, ContextLengthError):
+        return Problem.CONTEXT_LENGTH
+    if isinstance(exc, RetryableLLMError):
+        return Problem.RETRYABLE
+    return Problem.FATAL  # FatalLLMError and any other LLMError
