@@ -339,10 +339,15 @@ def run(
 
     async def on_ray(rt: Runtime) -> RunStats:
         started = time.monotonic()
+        unusable: list[str] = []
         with bar.progress:
             await rt.submit(scenario, ids)
-            finals = await rt.wait(ids, timeout=24 * 3600, on_done=bar.advance)
+            finals = await rt.wait(
+                ids, timeout=24 * 3600, on_done=bar.advance,
+                on_unusable=lambda tid, _exc: unusable.append(tid),
+            )  # fmt: skip
         stats = _stats_of(finals, time.monotonic() - started)
+        stats.quarantined.extend(unusable)
         stats.host_rss_mib = [round(h["rss_bytes"] / 2**20, 1) for h in await rt.host_info()]
         return stats
 
@@ -406,7 +411,10 @@ def resume(
             errors = [e.key for e in scan.errors]
         bar = _Bar(len(ids), "resume")
         with bar.progress:
-            finals = await rt.wait(ids, timeout=24 * 3600, on_done=bar.advance)
+            finals = await rt.wait(
+                ids, timeout=24 * 3600, on_done=bar.advance,
+                on_unusable=lambda tid, _exc: errors.append(tid),
+            )  # fmt: skip
         stats = _stats_of(finals, time.monotonic() - started)
         stats.quarantined.extend(errors)
         return stats

@@ -22,7 +22,15 @@ class IllegalTransition(PhaselineError):
 
 
 class StoreError(PhaselineError):
-    """Redis could not be reached or answered with an error (translated ``redis.RedisError``)."""
+    """Redis refused or failed an operation (translated ``redis.RedisError``). The subclasses
+    say whether waiting helps: :class:`StoreUnavailable` is transient; records that are bad,
+    missing or already there (:class:`RecordError`, :class:`RecordNotFound`,
+    :class:`TurnExists`) stay so."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis is away for now: connection lost or refused, a timeout, the server loading its
+    AOF, out of memory, a failover. The same operation may succeed later."""
 
 
 class StaleOwner(StoreError):
@@ -32,10 +40,10 @@ class StaleOwner(StoreError):
     """
 
 
-class AlreadySaved(StaleOwner):
-    """The very save (same epoch and seq) is already stored: a replayed request, not a loss.
-
-    A writer that retried a save whose first reply was lost may treat this as its ack.
+class AlreadySaved(StoreError):
+    """The very save (same epoch and seq) is already stored: a replayed request, not a loss,
+    and not a fencing refusal (deliberately no :class:`StaleOwner`): ``save`` answers it with
+    an ack; ``save_many`` reports it per record so a resending client can count it acked.
     """
 
 

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 _SAVE_LUA = lua_script("checkpoint_save.lua")
 
+#: ``SaveAck.event_id`` of a save that had already landed (its event id is not re-read).
+REPLAYED = "replayed"
+
 
 @dataclass(frozen=True, slots=True)
 class _Write:
@@ -104,8 +107,11 @@ class RedisCheckpointStore:
         return await self._commit(writes)
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
-        """Fenced, atomic save of the whole record (see module docstring)."""
+        """Fenced, atomic save of the whole record (see module docstring). A save found
+        already stored (a client's resend of a request whose reply was lost) is acked."""
         (result,) = await self.save_many([record])
+        if isinstance(result, AlreadySaved):
+            return SaveAck(record.turn_id, record.epoch, record.seq, REPLAYED)
         if isinstance(result, Exception):
             raise result
         return result

@@ -13,7 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
 
-from bus.errors import RecordError, StoreError
+from bus.errors import RecordError, StoreError, StoreUnavailable
 
 
 class _HiredisConnection(aioredis.Connection):
@@ -120,11 +120,25 @@ def connect(
 
 @contextmanager
 def translated(action: str) -> Iterator[None]:
-    """Re-raise ``redis.RedisError`` (and socket errors) as :class:`StoreError`."""
+    """Re-raise ``redis.RedisError`` (and socket errors) as :class:`StoreError`:
+    :class:`StoreUnavailable` for what passes (see :func:`is_transient`)."""
     try:
         yield
     except (redis.RedisError, OSError) as exc:
-        raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+        kind = StoreUnavailable if is_transient(exc) else StoreError
+        raise kind(f"{action}: {type(exc).__name__}: {exc}") from exc
+
+
+#: Reply prefixes of a server that will answer again: loading, out of memory, a failover.
+_TRANSIENT_REPLIES = ("LOADING", "OOM", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "BUSY")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting can fix it: a lost or refused connection, a timeout, a server that is
+    loading, full, failing over or running a long script."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
 
 
 @contextmanager

@@ -26,9 +26,9 @@ def invoke(*args: str) -> tuple[int, str]:
 
 
 def test_every_shipped_scenario_and_config_is_valid() -> None:
+    from actors.engine.builtin_tools import BUILTIN_TOOLS
     from actors.engine.config import load_settings
     from actors.engine.scenario import load_scenario
-    from actors.engine.builtin_tools import BUILTIN_TOOLS
 
     scenarios = sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
     assert len(scenarios) >= 5

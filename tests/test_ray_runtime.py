@@ -153,6 +153,26 @@ async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
         assert all(n == 1 for n in (await effects.counts(tid)).values()), tid
 
 
+async def test_wait_reports_a_record_corrupted_mid_run_and_returns_the_others(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """A record that turns unreadable while its turn runs is quarantined by the next adopt;
+    ``wait`` reports it and returns the others instead of waiting for it until its timeout."""
+    rt = await start_runtime(hosts=1, supervisor={"adopt_interval_s": 0.5})
+    sc = scenario(rounds=6, llm_latency_ms=200)
+    ids = [f"w{i}" for i in range(4)]
+    await rt.submit(sc, ids)
+    await checkpoints_written(real_client, rt.dep.keys, 4 + 2)
+    await real_client.hset(rt.dep.keys.turn("w0"), "epoch", "not-a-number")
+    unusable: dict[str, str] = {}
+    finals = await rt.wait(
+        ids, timeout=120, on_unusable=lambda tid, exc: unusable.__setitem__(tid, str(exc))
+    )
+    assert sorted(finals) == ["w1", "w2", "w3"] and list(unusable) == ["w0"]
+    assert all(f.counters.outcome == "answered" for f in finals.values())
+    assert any("w0" in key for key in await rt.store.quarantined())
+
+
 async def test_sigkill_of_tool_workers_mid_call(
     start_runtime: StartRuntime, real_client: aioredis.Redis
 ) -> None:

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.cluster.deployment import Deployment
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
-from store.checkpoint import RedisCheckpointStore
+from store.checkpoint import REPLAYED, RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
 from store.connection import connect
 from store.records import CheckpointRecord, SaveAck
@@ -66,7 +66,7 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
         if isinstance(result, SaveAck):
             answers[i] = ("ok", result.event_id)
         elif isinstance(result, AlreadySaved):
-            answers[i] = ("ok", "replayed")
+            answers[i] = ("ok", REPLAYED)
         elif isinstance(result, StaleOwner):
             answers[i] = ("stale", str(result))
         elif isinstance(result, RecordTooLarge):

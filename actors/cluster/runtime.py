@@ -25,7 +25,15 @@ from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import new_turn
-from bus.errors import ConfigError, PhaselineError, StoreError, TurnExists
+from bus.errors import (
+    ConfigError,
+    PhaselineError,
+    RecordError,
+    RecordNotFound,
+    StoreError,
+    StoreUnavailable,
+    TurnExists,
+)
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, read_streams, redact_url, text, translated
@@ -157,8 +165,12 @@ class Runtime:
         *,
         timeout: float = 600.0,
         on_done: Callable[[str], None] | None = None,
+        on_unusable: Callable[[str, StoreError], None] | None = None,
     ) -> dict[str, CheckpointRecord]:
-        """Block until every turn's final record is stored; returns them."""
+        """Block until every turn's final record is stored; returns them. A turn whose record
+        is unreadable (quarantined) or gone is not waited for: it is left out of the answer
+        and reported to ``on_unusable`` (logged if there is none). Only a Redis that is away
+        (:class:`StoreUnavailable`) is waited through."""
         waiting = set(turn_ids)
         done: dict[str, CheckpointRecord] = {}
         keys = self.dep.keys
@@ -173,8 +185,10 @@ class Runtime:
             if scan:
                 last_scan = now
             try:
-                await self._collect(waiting, done, cursors, scan=scan, on_done=on_done)
-            except StoreError as exc:  # Redis restarting: keep waiting
+                await self._collect(
+                    waiting, done, cursors, scan=scan, on_done=on_done, on_unusable=on_unusable
+                )
+            except StoreUnavailable as exc:  # Redis restarting: keep waiting
                 log.warning("waiting through a Redis error: %s", exc)
                 await asyncio.sleep(0.5)
         return done
@@ -187,6 +201,7 @@ class Runtime:
         *,
         scan: bool,
         on_done: Callable[[str], None] | None,
+        on_unusable: Callable[[str, StoreError], None] | None,
     ) -> None:
         finished: set[str] = set()
         for stream, entries in await read_streams(self.client, cursors, count=5000, block_ms=500):
@@ -198,7 +213,14 @@ class Runtime:
         if scan:  # events may be trimmed: confirm from the records
             finished |= waiting - set(await self.store.list_in_progress())
         for tid in finished & waiting:
-            record = await self.store.load(tid)
+            try:
+                record = await self.store.load(tid)
+            except (RecordError, RecordNotFound) as exc:
+                waiting.discard(tid)
+                log.error("turn %s cannot be waited for: %s", tid, exc)
+                if on_unusable is not None:
+                    on_unusable(tid, exc)
+                continue
             if record.in_progress:
                 continue
             done[tid] = record

@@ -1,11 +1,16 @@
 """TurnActor: the async Ray actor that hosts many turns, one asyncio task per turn.
 
+Not one actor per turn: every Ray actor is a process, and an idle one is already about 100 MiB
+resident, while a host holding 5,000 turns at once peaked under 300 MiB (``phaseline bench
+--figures capacity``; docs/BENCHMARKS.md). A turn spends its life waiting on a model or a
+tool, which is what an event loop is for.
+
 A host is the engine (:class:`~actors.engine.turn_engine.TurnEngine`) with Ray parts plugged
 in: saves go through the CheckpointActor (batched), tool calls go to the ToolWorker actors,
-transitions go to the bus. A host
-owns one *slot*; the Supervisor gives each slot a new *generation* (a new actor) when the old
-one dies or hangs, and the new one adopts every in-progress turn of the slot through a resume
-plan of the RecoveryActor (which bumps the epoch, so the old incarnation is fenced off).
+transitions go to the bus. A host owns one *slot*; the Supervisor gives each slot a new
+*generation* (a new actor) when the old one dies or hangs, and the new one adopts every
+in-progress turn of the slot through a resume plan of the RecoveryActor (which bumps the
+epoch, so the old incarnation is fenced off).
 
 One more slot, after the shared ones, is the *isolation host*: it takes no turns of its own,
 but runs the turns the poison-turn policy isolated (``actors.turn.poison``), one at a time, each
