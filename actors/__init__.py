@@ -1,1 +1,140 @@
-"""Behaviour: the turn loop, LLM and tool adapters, the engines that drive them, the CLI."""
+"""phaseline's public API: what a Python program needs to run turns on a cluster.
+
+Everything here is re-exported from the layer that owns it (``actors.cluster``,
+``actors.engine``, ``actors.turn``, ``store.records``, ``bus``), loaded on first use, so that
+importing a pure layer such as ``actors.turn`` does not start importing Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: name -> module that defines it.
+_EXPORTS = {
+    # running turns
+    "Runtime": "actors.cluster.runtime",
+    "TurnEngine": "actors.engine.turn_engine",
+    "RunStats": "actors.engine.turn_engine",
+    "Settings": "actors.engine.config",
+    "load_settings": "actors.engine.config",
+    "Scenario": "actors.engine.scenario",
+    "load_scenario": "actors.engine.scenario",
+    "BUILTIN_TOOLS": "actors.engine.builtin_tools",
+    # the model and tool interfaces
+    "LLMClient": "actors.turn.llm",
+    "LLMRequest": "actors.turn.llm",
+    "ToolSpec": "actors.turn.tools",
+    "ToolRegistry": "actors.turn.tools",
+    "ToolContext": "actors.turn.tools",
+    # records
+    "CheckpointRecord": "store.records",
+    "Counters": "store.records",
+    "Message": "store.records",
+    "MessageMeta": "store.records",
+    "ToolCall": "store.records",
+    "ToolResult": "store.records",
+    "TurnSpec": "store.records",
+    "InboxItem": "store.records",
+    "TurnPhase": "bus.phase",
+    # errors
+    "PhaselineError": "bus.errors",
+    "ConfigError": "bus.errors",
+    "StoreError": "bus.errors",
+    "StoreUnavailable": "bus.errors",
+    "StaleOwner": "bus.errors",
+    "RecordError": "bus.errors",
+    "RecordNotFound": "bus.errors",
+    "TurnExists": "bus.errors",
+    "LLMError": "bus.errors",
+    "RetryableLLMError": "bus.errors",
+    "ContextLengthError": "bus.errors",
+    "FatalLLMError": "bus.errors",
+    "ToolError": "bus.errors",
+}
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "CheckpointRecord",
+    "ConfigError",
+    "ContextLengthError",
+    "Counters",
+    "FatalLLMError",
+    "InboxItem",
+    "LLMClient",
+    "LLMError",
+    "LLMRequest",
+    "Message",
+    "MessageMeta",
+    "PhaselineError",
+    "RecordError",
+    "RecordNotFound",
+    "RetryableLLMError",
+    "RunStats",
+    "Runtime",
+    "Scenario",
+    "Settings",
+    "StaleOwner",
+    "StoreError",
+    "StoreUnavailable",
+    "ToolCall",
+    "ToolContext",
+    "ToolError",
+    "ToolRegistry",
+    "ToolResult",
+    "ToolSpec",
+    "TurnEngine",
+    "TurnExists",
+    "TurnPhase",
+    "TurnSpec",
+    "load_scenario",
+    "load_settings",
+]
+
+if TYPE_CHECKING:
+    from actors.cluster.runtime import Runtime
+    from actors.engine.builtin_tools import BUILTIN_TOOLS
+    from actors.engine.config import Settings, load_settings
+    from actors.engine.scenario import Scenario, load_scenario
+    from actors.engine.turn_engine import RunStats, TurnEngine
+    from actors.turn.llm import LLMClient, LLMRequest
+    from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+    from bus.errors import (
+        ConfigError,
+        ContextLengthError,
+        FatalLLMError,
+        LLMError,
+        PhaselineError,
+        RecordError,
+        RecordNotFound,
+        RetryableLLMError,
+        StaleOwner,
+        StoreError,
+        StoreUnavailable,
+        ToolError,
+        TurnExists,
+    )
+    from bus.phase import TurnPhase
+    from store.records import (
+        CheckpointRecord,
+        Counters,
+        InboxItem,
+        Message,
+        MessageMeta,
+        ToolCall,
+        ToolResult,
+        TurnSpec,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
