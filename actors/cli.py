@@ -36,6 +36,7 @@ from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
+from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
@@ -314,7 +315,7 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
 @main.command()
 @_common
 @click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
-              help="Scenario file (configs/scenarios/*.toml).")  # fmt: skip
+              help="Scenario file, or the name of a shipped one (e.g. tool_loop).")  # fmt: skip
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
 @click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
 @_ray_options
@@ -326,7 +327,7 @@ def run(
 ) -> None:  # fmt: skip
     """Run TURNS scripted turns of a scenario concurrently (on Ray unless --in-process)."""
     settings = _settings(config_path, redis_url, namespace)
-    scenario = load_scenario(scenario_path)
+    scenario = load_scenario(shipped_scenario(scenario_path))
     BUILTIN_TOOLS.require(scenario.tools)
     rid = check_turn_id(run_id) if run_id else new_run_id()
     ids = turn_ids(rid, turns)
@@ -426,9 +427,8 @@ def resume(
 
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", type=click.Path(dir_okay=False),
-              default=str(Path(__file__).resolve().parents[1] / "configs/scenarios/tool_loop.toml"),
-              show_default="configs/scenarios/tool_loop.toml")  # fmt: skip
+@click.option("--scenario", "scenario_path", default="tool_loop", show_default=True,
+              help="Scenario file, or the name of a shipped one (configs/scenarios/).")  # fmt: skip
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
 @click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
@@ -444,7 +444,7 @@ def demo(
     """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis."""
     rid = f"demo{new_run_id()}"
     settings = _settings(config_path, redis_url, namespace or rid)
-    scenario = load_scenario(scenario_path)
+    scenario = load_scenario(shipped_scenario(scenario_path))
     BUILTIN_TOOLS.require(scenario.tools)
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
@@ -474,7 +474,7 @@ def demo(
 @main.command()
 @_common
 @click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
-              help="Scenario file (configs/scenarios/*.toml).")  # fmt: skip
+              help="Scenario file, or the name of a shipped one (e.g. tool_loop).")  # fmt: skip
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
 @click.option("--duration", type=click.FloatRange(1, 86_400), default=30, show_default=True,
               help="Seconds of fault injection (turns arrive during the first half).")  # fmt: skip
@@ -500,7 +500,7 @@ def chaos(
 ) -> None:  # fmt: skip
     """Kill runtime processes at random under load; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
-    scenario = load_scenario(scenario_path)
+    scenario = load_scenario(shipped_scenario(scenario_path))
     BUILTIN_TOOLS.require(scenario.tools)
     chosen = parse_targets(targets, embedded=settings.redis.url is None)
     if poison > turns:

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import actors
+from actors.engine.shipped import scenario_path
+from bus.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +43,10 @@ def test_the_readme_program_runs(redis_url: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["answered", "33", "messages"]
+
+
+def test_shipped_scenarios_are_found_by_name() -> None:
+    assert scenario_path("tool_loop") == ROOT / "configs" / "scenarios" / "tool_loop.toml"
+    assert scenario_path("my/own.toml") == Path("my/own.toml")  # a path stays a path
+    with pytest.raises(ConfigError, match=r"shipped ones: .*tool_loop"):
+        scenario_path("no_such_scenario")

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -25,6 +24,7 @@ from ray.exceptions import RayError
 
 from actors.engine.config import Settings
 from actors.engine.scenario import load_scenario
+from actors.engine.shipped import configs_dir
 from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.probe import BenchProbe
 from actors.harness.bench.recovery import host_kill_recovery, ray_restart_ms
@@ -36,7 +36,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, translated
 from store.keys import KeyLayout
 
-SCENARIOS = Path(__file__).resolve().parents[3] / "configs" / "scenarios"
+SCENARIOS = configs_dir() / "scenarios"
 
 FIGURES = (
     "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
