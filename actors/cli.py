@@ -39,7 +39,7 @@ from actors.engine.scenario import load_scenario
 from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.harness.chaos import TARGETS, ChaosConfig, ChaosReport, parse_targets, run_chaos
+from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targets, run_chaos
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
 from actors.turn.poison import SUSPENDED_POISON, evidence
@@ -505,7 +505,7 @@ def chaos(
     chosen = parse_targets(targets, embedded=settings.redis.url is None)
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
-    cfg = ChaosConfig(scenario, turns, duration, kill_interval, chosen, seed, poison)
+    cfg = ChaosSettings(scenario, turns, duration, kill_interval, chosen, seed, poison)
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
     async def go(server: EmbeddedRedis | None, url: str) -> ChaosReport:

@@ -17,7 +17,7 @@ from actors.engine.turn_engine import TurnEngine
 from actors.turn.llm import LLMRequest
 from actors.turn.loop import LoopSettings, TurnLoop
 from actors.turn.poison import ISOLATE_AFTER
-from actors.turn.watchdog import WatchdogConfig
+from actors.turn.watchdog import WatchdogSettings
 from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
@@ -364,7 +364,7 @@ async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
     statuses: list[Any] = []
     engine = make_engine(
         real_client, keys,
-        watchdog=WatchdogConfig(tick_s=0.02, soft_idle_s=0.1, hard_idle_s=0.4),
+        watchdog=WatchdogSettings(tick_s=0.02, soft_idle_s=0.1, hard_idle_s=0.4),
         on_status=statuses.append,
     )  # fmt: skip
     sc = scenario(faults=[{"at_call": 2, "kind": "hang"}])

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
+from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.phase import Transition, TurnPhase
 
 P = TurnPhase
@@ -14,7 +14,7 @@ def move(dst: P, at: float, seq: int, turn: str = "t1", epoch: int = 1) -> Trans
 
 
 def test_soft_fires_once_per_transition_and_only_reports() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=90))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=90))
     rules.observe(move(P.AWAITING_LLM, 0, 1))
     assert rules.tick(89.9) == []
     (fired,) = rules.tick(90.0)
@@ -25,7 +25,7 @@ def test_soft_fires_once_per_transition_and_only_reports() -> None:
 
 
 def test_a_transition_rearms() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=10))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=10))
     rules.observe(move(P.AWAITING_LLM, 0, 1))
     assert len(rules.tick(10)) == 1
     rules.observe(move(P.EXECUTING_TOOLS, 11, 2))
@@ -36,14 +36,14 @@ def test_a_transition_rearms() -> None:
 
 
 def test_stale_or_duplicate_transitions_are_ignored() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=10))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=10))
     rules.observe(move(P.AWAITING_LLM, 0, 5))
     rules.observe(move(P.AWAITING_LLM, 8, 4))  # older seq: does not re-arm
     assert len(rules.tick(10)) == 1
 
 
 def test_hard_cancels_the_idle_turn_with_its_epoch() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=5, hard_idle_s=20))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=5, hard_idle_s=20))
     rules.observe(move(P.FORCE_STOP, 0, 1, epoch=2))
     assert [type(a) for a in rules.tick(5)] == [SoftIdle]
     assert rules.tick(19) == []
@@ -52,7 +52,7 @@ def test_hard_cancels_the_idle_turn_with_its_epoch() -> None:
 
 
 def test_hard_zero_is_off_and_done_forgets() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=0, hard_idle_s=0))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=0, hard_idle_s=0))
     rules.observe(move(P.AWAITING_LLM, 0, 1))
     assert rules.tick(10_000) == []
     rules.observe(move(P.DONE, 1, 2))
@@ -60,7 +60,7 @@ def test_hard_zero_is_off_and_done_forgets() -> None:
 
 
 def test_non_idle_phases_are_never_timed() -> None:
-    rules = WatchdogRules(WatchdogConfig(soft_idle_s=1, hard_idle_s=2))
+    rules = WatchdogRules(WatchdogSettings(soft_idle_s=1, hard_idle_s=2))
     for seq, phase in enumerate([P.EXECUTING_TOOLS, P.RETRYING_LLM, P.AWAITING_APPROVAL], 1):
         rules.observe(move(phase, 0, seq))
         assert rules.tick(1000) == []
@@ -77,8 +77,8 @@ def test_non_idle_phases_are_never_timed() -> None:
 )
 def test_config_is_validated(bad: dict[str, float]) -> None:
     with pytest.raises(ValidationError):
-        WatchdogConfig(**bad)
+        WatchdogSettings(**bad)
 
 
 def test_hard_without_soft_is_allowed() -> None:
-    assert WatchdogConfig(soft_idle_s=0, hard_idle_s=5).hard_idle_s == 5
+    assert WatchdogSettings(soft_idle_s=0, hard_idle_s=5).hard_idle_s == 5

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from actors.engine.tomlfile import describe, read_toml
 from actors.turn.loop import LoopSettings
-from actors.turn.watchdog import WatchdogConfig
+from actors.turn.watchdog import WatchdogSettings
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
 from store.connection import DEFAULT_RETRY_S, check_redis_url
@@ -118,7 +118,9 @@ class ToolSettings(_Section):
     """ToolWorker actors per resource pool (each runs many calls concurrently)."""
 
 
-class LoopTuning(_Section):
+class LoopSectionSettings(_Section):
+    """The ``[loop]`` section; with others it becomes the loop's own :class:`LoopSettings`."""
+
     strict: bool = False
     """Raise on illegal phase transitions instead of logging them."""
     backoff_scale: float = Field(default=1.0, ge=0)
@@ -129,8 +131,8 @@ class Settings(_Section):
     redis: RedisSettings = RedisSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
     approvals: ApprovalSettings = ApprovalSettings()
-    watchdog: WatchdogConfig = WatchdogConfig()
-    loop: LoopTuning = LoopTuning()
+    watchdog: WatchdogSettings = WatchdogSettings()
+    loop: LoopSectionSettings = LoopSectionSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
     tools: ToolSettings = ToolSettings()
 

@@ -3,7 +3,7 @@
 Used as is by the single-process mode (``phaseline run --in-process``) and, with a checkpoint
 client, Ray tool runner and bus publisher plugged in, by every Ray ``TurnActor``. It wires a
 :class:`~actors.turn.loop.TurnLoop` per turn to the store, ledger, inbox and approvals; with a
-:class:`~actors.turn.watchdog.WatchdogConfig` it also runs the watchdog rules on a local ticker.
+:class:`~actors.turn.watchdog.WatchdogSettings` it also runs the watchdog rules on a local ticker.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from actors.turn.loop import (
 )
 from actors.turn.poison import SUSPENDED_POISON, isolation_backoff_s
 from actors.turn.tools import ToolRegistry
-from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogConfig, WatchdogRules
+from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.errors import StaleOwner, StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
@@ -164,7 +164,7 @@ class TurnEngine:
         keys: KeyLayout,
         *,
         loop_settings: LoopSettings = LoopSettings(),
-        watchdog: WatchdogConfig | None = WatchdogConfig(),
+        watchdog: WatchdogSettings | None = WatchdogSettings(),
         registry: ToolRegistry = BUILTIN_TOOLS,
         checkpoints: Checkpointer | None = None,
         runner: ToolRunner | None = None,

@@ -96,7 +96,7 @@ def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class ChaosConfig:
+class ChaosSettings:
     scenario: Scenario
     """What every turn runs."""
     turns: int
@@ -238,7 +238,7 @@ def plot(report: ChaosReport, path: str) -> None:
 class ChaosMonkey:
     """Injects the faults of one run."""
 
-    def __init__(self, rt: Runtime, server: EmbeddedRedis | None, cfg: ChaosConfig) -> None:
+    def __init__(self, rt: Runtime, server: EmbeddedRedis | None, cfg: ChaosSettings) -> None:
         self.rt = rt
         self.server = server
         self.cfg = cfg
@@ -442,7 +442,7 @@ def recoveries(
 async def run_chaos(
     rt: Runtime,
     server: EmbeddedRedis | None,
-    cfg: ChaosConfig,
+    cfg: ChaosSettings,
     *,
     on_submitted: Callable[[int], None],
     on_done: Callable[[str], None],

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from bus.phase import Transition, TurnPhase, counts_as_idle
 
 
-class WatchdogConfig(BaseModel):
+class WatchdogSettings(BaseModel):
     """Timeouts in seconds. Validated: nothing negative, hard >= soft when both are set."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
@@ -27,7 +27,7 @@ class WatchdogConfig(BaseModel):
     """Idle seconds before the model call is cancelled (0 = off)."""
 
     @model_validator(mode="after")
-    def _check(self) -> WatchdogConfig:
+    def _check(self) -> WatchdogSettings:
         if self.hard_idle_s and self.soft_idle_s and self.hard_idle_s < self.soft_idle_s:
             raise ValueError(
                 f"hard_idle_s ({self.hard_idle_s}) must be >= soft_idle_s ({self.soft_idle_s})"
@@ -84,7 +84,7 @@ class _Armed:
 class WatchdogRules:
     """Per-turn timers fed by transitions, evaluated by :meth:`tick`."""
 
-    def __init__(self, config: WatchdogConfig) -> None:
+    def __init__(self, config: WatchdogSettings) -> None:
         self.config = config
         self._turns: dict[str, _Armed] = {}
 
