@@ -349,7 +349,7 @@ def run(
             )  # fmt: skip
         stats = _stats_of(finals, time.monotonic() - started)
         stats.quarantined.extend(unusable)
-        stats.host_rss_mib = [round(h["rss_bytes"] / 2**20, 1) for h in await rt.host_info()]
+        stats.host_rss_mib = [round(h.rss_bytes / 2**20, 1) for h in await rt.host_info()]
         return stats
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)

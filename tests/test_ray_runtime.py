@@ -13,6 +13,7 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
+from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario, parse_scenario
@@ -188,7 +189,7 @@ async def test_sigkill_of_tool_workers_mid_call(
         return states.count("dispatched") == 4
 
     await eventually(in_flight, timeout=60, what="4 tool calls in flight")
-    pids = [int(p["pid"]) for p in await tool_worker_info(rt)]
+    pids = [p.pid for p in await tool_worker_info(rt)]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     finals = await rt.wait(ids, timeout=120)
@@ -214,13 +215,13 @@ async def rt_effects(rt: Runtime, turn_id: str) -> dict[str, int]:
     return await EffectCounters(rt.client, rt.dep.keys).counts(turn_id)
 
 
-async def tool_worker_info(rt: Runtime) -> list[dict[str, Any]]:
+async def tool_worker_info(rt: Runtime) -> list[ServiceInfo]:
     from actors.cluster.deployment import RAY_NAMESPACE
 
     out = []
     for i in range(rt.dep.settings.tools.workers):
         handle = ray.get_actor(rt.dep.tool_worker_name("default", i), namespace=RAY_NAMESPACE)
-        out.append(await handle.hello.remote())
+        out.append(ServiceInfo.of(await handle.hello.remote()))
     return out
 
 
@@ -312,13 +313,13 @@ async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
     assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}  # none twice
 
     async def zombie_fenced() -> dict[str, Any] | None:
-        info = await zombie.hello.remote()
-        return info if info["running"] == 0 else None
+        info = HostInfo.of(await zombie.hello.remote())
+        return info if info.running == 0 else None
 
     info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
     # Woken up, the zombie finished nothing: each of its turns ended refused by the fence
     # ("fenced") or cut off by Redis having dropped its stale connections ("interrupted").
-    assert info["outcomes"] and set(info["outcomes"]) <= {"fenced", "interrupted"}, info
+    assert info.outcomes and set(info.outcomes) <= {"fenced", "interrupted"}, info
     taken_over = [t for t in ids if rt.dep.slot_of(t) == slot]
     assert taken_over and all(finals[t].epoch >= 2 for t in taken_over)
     ray.kill(zombie, no_restart=True)
@@ -348,11 +349,11 @@ async def test_a_woken_zombie_cannot_dispatch_a_non_idempotent_call(
         assert counts and max(counts.values()) == 1, (t, counts)
 
     async def zombie_fenced() -> dict[str, Any] | None:
-        info = await zombie.hello.remote()
-        return info if info["running"] == 0 else None
+        info = HostInfo.of(await zombie.hello.remote())
+        return info if info.running == 0 else None
 
     info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
-    assert info["outcomes"] and set(info["outcomes"]) <= {"fenced", "interrupted"}, info
+    assert info.outcomes and set(info.outcomes) <= {"fenced", "interrupted"}, info
     ray.kill(zombie, no_restart=True)
 
 

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.cluster.deployment import Deployment
+from actors.cluster.info import ServiceInfo
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import REPLAYED, RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
@@ -100,7 +101,8 @@ class CheckpointActor:
         return await save_wire_batch(self._store, blobs)
 
     async def hello(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "batches": self._batches, "saves": self._saves}
+        counts = {"batches": self._batches, "saves": self._saves}
+        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
 
 
 def actor_sender(actor: Callable[[], Any]) -> BatchSender:

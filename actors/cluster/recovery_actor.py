@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from actors.cluster.deployment import Deployment
+from actors.cluster.info import ServiceInfo
 from actors.engine.resume import plan_resume
 from actors.turn.recovery import Problem, Situation, decide_recovery
 from store.checkpoint import RedisCheckpointStore
@@ -56,4 +57,4 @@ class RecoveryActor:
         return {"action": d.action.value, "cause": d.cause, "backoff_s": d.backoff_s}
 
     async def hello(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "plans": self.plans}
+        return ServiceInfo(pid=os.getpid(), counts={"plans": self.plans}).wire()

@@ -20,6 +20,7 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.supervisor import Supervisor
 from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.config import Settings
@@ -92,8 +93,8 @@ class Runtime:
             lifetime="detached",
             get_if_exists=True,
         ).remote(dep.to_wire())
-        info = await supervisor.ensure.remote()
-        running = Deployment.from_wire(info["deployment"])
+        info = SupervisorInfo.of(await supervisor.ensure.remote())
+        running = Deployment.from_wire(info.deployment)
         if running.hosts != hosts or running.redis_url != redis_url:
             raise ConfigError(
                 f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts "
@@ -230,7 +231,7 @@ class Runtime:
 
     # -- the deployment -----------------------------------------------------------------------
 
-    async def host_info(self, *, isolation: bool = False) -> list[dict[str, Any]]:
+    async def host_info(self, *, isolation: bool = False) -> list[HostInfo]:
         """``hello`` of every live host of the turn slots (and of the isolation host too, if
         asked: it holds no turns of its own, so memory and load figures leave it out)."""
         out = []
@@ -238,21 +239,22 @@ class Runtime:
             if slot == self.dep.isolation_slot and not isolation:
                 continue
             try:
-                out.append(await ask(host.hello.remote(), 5))
+                out.append(HostInfo.of(await ask(host.hello.remote(), 5)))
             except (asyncio.TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out
 
     async def service_pid(self, role: str) -> int:
         handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
-        return int((await handle.hello.remote())["pid"])
+        kind = SupervisorInfo if role == "supervisor" else ServiceInfo
+        return kind.of(await handle.hello.remote()).pid
 
     async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
         host = await self.hosts.handle(slot)
         if host is None:
             raise PhaselineError(f"host slot {slot} has no live actor")
-        pid = int((await host.hello.remote())["pid"])
+        pid = HostInfo.of(await host.hello.remote()).pid
         os.kill(pid, sig)
         return pid
 

@@ -34,6 +34,7 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointActor
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.info import HostInfo, SupervisorInfo
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.tool_workers import ToolWorker, pool_name
 from actors.cluster.turn_actor import TurnActor
@@ -77,13 +78,13 @@ class Supervisor:
     async def hello(self) -> dict[str, Any]:
         with translated("read supervisor stats"):
             respawns = await self.client.hget(self.dep.keys.supervisor(), "respawns")
-        return {
-            "pid": os.getpid(),
-            "hosts": self.dep.hosts,
-            "respawns": int(respawns or 0),
-            "watching": self._task is not None and not self._task.done(),
-            "deployment": self.dep.to_wire(),
-        }
+        return SupervisorInfo(
+            pid=os.getpid(),
+            hosts=self.dep.hosts,
+            respawns=int(respawns or 0),
+            watching=self._task is not None and not self._task.done(),
+            deployment=self.dep.to_wire(),
+        ).wire()
 
     async def stop(self) -> None:
         """Kill every actor of the deployment (not the supervisor itself)."""
@@ -147,8 +148,8 @@ class Supervisor:
             await self._spawn(slot, 0)
             return
         handle = await self.hosts.handle(slot, gen)
-        info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
-        if handle is None or info is None:
+        reply = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
+        if handle is None or reply is None:
             dead = handle is None or not await _alive(handle)
             self._misses[slot] += 1
             if dead or self._misses[slot] >= cfg.ping_misses:
@@ -159,21 +160,22 @@ class Supervisor:
         self._misses[slot] = 0
         self._park(slot, gen, handle)
         now = time.monotonic()
-        fresh = info["incarnation"] not in self._adopted
+        info = HostInfo.of(reply)
+        fresh = info.incarnation not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
             # (its task was cut short by a Redis failure, a lost call) is picked up again.
             await handle.adopt.remote(False)  # no death to report: this host was alive
-            self._adopted.add(info["incarnation"])
+            self._adopted.add(info.incarnation)
             self._last_adopt[slot] = now
 
     async def _spawn(self, slot: int, generation: int, *, predecessor_died: bool = False) -> Any:
         handle = self._host(slot, generation)
-        info = await handle.hello.remote()
+        info = HostInfo.of(await handle.hello.remote())
         await self.hosts.set_generation(slot, generation)
         self._park(slot, generation, handle)
         await handle.adopt.remote(predecessor_died)
-        self._adopted.add(info["incarnation"])
+        self._adopted.add(info.incarnation)
         self._misses[slot] = 0
         self._last_adopt[slot] = time.monotonic()
         if self.dep.settings.supervisor.standby:
@@ -216,10 +218,10 @@ class Supervisor:
                 ray.kill(old, no_restart=True)
 
 
-async def _ping(handle: Any, timeout: float) -> dict[str, Any] | None:
+async def _ping(handle: Any, timeout: float) -> Any | None:
+    """The raw ``hello`` reply (a host's or a service's), or None if it did not come."""
     try:
-        reply: dict[str, Any] = await ask(handle.hello.remote(), timeout)
-        return reply
+        return await ask(handle.hello.remote(), timeout)
     except (asyncio.TimeoutError, RayActorError):
         return None
 

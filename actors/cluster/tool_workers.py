@@ -26,6 +26,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask
+from actors.cluster.info import ServiceInfo
 from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.toolrun import IDEMPOTENT_ATTEMPTS, lost_call, timed_out, tool_result
 from actors.turn.tools import ToolContext, ToolSpec
@@ -65,7 +66,7 @@ class ToolWorker:
         return await BUILTIN_TOOLS.get(name).fn(json.loads(args_json), ctx)
 
     async def hello(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "calls": self.calls}
+        return ServiceInfo(pid=os.getpid(), counts={"calls": self.calls}).wire()
 
 
 class RayToolRunner:

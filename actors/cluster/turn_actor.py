@@ -34,6 +34,7 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.cluster.info import HostInfo
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
 from actors.engine.scenario import parse_scenario
@@ -84,20 +85,20 @@ class TurnActor:
 
     async def hello(self) -> dict[str, Any]:
         stats = self.engine.stats
-        return {
-            "slot": self.slot,
-            "isolation": self.isolating,
-            "generation": self.generation,
-            "incarnation": self.incarnation,
-            "pid": os.getpid(),
-            "running": len(self._tasks),
-            "finished": stats.turns,
-            "outcomes": dict(stats.outcomes),
-            "resumed": stats.resumed,
-            "rss_bytes": psutil.Process().memory_info().rss,
-            "checkpoint_batches": self.checkpoints.batches,
-            "events_dropped": self.publisher.dropped,
-        }
+        return HostInfo(
+            slot=self.slot,
+            isolation=self.isolating,
+            generation=self.generation,
+            incarnation=self.incarnation,
+            pid=os.getpid(),
+            running=len(self._tasks),
+            finished=stats.turns,
+            outcomes=dict(stats.outcomes),
+            resumed=stats.resumed,
+            rss_bytes=psutil.Process().memory_info().rss,
+            checkpoint_batches=self.checkpoints.batches,
+            events_dropped=self.publisher.dropped,
+        ).wire()
 
     async def run_turns(self, turn_ids: list[str]) -> int:
         """Start submitted turns (a turn that already ran somewhere is resumed instead)."""

@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.deployment import Deployment, HostDirectory
+from actors.cluster.info import ServiceInfo
 from actors.turn.watchdog import HardCancel, WatchdogRules
 from bus.errors import PhaselineError
 from bus.events import StatusEvent, decode_event
@@ -57,12 +58,12 @@ class WatchdogActor:
 
     async def hello(self) -> dict[str, Any]:
         self._ensure_running()
-        return {
-            "pid": os.getpid(),
+        counts = {
             "watched": self.rules.watched(),
             "idle_soft": self.soft,
             "hard_cancels": self.hard,
         }
+        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
 
     async def _run(self) -> None:
         tick = self.dep.settings.watchdog.tick_s

@@ -45,6 +45,7 @@ from typing import Any
 import ray
 
 from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
@@ -328,7 +329,7 @@ class ChaosMonkey:
             handle = ray.get_actor(
                 rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE
             )
-            pid = int((await handle.hello.remote())["pid"])
+            pid = ServiceInfo.of(await handle.hello.remote()).pid
             os.kill(pid, signal.SIGKILL)
             return Fault(self.now(), target, f"tools{index}", pid)
         if target == "concurrent_resume":

@@ -115,7 +115,7 @@ async def host_scaling(
     base: Settings, url: str, scenario: Scenario, *, turns: int, host_counts: tuple[int, ...]
 ) -> dict[str, Any]:
     """Figure 5b: turns/s of the same workload on 1, 2, 4 ... hosts, against 1 host."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for hosts in host_counts:
         async with deployed(base, url, hosts=hosts, label=f"h{hosts}") as rt:
             rows.append({"hosts": hosts, **await timed_run(rt, scenario, turns)})
@@ -138,12 +138,12 @@ async def host_capacity(
     ideal_ms = (scenario.rounds + 1) * scenario.llm_latency_ms + (
         scenario.rounds * scenario.tool_latency_ms
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in ladder:
         async with deployed(base, url, hosts=1, label=f"c{n}") as rt:
             (idle,) = await rt.host_info()
             done = asyncio.Event()
-            sampler = asyncio.ensure_future(_peak_rss(rt, done, idle["rss_bytes"]))
+            sampler = asyncio.ensure_future(_peak_rss(rt, done, idle.rss_bytes))
             try:
                 wall, finals = await run_turns(rt, scenario, n)
             finally:
@@ -154,12 +154,12 @@ async def host_capacity(
         slowdown = statistics.median(durations) / ideal_ms
         encoded = encode_record(next(iter(finals.values())))
         transcript = len(encoded["messages"]) + len(encoded["meta"])  # type: ignore[arg-type]
-        per_turn = (peak - idle["rss_bytes"]) / n - transcript
+        per_turn = (peak - idle.rss_bytes) / n - transcript
         outcomes = _outcomes(finals)
         rows.append(
             {
                 "turns": n,
-                "idle_rss_mib": round(idle["rss_bytes"] / 2**20, 1),
+                "idle_rss_mib": round(idle.rss_bytes / 2**20, 1),
                 "peak_rss_mib": round(peak / 2**20, 1),
                 "bytes_per_turn_beyond_transcript": round(per_turn),
                 "transcript_bytes": transcript,
@@ -187,7 +187,7 @@ async def _peak_rss(rt: Runtime, done: asyncio.Event, floor: int) -> int:
     peak = floor
     while not done.is_set():
         for info in await rt.host_info():
-            peak = max(peak, info["rss_bytes"])
+            peak = max(peak, info.rss_bytes)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), 0.25)  # the sampling period
     return peak

@@ -1,0 +1,85 @@
+"""What the actors' ``hello`` calls answer, as frozen, validated types.
+
+An actor answers with the model's plain ``model_dump()`` (only builtins cross the Ray call) and
+the caller validates it back with :meth:`_Info.of`, so a reply of another build or a wrong
+actor is a clear :class:`~bus.errors.PhaselineError`, not a ``KeyError`` three calls later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from bus.errors import PhaselineError
+
+__all__ = ["HostInfo", "ServiceInfo", "SupervisorInfo"]
+
+
+class _Info(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def of(cls, reply: Any) -> Self:
+        """Validate a ``hello`` reply."""
+        try:
+            return cls.model_validate(reply)
+        except ValidationError as exc:
+            raise PhaselineError(f"unexpected {cls.__name__} reply: {exc}") from None
+
+    def wire(self) -> dict[str, Any]:
+        """The reply as builtins, for the Ray call."""
+        return self.model_dump()
+
+
+class HostInfo(_Info):
+    """A TurnActor's answer."""
+
+    slot: int
+    """Its slot (the isolation slot after the shared ones)."""
+    isolation: bool
+    """Whether it is the isolation host."""
+    generation: int
+    """Its generation in the slot."""
+    incarnation: str
+    """Random id of this process's actor instance (tells a restart from the same actor)."""
+    pid: int
+    """Its process."""
+    running: int
+    """Turns running in it now."""
+    finished: int
+    """Turns it ended."""
+    outcomes: dict[str, int]
+    """Ended turns by outcome."""
+    resumed: int
+    """Turns it resumed."""
+    rss_bytes: int
+    """Resident memory of its process."""
+    checkpoint_batches: int
+    """Batches it sent to the CheckpointActor."""
+    events_dropped: int
+    """Bus events its bounded publisher dropped."""
+
+
+class SupervisorInfo(_Info):
+    """The Supervisor's answer."""
+
+    pid: int
+    """Its process."""
+    hosts: int
+    """Shared host slots of the deployment."""
+    respawns: int
+    """Hosts it replaced so far."""
+    watching: bool
+    """Whether its watch loop runs."""
+    deployment: str
+    """The deployment it runs, as JSON (``Deployment.from_wire``)."""
+
+
+class ServiceInfo(_Info):
+    """The answer of a CheckpointActor, WatchdogActor, RecoveryActor or ToolWorker."""
+
+    pid: int
+    """Its process."""
+    counts: dict[str, int]
+    """What it did so far (saves, batches, plans, calls, watched turns, ...)."""
