@@ -52,7 +52,7 @@ class ToolSpec:
     max_concurrency: int = 64
     """Calls of this tool running at once in one process."""
     resources: Mapping[str, float] = field(default_factory=dict)
-    """Ray resources a call of this tool needs (used when tools run as Ray tasks)."""
+    """Ray resources a call of this tool needs (its ToolWorker pool is keyed by them)."""
 
 
 class ToolRegistry:

@@ -1,4 +1,4 @@
-"""The bench run: every figure in order, the report, and the targets of issue 5.
+"""The bench run: every figure in order, the report, and the targets it is judged by.
 
 Ray and Redis are shared by all figures; each figure that needs a deployment starts a fresh
 one. Figures are measured one after another, never at the same time, so each has the machine
@@ -240,7 +240,7 @@ def _target(name: str, value: float | None, op: str, bound: float, note: str) ->
 
 
 def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    """The four targets of issue 5 (the first and the last have two parts each), for the
+    """The four bench targets (docs/BENCHMARKS.md; the first and the last have two parts), for the
     figures measured; a figure that failed gives its targets no value, and its error."""
     out = []
 
