@@ -369,10 +369,18 @@ async def test_watchdog_soft_then_hard_on_a_hanging_model(
     assert final.counters.outcome == "aborted:hard_idle_timeout"
     assert not final.in_progress and len(final.messages) == 2 + 2 * 3  # partial, saved
     keys = rt.dep.keys
-    statuses = [
-        e for _, f in await real_client.xrange(keys.bus(keys.shard_of("hung")))
-        if isinstance(e := decode_event(f), StatusEvent)
-    ]  # fmt: skip
+
+    async def both_published() -> list[StatusEvent] | None:
+        # advisory events: the watchdog publishes the cancel's after sending it, so it may land
+        # after the turn's final save
+        found = [
+            e for _, f in await real_client.xrange(keys.bus(keys.shard_of("hung")))
+            if isinstance(e := decode_event(f), StatusEvent)
+        ]  # fmt: skip
+        kinds = {s.status for s in found}
+        return found if {"idle_soft", "hard_idle_timeout"} <= kinds else None
+
+    statuses = await eventually(both_published, timeout=30, what="both status events")
     kinds = [s.status for s in statuses]
     assert kinds.index("idle_soft") < kinds.index("hard_idle_timeout")
     assert "waiting for the model" in statuses[kinds.index("idle_soft")].label

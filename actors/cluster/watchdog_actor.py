@@ -9,7 +9,6 @@ call on whichever host runs the turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -109,14 +108,15 @@ class WatchdogActor:
                 self.hard += 1
                 # The turn runs on its slot's host, or alone on the isolation host; each
                 # cancels only a call of that very epoch.
-                for host in (
+                hosts = (
                     await self.hosts.handle_for(a.turn_id),
                     await self.hosts.handle(self.dep.isolation_slot),
-                ):
-                    if host is not None:
-                        # if the host died meanwhile, its turns are being resumed anyway
-                        with contextlib.suppress(RayActorError):
-                            await host.cancel_llm.remote(a.turn_id, a.epoch, a.cause)
+                )
+                # if a host died meanwhile, its turns are being resumed anyway
+                await asyncio.gather(
+                    *(h.cancel_llm.remote(a.turn_id, a.epoch, a.cause) for h in hosts if h),
+                    return_exceptions=True,
+                )
                 events.append(
                     StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
                 )
