@@ -164,25 +164,10 @@ class TurnActor:
                     continue
                 task = await self.engine.probation_settled(turn_id)
                 self._tasks[turn_id] = task  # if it outlasted the patience, it goes on here
-                task.add_done_callback(functools.partial(self._probation_ended, turn_id))
+                task.add_done_callback(functools.partial(self._finished, turn_id))
             except PhaselineError as exc:
                 log.warning("isolation host: %s; retrying", exc)
                 await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
-
-    def _probation_ended(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
-        self._tasks.pop(turn_id, None)
-        if task.cancelled() or task.exception() is not None:
-            log.error(
-                "probation of %s failed: %r",
-                turn_id,
-                None if task.cancelled() else task.exception(),
-            )
-            return
-        outcome = task.result()
-        if outcome.outcome == "released":  # counted once, by the host that ends it
-            self._poke(self.directory.handle_for(turn_id))
-        else:
-            self.engine.stats.add(outcome)
 
     def _isolation_wanted(self, _turn_id: str) -> None:
         self._poke(self.directory.handle(self.dep.isolation_slot))
@@ -220,7 +205,11 @@ class TurnActor:
         if exc is not None:
             log.error("turn %s failed in host %s: %r", turn_id, self.slot, exc)
             return
-        self.engine.stats.add(task.result())
+        outcome = task.result()
+        if outcome.outcome == "released":  # a probation: counted once, by the host that ends it
+            self._poke(self.directory.handle_for(turn_id))
+        else:
+            self.engine.stats.add(outcome)
 
     async def _run_submitted(self, turn_id: str) -> TurnOutcome:
         store = self.engine.store

@@ -112,11 +112,14 @@ class WatchdogActor:
                     await self.hosts.handle_for(a.turn_id),
                     await self.hosts.handle(self.dep.isolation_slot),
                 )
-                # if a host died meanwhile, its turns are being resumed anyway
-                await asyncio.gather(
+                replies = await asyncio.gather(
                     *(h.cancel_llm.remote(a.turn_id, a.epoch, a.cause) for h in hosts if h),
                     return_exceptions=True,
                 )
+                for reply in replies:
+                    # a host that died meanwhile: its turns are being resumed anyway
+                    if isinstance(reply, BaseException) and not isinstance(reply, RayActorError):
+                        raise reply
                 events.append(
                     StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
                 )

@@ -314,8 +314,6 @@ class TurnEngine:
         notes.detached = True
         self._notes = None
         self._unended = None
-        if self._died_first == notes.turn_id:
-            self._died_first = None
         await self.isolation.end(notes.turn_id, notes.epoch)
         await self.isolation.remove(notes.turn_id)
 
@@ -397,11 +395,11 @@ class TurnEngine:
             self.store, self.ledger, self.inbox, turn_id,
             isolated=True, marker=await self.isolation.current(),
         )  # fmt: skip
+        if turn_id == self._died_first:
+            self._died_first = None  # its claim has recorded the death: it went first
         if plan.action != "resume" or plan.record is None:
             outcome = await self._run_plan(plan)
             await self.isolation.remove(turn_id)
-            if turn_id == self._died_first:
-                self._died_first = None
             return outcome
         epoch = plan.record.epoch
         await self.isolation.begin(turn_id, epoch)
@@ -411,8 +409,6 @@ class TurnEngine:
         if notes.detached:
             return outcome  # released from probation early: its marker and entry are gone
         self._notes = None
-        if turn_id == self._died_first:
-            self._died_first = None
         try:
             await self.isolation.end(turn_id, epoch)
             self._unended = None

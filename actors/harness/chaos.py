@@ -244,6 +244,7 @@ class ChaosMonkey:
         self.server = server
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        self.isolation = Isolation(rt.client, rt.dep.keys)
         self.faults: list[Fault] = []
         self.t0 = time.monotonic()
         self.rivals: list[asyncio.Task[TurnOutcome]] = []
@@ -298,7 +299,7 @@ class ChaosMonkey:
         """In-progress turn -> epoch of the turns on ``slot`` (the isolation host: the turn on
         probation there, if any)."""
         if slot == self.rt.dep.isolation_slot:
-            marker = await Isolation(self.rt.client, self.rt.dep.keys).current()
+            marker = await self.isolation.current()
             return {} if marker is None else {marker.turn_id: marker.epoch}
         out = {}
         for tid in await self.rt.store.list_in_progress():
@@ -387,7 +388,7 @@ class ChaosMonkey:
                     records = [await self.rt.store.load(t) for t in affected]
                     # A turn the successor handed to the isolation host is not claimed until
                     # its probation comes up: that counts as taken over too.
-                    queued = await Isolation(self.rt.client, self.rt.dep.keys).members()
+                    queued = await self.isolation.members()
                     if all(
                         r.epoch > affected[r.turn_id] or not r.in_progress or r.turn_id in queued
                         for r in records
