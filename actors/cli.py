@@ -42,7 +42,7 @@ from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run
 from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targets, run_chaos
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
-from actors.turn.poison import SUSPENDED_POISON, evidence
+from actors.turn.poison import evidence
 from bus.errors import ConfigError, PhaselineError, RecordNotFound
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
@@ -50,7 +50,7 @@ from store.codec import dump_model
 from store.connection import connect, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.keys import KeyLayout, check_turn_id
-from store.records import CheckpointRecord
+from store.records import CheckpointRecord, Outcome
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -304,8 +304,9 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
     stats = RunStats(wall_s=wall_s)
     for record in finals.values():
         stats.turns += 1
-        stats.outcomes[record.counters.outcome] += 1
-        if record.counters.outcome == SUSPENDED_POISON:
+        if record.counters.outcome is not None:  # a final record always has one
+            stats.outcomes[record.counters.outcome] += 1
+        if record.counters.outcome is Outcome.SUSPENDED_POISON:
             stats.suspended.append(record.turn_id)
         stats.resumed += record.counters.resume_attempts > 0
         stats.checkpoints += record.seq
@@ -396,7 +397,7 @@ def resume(
         with bar.progress:
             if ids is None:
                 return await engine.resume_all()
-            await engine.note_predecessor(died=True)
+            await engine.probations.note_predecessor(died=True)
             return await engine.resume_turns(ids)
 
     async def on_ray(rt: Runtime) -> RunStats:
@@ -636,7 +637,7 @@ def inspect(
         fields.add_row(name, value.value if isinstance(value, TurnPhase) else str(value))
     fields.add_row("counters", json.dumps(dump_model(record.counters)))
     c = record.counters
-    if c.outcome == SUSPENDED_POISON:
+    if c.outcome is Outcome.SUSPENDED_POISON:
         fields.add_row(
             "suspended because",
             f"{evidence(c.stalled_resumes, c.isolated_deaths)}; after a fix, "

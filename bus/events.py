@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from bus.errors import PhaselineError
 from bus.phase import Transition, TurnPhase
@@ -15,6 +16,15 @@ from bus.phase import Transition, TurnPhase
 
 class BadBusEntry(PhaselineError):
     """A bus entry that is not a valid phaseline event."""
+
+
+class Status(StrEnum):
+    """Kinds of :class:`StatusEvent`."""
+
+    IDLE_SOFT = "idle_soft"
+    """The turn has been idle past the watchdog's soft timeout; nothing was done to it."""
+    HARD_IDLE_TIMEOUT = "hard_idle_timeout"
+    """The watchdog cancelled the turn's model call; the recovery policy aborts the turn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +35,8 @@ class StatusEvent:
     """The turn concerned."""
     epoch: int
     """Owner epoch the report is about."""
-    status: str
-    """Kind of report: ``idle_soft``, ``hard_idle_timeout``, ..."""
+    status: Status
+    """Kind of report."""
     label: str
     """A line a person can read."""
     at_ms: int
@@ -51,7 +61,7 @@ def encode_event(event: BusEvent) -> dict[str, str | int]:
         "kind": "status",
         "turn_id": event.turn_id,
         "epoch": event.epoch,
-        "status": event.status,
+        "status": event.status.value,
         "label": event.label,
         "at_ms": event.at_ms,
     }
@@ -79,7 +89,7 @@ def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> Bus
             return StatusEvent(
                 turn_id=f["turn_id"],
                 epoch=int(f["epoch"]),
-                status=f["status"],
+                status=Status(f["status"]),
                 label=f["label"],
                 at_ms=int(f["at_ms"]),
             )

@@ -19,6 +19,7 @@ from store.records import (
     Counters,
     Message,
     MessageMeta,
+    SaveReason,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -73,7 +74,7 @@ def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
         "seq": record.seq,
         "phase": record.phase.value,
         "in_progress": 1 if record.in_progress else 0,
-        "reason": record.reason,
+        "reason": record.reason.value,
         "messages": _PACKED_MESSAGES.pack(record.messages),
         "meta": _PACKED_METAS.pack(record.meta),
         "baseline": record.baseline,
@@ -182,7 +183,7 @@ class EncodedRecord:
     @classmethod
     def of(cls, record: CheckpointRecord) -> EncodedRecord:
         return cls(
-            record.turn_id, record.epoch, record.seq, record.phase.value, record.reason,
+            record.turn_id, record.epoch, record.seq, record.phase.value, record.reason.value,
             record.in_progress, encode_record(record),
         )  # fmt: skip
 
@@ -214,7 +215,8 @@ class EncodedRecord:
                 raise ValueError(f"field {name} must be {kind.__name__}, got {value!r:.80}")
         if fields["schema"] != SCHEMA_VERSION:
             raise ValueError(f"schema {fields['schema']} (this build writes {SCHEMA_VERSION})")
-        TurnPhase(fields["phase"])  # ValueError for an unknown phase
+        TurnPhase(fields["phase"])  # ValueError for an unknown phase or reason
+        SaveReason(fields["reason"])
         if (
             fields["in_progress"] not in (0, 1)
             or not 1 <= fields["epoch"] <= MAX_FENCE
@@ -257,7 +259,7 @@ def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
             seq=int(fields["seq"]),
             phase=TurnPhase(text["phase"]),
             in_progress=_flag(fields["in_progress"]),
-            reason=text["reason"],
+            reason=SaveReason(text["reason"]),
             messages=_MESSAGES.validate_python(messages),
             meta=_METAS.validate_python(meta),
             baseline=int(fields["baseline"]),

@@ -7,9 +7,10 @@ are rejected so a record written by a newer build fails loudly instead of losing
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bus.phase import TurnPhase
 
@@ -25,6 +26,59 @@ Role = Literal["system", "user", "assistant", "tool"]
 ToolStatus = Literal["ok", "error", "denied", "timeout", "outcome_unknown", "skipped"]
 Source = Literal["prompt", "llm", "tool", "inbox", "system"]
 LedgerState = Literal["prepared", "dispatched", "committed", "failed", "outcome_unknown"]
+
+
+class Outcome(StrEnum):
+    """How a turn ended, as its final record says. The value is what the record stores and
+    what reports count; ``aborted:<problem>`` names the recovery problem that ended it."""
+
+    ANSWERED = "answered"
+    """The model gave its final answer."""
+    FORCE_STOPPED = "force_stopped"
+    """The loop detector stopped the turn; the model wrapped up without tools."""
+    ABORTED_HARD_IDLE_TIMEOUT = "aborted:hard_idle_timeout"
+    """The watchdog cancelled a model call that went silent past the hard timeout."""
+    ABORTED_CONTEXT_LENGTH = "aborted:context_length"
+    """The transcript still did not fit after a reactive compaction (or could not shrink)."""
+    ABORTED_RETRYABLE = "aborted:retryable"
+    """A transient model error outlasted its retries."""
+    ABORTED_FATAL = "aborted:fatal"
+    """The model failed in a way retrying cannot fix."""
+    ABORTED_EMPTY_REPLY = "aborted:empty_reply"
+    """The model kept answering nothing after its nudges."""
+    ABORTED_LOOP = "aborted:loop"
+    """The model kept repeating its tool calls after its nudges."""
+    ABORTED_RECORD_TOO_LARGE = "aborted:record_too_large"
+    """The transcript outgrew ``[checkpoint] max_record_bytes``; it ends on its last record."""
+    SUSPENDED_POISON = "suspended:poison"
+    """Parked by the poison-turn policy: not in progress, but ``phaseline resume TURN`` runs
+    it again."""
+
+    @property
+    def aborted(self) -> bool:
+        """Ended by the recovery policy rather than by an answer."""
+        return self.value.startswith("aborted:")
+
+
+class SaveReason(StrEnum):
+    """Why a record was written (the record's ``reason`` field)."""
+
+    SUBMITTED = "submitted"
+    """The first record of a turn, written at submission."""
+    RESUME = "resume"
+    """A new owner's claim (epoch bumped); the turn restarts from the checkpoint before it."""
+    TOOL_BATCH = "tool_batch"
+    """A tool batch completed."""
+    COMPACTION = "compaction"
+    """A reactive compaction succeeded."""
+    FORCE_STOP = "force_stop"
+    """About to enter ``force_stop``; a resume goes straight to the wrap-up call."""
+    FINAL = "final"
+    """The turn reached ``done``."""
+    SUSPENDED = "suspended"
+    """The poison-turn policy parked the turn."""
+    UNSUSPENDED = "unsuspended"
+    """An operator reopened a suspended turn (``phaseline resume TURN``)."""
 
 
 class _Frozen(BaseModel):
@@ -112,10 +166,13 @@ class Counters(_Frozen):
     """Tool batches executed; numbers the next batch so its call keys are stable on replay."""
     inbox_offset: int = 0
     """How many inbox entries the transcript already contains (exactly-once injection)."""
-    outcome: str = ""
-    """Empty while running; ``answered``, ``force_stopped`` or ``aborted:<cause>`` at the end,
-    ``suspended:poison`` for a turn parked by the poison-turn policy (not in progress, but
-    ``phaseline resume TURN`` runs it again)."""
+    outcome: Outcome | None = None
+    """None while running; how the turn ended once it did (or was suspended)."""
+
+    @field_validator("outcome", mode="before")
+    @classmethod
+    def _running_is_none(cls, value: object) -> object:
+        return None if value == "" else value  # records written before the enum stored ""
 
 
 class CheckpointRecord(_Frozen):
@@ -135,9 +192,8 @@ class CheckpointRecord(_Frozen):
     """Phase at the time of the save."""
     in_progress: bool
     """True until the final save."""
-    reason: str
-    """Why this save happened: ``submitted``, ``tool_batch``, ``compaction``, ``force_stop``,
-    ``resume`` (a claim), ``suspended``, ``unsuspended`` or ``final``."""
+    reason: SaveReason
+    """Why this save happened."""
     messages: tuple[Message, ...]
     """The whole canonical transcript, baseline included (never a diff)."""
     meta: tuple[MessageMeta, ...]

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import fakeredis
 import pytest
 
-from bus.events import StatusEvent
+from bus.events import Status, StatusEvent
 from bus.phase import Transition, TurnPhase
 from store.connection import connect
 from store.keys import KeyLayout
@@ -39,7 +39,9 @@ async def test_a_group_sees_new_events_in_order_per_turn(bus: Bus) -> None:
     await bus.publish(moves("before", 2))  # published before the group exists: not seen
     await bus.ensure_group("watchdog")
     await bus.ensure_group("watchdog")  # idempotent
-    sent = moves("a", 3) + moves("b", 2) + [StatusEvent("a", 1, "idle_soft", "still waiting", 5)]
+    sent = (
+        moves("a", 3) + moves("b", 2) + [StatusEvent("a", 1, Status.IDLE_SOFT, "still waiting", 5)]
+    )
     await bus.publish(sent)
     got = await bus.read("watchdog", "w1", block_ms=100)
     assert sorted(map(repr, (d.event for d in got))) == sorted(map(repr, sent))

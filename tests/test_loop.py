@@ -25,7 +25,7 @@ from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, Message, SaveAck, ToolResult
+from store.records import CheckpointRecord, LedgerEntry, Message, SaveAck, SaveReason, ToolResult
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 
@@ -262,7 +262,9 @@ async def test_only_resumes_without_progress_count_towards_isolation(
         assert await plan("busy") == "resume"
         claimed = await engine.store.load("busy")
         assert claimed.counters.stalled_resumes == 1 and claimed.counters.resume_attempts == n
-        progress = claimed.model_copy(update={"seq": claimed.seq + 1, "reason": "tool_batch"})
+        progress = claimed.model_copy(
+            update={"seq": claimed.seq + 1, "reason": SaveReason.TOOL_BATCH}
+        )
         await engine.store.save(progress)
     assert (await engine.resume("busy")).outcome == "answered"
 

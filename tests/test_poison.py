@@ -18,7 +18,6 @@ from actors.turn.loop import LoopSettings
 from actors.turn.poison import (
     BACKOFF_CAP_S,
     ISOLATE_AFTER,
-    SUSPENDED_POISON,
     Placement,
     evidence,
     isolation_backoff_s,
@@ -28,7 +27,7 @@ from bus.errors import RecordError, StoreError
 from store.codec import pack, pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, TurnSpec
+from store.records import CheckpointRecord, Outcome, TurnSpec
 from tests.polling import eventually
 from tests.reference import reference
 
@@ -77,10 +76,13 @@ def test_evidence_names_the_steps() -> None:
     assert "2 times" in text and "awaiting_llm@7 x2" in text and "4 stalled" in text
 
 
-def test_a_plan_with_an_unknown_action_is_a_record_error() -> None:
-    wire = pack({"turn_id": "t", "action": "explode", "record": None, "resume_from": "",
+@pytest.mark.parametrize(("action", "resume_from"), [("explode", None), ("resume", "whim")])
+def test_a_plan_with_an_unknown_action_or_reason_is_a_record_error(
+    action: str, resume_from: str | None
+) -> None:
+    wire = pack({"turn_id": "t", "action": action, "record": None, "resume_from": resume_from,
                  "scenario": None, "in_flight": 0, "pending_inbox": 0, "detail": ""})  # fmt: skip
-    with pytest.raises(RecordError, match="unknown action"):
+    with pytest.raises(RecordError, match="is not a valid"):
         ResumePlan.from_wire(wire)
 
 
@@ -157,7 +159,7 @@ async def test_a_stalled_turn_is_isolated_then_released_and_completes(
 
     assert (await engine.resume("unlucky")).outcome == "isolate"
     assert await engine.isolation.members() == {"unlucky"}
-    released = await engine.probation("unlucky")
+    released = await engine.probations.run("unlucky")
     assert released.outcome == "released"
     assert await engine.isolation.members() == set()
     assert await engine.isolation.current() is None  # ended without a death
@@ -175,7 +177,7 @@ async def die_in_probation(engine: TurnEngine, turn_id: str) -> str:
     """Run a probation until its step is noted, then cut it off as a SIGKILL would (no code of
     the host runs after it). Returns the step it died in."""
     epoch = (await engine.store.load(turn_id)).epoch
-    task = asyncio.ensure_future(engine.probation(turn_id))
+    task = asyncio.ensure_future(engine.probations.run(turn_id))
 
     async def stepped() -> str | None:
         m = await engine.isolation.current()
@@ -203,8 +205,8 @@ async def test_two_isolated_deaths_in_one_step_suspend_the_turn(
     assert step == "awaiting_llm@2"
 
     second = engine_on(real_client, keys)  # the next isolation host, told its predecessor died
-    await second.note_predecessor(died=True)
-    assert (await second.next_probation())[0] is None  # the dead turn waits out its backoff ...
+    await second.probations.note_predecessor(died=True)
+    assert (await second.probations.next_turn())[0] is None  # the dead turn waits out its backoff
     ready, wait_s = await second.isolation.due()
     assert ready == [] and wait_s is not None and 0 < wait_s <= isolation_backoff_s(1)
     assert await die_in_probation(second, "poison") == step  # ... then dies in the same step
@@ -213,12 +215,12 @@ async def test_two_isolated_deaths_in_one_step_suspend_the_turn(
     assert counted.counters.isolated_deaths == (step,)
 
     third = engine_on(real_client, keys)
-    await third.note_predecessor(died=True)
-    outcome = await third.probation("poison")
-    assert outcome.outcome == SUSPENDED_POISON
+    await third.probations.note_predecessor(died=True)
+    outcome = await third.probations.run("poison")
+    assert outcome.outcome == Outcome.SUSPENDED_POISON
     parked = await third.store.load("poison")
     assert not parked.in_progress and parked.reason == "suspended"
-    assert parked.counters.outcome == SUSPENDED_POISON
+    assert parked.counters.outcome == Outcome.SUSPENDED_POISON
     assert parked.counters.isolated_deaths == (step, step)
     assert "poison" not in await third.store.list_in_progress()
     assert await third.isolation.members() == set()
@@ -232,7 +234,7 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
     # killed before its first step: the marker names no step
     engine = await poisoned(real_client, keys, "early")
     await engine.isolation.begin("early", 1)
-    await engine.note_predecessor(died=True)
+    await engine.probations.note_predecessor(died=True)
     plan = await plan_resume(engine.store, engine.ledger, engine.inbox, "early", isolated=True,
                              marker=await engine.isolation.current())  # fmt: skip
     assert plan.action == "resume" and plan.record is not None
@@ -242,10 +244,10 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
     frozen = await poisoned(real_client, keys, "frozen")
     await die_in_probation(frozen, "frozen")
     successor = engine_on(real_client, keys)
-    await successor.note_predecessor(died=False)
+    await successor.probations.note_predecessor(died=False)
     assert await successor.isolation.current() is None
-    assert (await successor.next_probation())[0] == "early"  # queue order: no dead turn first
-    task = asyncio.ensure_future(successor.probation("frozen"))
+    assert (await successor.probations.next_turn())[0] == "early"  # queue order: no dead turn first
+    task = asyncio.ensure_future(successor.probations.run("frozen"))
     claimed = await eventually(
         lambda: _epoch_past(successor, "frozen", 2), what="the successor's claim"
     )
@@ -283,7 +285,7 @@ async def test_a_redis_failure_cutting_a_probation_leaves_no_evidence(
     )
     await engine.submit(scenario(), "cut")
     await engine.isolation.enqueue("cut")
-    outcome = await engine.probation("cut")
+    outcome = await engine.probations.run("cut")
     assert outcome.outcome == "interrupted"
     assert await engine.isolation.current() is None  # not a death: the host lived on
     assert await engine.isolation.members() == {"cut"}  # still queued for its probation
@@ -296,8 +298,8 @@ async def test_a_suspended_turn_resumes_by_id_after_a_fix(
     for _ in range(2):
         await die_in_probation(engine, "fixme")
         engine = engine_on(real_client, keys)
-        await engine.note_predecessor(died=True)
-    assert (await engine.probation("fixme")).outcome == SUSPENDED_POISON
+        await engine.probations.note_predecessor(died=True)
+    assert (await engine.probations.run("fixme")).outcome == Outcome.SUSPENDED_POISON
 
     # the fix: the agent no longer hangs (a new spec, as a redeploy would bring)
     spec = await engine.store.load_spec("fixme")
@@ -306,7 +308,7 @@ async def test_a_suspended_turn_resumes_by_id_after_a_fix(
 
     reopened = await reopen(engine.store, "fixme")
     assert reopened.in_progress and reopened.reason == "unsuspended"
-    assert reopened.counters.isolated_deaths == () and reopened.counters.outcome == ""
+    assert reopened.counters.isolated_deaths == () and reopened.counters.outcome is None
     assert "fixme" in await engine.store.list_in_progress()
     stats = await engine.resume_turns(["fixme"])
     assert stats.outcomes["answered"] == 1 and stats.all_final
@@ -326,11 +328,11 @@ async def test_a_slow_probation_does_not_hold_the_queue(
     await engine.submit(scenario(), "next")
     await engine.isolation.enqueue("slow")
     await engine.isolation.enqueue("next", delay_s=0.01)
-    assert (await engine.next_probation())[0] == "slow"
-    slow = await engine.probation_settled("slow")
+    assert (await engine.probations.next_turn())[0] == "slow"
+    slow = await engine.probations.run_settled("slow")
     assert not slow.done()  # still in its (hanging) model call, no longer on probation
     assert await engine.isolation.members() == {"next"}
     assert await engine.isolation.current() is None
-    released = await engine.probation_settled("next")
+    released = await engine.probations.run_settled("next")
     assert released.done() and released.result().outcome == "released"
     slow.cancel()

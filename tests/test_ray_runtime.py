@@ -13,12 +13,14 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
+from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
+from actors.turn.recovery import Action, Decision, Problem
 from bus.events import StatusEvent, decode_event
 from store.effects import EffectCounters
 from store.keys import KeyLayout
@@ -258,6 +260,10 @@ async def test_a_killed_service_actor_comes_back_and_works(
         return pid if pid != old else None
 
     await eventually(new_pid, timeout=60, what=f"{role} restarted")
+    if role == "recovery":  # the policy it hosts answers operators too
+        actor = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
+        decided = await actor.decide.remote("retryable", retry_attempts=1)
+        assert decided == Decision(Action.RETRY, Problem.RETRYABLE, backoff_s=2.0)
     # and it still does its job: a host dies (supervisor + recovery), a model hangs (watchdog)
     sc = scenario()
     ids = [f"{role}{i}" for i in range(10)]

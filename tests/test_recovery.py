@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from actors.turn.loop import aborted
 from actors.turn.recovery import Action, Problem, Situation, decide_recovery
+from store.records import Outcome
 
 Pr = Problem
 A = Action
@@ -44,6 +46,12 @@ CASES = [
 def test_decide_recovery(situation: Situation, action: Action, cause: str, backoff: float) -> None:
     d = decide_recovery(situation)
     assert (d.action, d.cause, d.backoff_s) == (action, cause, backoff)
+
+
+def test_every_problem_the_policy_can_abort_for_has_an_outcome() -> None:
+    assert {aborted(p) for p in Problem} == {o for o in Outcome if o.aborted} - {
+        Outcome.ABORTED_RECORD_TOO_LARGE
+    }
 
 
 def test_every_action_is_reachable() -> None:

@@ -23,7 +23,7 @@ from store.checkpoint import REPLAYED, RedisCheckpointStore
 from store.codec import EncodedRecord, encode_record
 from store.connection import connect
 from store.keys import KeyLayout
-from store.records import Message, SaveAck, TurnSpec
+from store.records import Message, Outcome, SaveAck, TurnSpec
 from tests.records_helpers import record
 
 
@@ -169,6 +169,8 @@ async def test_load_of_missing_turn(store: RedisCheckpointStore) -> None:
         ({"schema": b"99"}, UnknownSchema, "unknown schema 99"),
         ({"meta": msgpack.packb([])}, RecordError, "meta has 0 entries"),
         ({"phase": b"sleeping"}, RecordError, "undecodable"),
+        ({"reason": b"because"}, RecordError, "undecodable"),
+        ({"counters": msgpack.packb({"outcome": "fenced"})}, RecordError, "undecodable"),
         ({"epoch": b"one"}, RecordError, "undecodable"),
         ({"extra": b"1"}, RecordError, "unexpected fields"),
     ],
@@ -193,6 +195,21 @@ async def test_a_bad_record_is_quarantined_while_others_load(
     assert await any_client.exists(keys.quarantined("bad"))
     assert message in (await store.quarantined())["bad"]
     assert await store.list_in_progress() == ["good"]
+
+
+async def test_a_record_written_before_outcomes_were_typed_reads_the_same(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Records of this schema once stored a running turn's outcome as an empty string."""
+    await store.save(record("old", n_turn_messages=1))
+    legacy = {"outcome": "", "resume_attempts": 1}
+    await any_client.hset(keys.turn("old"), "counters", msgpack.packb(legacy))
+    loaded = await store.load("old")
+    assert loaded.counters.outcome is None and loaded.counters.resume_attempts == 1
+    ended = {"outcome": "aborted:hard_idle_timeout"}
+    await any_client.hset(keys.turn("old"), "counters", msgpack.packb(ended))
+    outcome = (await store.load("old")).counters.outcome
+    assert outcome is Outcome.ABORTED_HARD_IDLE_TIMEOUT and outcome.aborted
 
 
 async def test_missing_field_is_quarantined(
@@ -240,6 +257,7 @@ def test_wire_form_rejects_a_bad_hash_and_keeps_a_good_one() -> None:
         msgpack.packb({**good.fields, "extra": 1}),
         msgpack.packb({**good.fields, "epoch": "1"}),
         msgpack.packb({**good.fields, "phase": "dancing"}),
+        msgpack.packb({**good.fields, "reason": "whim"}),
         msgpack.packb({**good.fields, "schema": 99}),
         msgpack.packb({**good.fields, "in_progress": 2}),
     ):

@@ -10,7 +10,7 @@ from actors.harness.verdict import judge, reference_transcript
 from store.codec import encode_record
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import Message, ToolResult
+from store.records import Message, SaveReason, ToolResult
 from tests.reference import FAST
 
 SC = parse_scenario(
@@ -66,7 +66,9 @@ async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: 
     # 6. a turn left in progress
     r = await store.load("v5")
     await store.save(
-        r.model_copy(update={"seq": r.seq + 1, "in_progress": True, "reason": "tool_batch"})
+        r.model_copy(
+            update={"seq": r.seq + 1, "in_progress": True, "reason": SaveReason.TOOL_BATCH}
+        )
     )
 
     v = await judge(real_client, keys, IDS, expected)

@@ -47,7 +47,7 @@ def test_hard_cancels_the_idle_turn_with_its_epoch() -> None:
     rules.observe(move(P.FORCE_STOP, 0, 1, epoch=2))
     assert [type(a) for a in rules.tick(5)] == [SoftIdle]
     assert rules.tick(19) == []
-    assert rules.tick(20) == [HardCancel("t1", 2, "hard_idle_timeout")]
+    assert rules.tick(20) == [HardCancel("t1", 2)]
     assert rules.tick(40) == []
 
 

@@ -17,10 +17,13 @@ that had already landed comes back as ``AlreadySaved`` and counts as acked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import ray
@@ -36,13 +39,55 @@ from store.records import CheckpointRecord, SaveAck
 
 log = logging.getLogger(__name__)
 
-Answer = tuple[str, str]
-"""``("ok", event_id)``, ``("stale", why)``, ``("too_large", why)`` or ``("error", why)`` per
-record."""
+
+class Verdict(StrEnum):
+    """What became of one record of a batch."""
+
+    OK = "ok"
+    """Saved (or a replay of a save that had landed); the detail is the event id."""
+    STALE = "stale"
+    """Refused by fencing: a newer owner has the turn."""
+    TOO_LARGE = "too_large"
+    """Over the record size cap."""
+    ERROR = "error"
+    """Not saved: invalid record or a Redis failure; the loop retries at its next site."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The CheckpointActor's answer for one record of a batch."""
+
+    verdict: Verdict
+    """What became of the record."""
+    detail: str
+    """The event id for :attr:`Verdict.OK`, else why."""
+
+    def wire(self) -> tuple[str, str]:
+        return (self.verdict.value, self.detail)
+
+    @classmethod
+    def of(cls, reply: object) -> Answer:
+        """Read one answer off the wire; anything malformed is an error answer."""
+        if isinstance(reply, tuple | list) and len(reply) == 2 and isinstance(reply[1], str):
+            with contextlib.suppress(ValueError):
+                return cls(Verdict(reply[0]), reply[1])
+        return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
+
+    def settle(self, fut: asyncio.Future[SaveAck], record: CheckpointRecord) -> None:
+        """Resolve the saving loop's future: an ack, or the typed refusal."""
+        if self.verdict is Verdict.OK:
+            fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, self.detail))
+        elif self.verdict is Verdict.STALE:
+            fut.set_exception(StaleOwner(self.detail))
+        elif self.verdict is Verdict.TOO_LARGE:
+            fut.set_exception(RecordTooLarge(self.detail))
+        else:
+            fut.set_exception(StoreError(self.detail))
+
 
 _Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
 
-BatchSender = Callable[[list[bytes]], Awaitable[list[Answer]]]
+BatchSender = Callable[[list[bytes]], Awaitable[Sequence[Answer]]]
 """Saves a batch of wire records, one answer each. Raises :class:`ServiceRestarting` when the
 batch may be sent again, :class:`StoreError` when it failed as a whole."""
 
@@ -62,19 +107,19 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
             records.append(EncodedRecord.from_wire(blob))
             where.append(i)
         except ValueError as exc:
-            answers[i] = ("error", f"invalid record: {exc}")
+            answers[i] = Answer(Verdict.ERROR, f"invalid record: {exc}")
     for i, result in zip(where, await store.save_many(records), strict=True):
         if isinstance(result, SaveAck):
-            answers[i] = ("ok", result.event_id)
+            answers[i] = Answer(Verdict.OK, result.event_id)
         elif isinstance(result, AlreadySaved):
-            answers[i] = ("ok", REPLAYED)
+            answers[i] = Answer(Verdict.OK, REPLAYED)
         elif isinstance(result, StaleOwner):
-            answers[i] = ("stale", str(result))
+            answers[i] = Answer(Verdict.STALE, str(result))
         elif isinstance(result, RecordTooLarge):
-            answers[i] = ("too_large", str(result))
+            answers[i] = Answer(Verdict.TOO_LARGE, str(result))
         else:
-            answers[i] = ("error", str(result))
-    return [a if a is not None else ("error", "not answered") for a in answers]
+            answers[i] = Answer(Verdict.ERROR, str(result))
+    return [a or Answer(Verdict.ERROR, "not answered") for a in answers]
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -95,10 +140,10 @@ class CheckpointActor:
         self._batches = 0
         self._saves = 0
 
-    async def save_batch(self, blobs: list[bytes]) -> list[Answer]:
+    async def save_batch(self, blobs: list[bytes]) -> list[tuple[str, str]]:
         self._batches += 1
         self._saves += len(blobs)
-        return await save_wire_batch(self._store, blobs)
+        return [a.wire() for a in await save_wire_batch(self._store, blobs)]
 
     async def hello(self) -> dict[str, Any]:
         counts = {"batches": self._batches, "saves": self._saves}
@@ -111,13 +156,15 @@ def actor_sender(actor: Callable[[], Any]) -> BatchSender:
 
     async def send(blobs: list[bytes]) -> list[Answer]:
         try:
-            answers: list[Answer] = await actor().save_batch.remote(blobs)
+            replies: list[object] = await actor().save_batch.remote(blobs)
         except RayActorError as exc:
             # Died with the batch in flight; its restarted incarnation may get it again.
             raise ServiceRestarting(f"checkpoint actor unavailable: {exc}") from exc
         except (RayTaskError, ValueError) as exc:  # it raised, or is not registered (yet)
             raise StoreError(f"checkpoint batch failed: {exc}") from exc
-        return answers
+        if len(replies) != len(blobs):
+            raise StoreError(f"checkpoint actor answered {len(replies)} of {len(blobs)} saves")
+        return [Answer.of(r) for r in replies]
 
     return send
 
@@ -188,17 +235,9 @@ class CheckpointClient:
                     return
                 await asyncio.sleep(0.2)  # backoff while Ray restarts the actor
         self.batches += 1
-        for (_, fut, record), (status, detail) in zip(batch, answers, strict=True):
-            if fut.done():
-                continue
-            if status == "ok":
-                fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, detail))
-            elif status == "stale":
-                fut.set_exception(StaleOwner(detail))
-            elif status == "too_large":
-                fut.set_exception(RecordTooLarge(detail))
-            else:
-                fut.set_exception(StoreError(detail))
+        for (_, fut, record), answer in zip(batch, answers, strict=True):
+            if not fut.done():
+                answer.settle(fut, record)
 
 
 def _fail(batch: list[_Pending], exc: StoreError) -> None:

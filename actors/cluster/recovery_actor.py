@@ -16,7 +16,7 @@ import ray
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
 from actors.engine.resume import plan_resume
-from actors.turn.recovery import Problem, Situation, decide_recovery
+from actors.turn.recovery import Decision, Problem, Situation, decide_recovery
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect
 from store.inbox import Inbox
@@ -51,10 +51,13 @@ class RecoveryActor:
         )
         return [p.to_wire() for p in plans]
 
-    async def decide(self, problem: str, **situation: Any) -> dict[str, Any]:
-        """``decide_recovery`` for callers outside a turn loop (operators, tests)."""
-        d = decide_recovery(Situation(Problem(problem), **situation))
-        return {"action": d.action.value, "cause": d.cause, "backoff_s": d.backoff_s}
+    async def decide(self, problem: str, **situation: Any) -> Decision:
+        """``decide_recovery`` for callers outside a turn loop (operators, tests); loops call
+        the pure function in process. ``ValueError`` for an unknown problem or field."""
+        try:
+            return decide_recovery(Situation(Problem(problem), **situation))
+        except TypeError as exc:  # an unknown Situation field
+            raise ValueError(str(exc)) from exc
 
     async def hello(self) -> dict[str, Any]:
         return ServiceInfo(pid=os.getpid(), counts={"plans": self.plans}).wire()

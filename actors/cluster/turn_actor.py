@@ -39,10 +39,11 @@ from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
 from actors.engine.scenario import parse_scenario
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import TurnOutcome
+from actors.turn.loop import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import encode_event
 from store.connection import connect
+from store.records import SaveReason
 from store.streams import BufferedPublisher, RedisBus
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class TurnActor:
         shared host's nudge) only wakes the runs."""
         if self.isolating:
             if self._probations is None and predecessor_died is not None:
-                await self.engine.note_predecessor(died=predecessor_died)
+                await self.engine.probations.note_predecessor(died=predecessor_died)
                 self._probations = asyncio.ensure_future(self._run_probations())
             elif self._probations is not None and self._probations.done():
                 self._probations = asyncio.ensure_future(self._run_probations())
@@ -136,8 +137,8 @@ class TurnActor:
         this process dies (the call fails) instead of at its next ping."""
         await asyncio.Event().wait()
 
-    async def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
-        return self.engine.cancel_llm(turn_id, epoch, cause)
+    async def cancel_llm(self, turn_id: str, epoch: int) -> bool:
+        return self.engine.cancel_llm(turn_id, epoch)
 
     async def phases(self) -> list[dict[str, str | int]]:
         """Current phase of every running turn, in the bus wire form (for a new watchdog)."""
@@ -155,14 +156,14 @@ class TurnActor:
         while True:
             try:
                 self._wake.clear()
-                turn_id, wait_s = await self.engine.next_probation()
+                turn_id, wait_s = await self.engine.probations.next_turn()
                 if turn_id is None:
                     # Woken by a shared host that queued a turn, by the supervisor's periodic
                     # adopt, or when the next backoff is over.
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), wait_s)
                     continue
-                task = await self.engine.probation_settled(turn_id)
+                task = await self.engine.probations.run_settled(turn_id)
                 self._tasks[turn_id] = task  # if it outlasted the patience, it goes on here
                 task.add_done_callback(functools.partial(self._finished, turn_id))
             except PhaselineError as exc:
@@ -206,7 +207,7 @@ class TurnActor:
             log.error("turn %s failed in host %s: %r", turn_id, self.slot, exc)
             return
         outcome = task.result()
-        if outcome.outcome == "released":  # a probation: counted once, by the host that ends it
+        if outcome.outcome is RunStop.RELEASED:  # counted once, by the host that ends it
             self._poke(self.directory.handle_for(turn_id))
         else:
             self.engine.stats.add(outcome)
@@ -217,8 +218,8 @@ class TurnActor:
             record = await store.load(turn_id)
         except PhaselineError as exc:  # not found, undecodable, or Redis away
             log.error("turn %s cannot start: %s", turn_id, exc)
-            return TurnOutcome(turn_id, "unusable", 0, 0, 0, 0)
-        if record.reason == "submitted" and record.epoch == 1 and record.in_progress:
+            return TurnOutcome(turn_id, RunStop.UNUSABLE, 0, 0, 0, 0)
+        if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
             spec = await store.load_spec(turn_id)
             scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
             return await self.engine.start(record, scenario)

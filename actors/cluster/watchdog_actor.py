@@ -22,7 +22,7 @@ from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import ServiceInfo
 from actors.turn.watchdog import HardCancel, WatchdogRules
 from bus.errors import PhaselineError
-from bus.events import StatusEvent, decode_event
+from bus.events import Status, StatusEvent, decode_event
 from bus.phase import Transition
 from store.connection import connect
 from store.streams import RedisBus
@@ -113,7 +113,7 @@ class WatchdogActor:
                     await self.hosts.handle(self.dep.isolation_slot),
                 )
                 replies = await asyncio.gather(
-                    *(h.cancel_llm.remote(a.turn_id, a.epoch, a.cause) for h in hosts if h),
+                    *(h.cancel_llm.remote(a.turn_id, a.epoch) for h in hosts if h),
                     return_exceptions=True,
                 )
                 for reply in replies:
@@ -121,9 +121,11 @@ class WatchdogActor:
                     if isinstance(reply, BaseException) and not isinstance(reply, RayActorError):
                         raise reply
                 events.append(
-                    StatusEvent(a.turn_id, a.epoch, a.cause, "model call cancelled", now_ms)
+                    StatusEvent(
+                        a.turn_id, a.epoch, Status.HARD_IDLE_TIMEOUT, "model call cancelled", now_ms
+                    )
                 )
             else:
                 self.soft += 1
-                events.append(StatusEvent(a.turn_id, 0, "idle_soft", a.label, now_ms))
+                events.append(StatusEvent(a.turn_id, 0, Status.IDLE_SOFT, a.label, now_ms))
         await self.bus.publish(events)

@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from enum import StrEnum
+from typing import Any
 
 from actors.engine.scenario import Scenario, parse_scenario
-from actors.turn.poison import SUSPENDED_POISON, Placement, place
+from actors.turn.poison import Placement, place
 from bus.errors import ConfigError, RecordError, RecordNotFound, StaleOwner
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model, pack, unpack
 from store.inbox import Inbox
 from store.isolation import Probation
 from store.ledger import ToolLedger
-from store.records import CheckpointRecord
+from store.records import CheckpointRecord, Outcome, SaveReason
 
-PlanAction = Literal["resume", "isolate", "suspended", "fenced", "finished", "unusable"]
-PLAN_ACTIONS: frozenset[str] = frozenset(get_args(PlanAction))
+
+class PlanAction(StrEnum):
+    """What a plan tells its caller to do with the turn."""
+
+    RESUME = "resume"
+    """Run the claimed record (new epoch)."""
+    ISOLATE = "isolate"
+    """Not claimed: the turn must run alone on the isolation host."""
+    SUSPENDED = "suspended"
+    """This claim parked the turn as ``suspended:poison``; nothing to run."""
+    FENCED = "fenced"
+    """Another owner claimed the turn first."""
+    FINISHED = "finished"
+    """The turn is not in progress any more."""
+    UNUSABLE = "unusable"
+    """Its record, spec or ledger failed to decode and were quarantined."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +49,10 @@ class ResumePlan:
     turn_id: str
     """The turn."""
     action: PlanAction
-    """``resume`` (run ``record``), ``isolate`` (not claimed: it must run alone on the
-    isolation host), ``suspended`` (parked as ``suspended:poison`` by this claim), ``fenced``
-    (another owner claimed it first), ``finished`` (not in progress any more), ``unusable``
-    (record or spec failed to decode and were quarantined)."""
+    """What to do with it."""
     record: CheckpointRecord | None = None
     """The claimed record (new epoch) for ``resume``; the parked one for ``suspended``."""
-    resume_from: str = ""
+    resume_from: SaveReason | None = None
     """Reason of the checkpoint the turn restarts from (``force_stop`` resumes the wrap-up)."""
     scenario: Scenario | None = None
     """The turn's scenario, from its spec."""
@@ -57,9 +69,9 @@ class ResumePlan:
         return pack(
             {
                 "turn_id": self.turn_id,
-                "action": self.action,
+                "action": self.action.value,
                 "record": None if self.record is None else dump_model(self.record),
-                "resume_from": self.resume_from,
+                "resume_from": None if self.resume_from is None else self.resume_from.value,
                 "scenario": None if self.scenario is None else dump_model(self.scenario),
                 "in_flight": self.in_flight,
                 "pending_inbox": self.pending_inbox,
@@ -70,16 +82,16 @@ class ResumePlan:
     @classmethod
     def from_wire(cls, data: bytes) -> ResumePlan:
         d: dict[str, Any] = unpack(data)
-        if d["action"] not in PLAN_ACTIONS:
-            raise RecordError(
-                f"plan of {str(d.get('turn_id'))[:128]}",
-                f"unknown action {str(d['action'])[:40]!r}",
-            )
+        try:
+            action = PlanAction(d["action"])
+            resume_from = None if d["resume_from"] is None else SaveReason(d["resume_from"])
+        except ValueError as exc:
+            raise RecordError(f"plan of {str(d.get('turn_id'))[:128]}", str(exc)[:200]) from exc
         return cls(
             turn_id=str(d["turn_id"]),
-            action=d["action"],
+            action=action,
             record=None if d["record"] is None else CheckpointRecord.model_validate(d["record"]),
-            resume_from=str(d["resume_from"]),
+            resume_from=resume_from,
             scenario=None if d["scenario"] is None else parse_scenario(d["scenario"]),
             in_flight=int(d["in_flight"]),
             pending_inbox=int(d["pending_inbox"]),
@@ -87,14 +99,10 @@ class ResumePlan:
         )
 
 
-#: ``reason`` of a claim record: the last write before the new owner saves anything.
-CLAIM_REASON = "resume"
-
-
 def stalled_resumes(record: CheckpointRecord) -> int:
     """Resumes in a row without progress up to ``record``: its count if the record is itself a
     claim (nothing was saved since), else 0 (the turn saved a checkpoint after its last claim)."""
-    return record.counters.stalled_resumes if record.reason == CLAIM_REASON else 0
+    return record.counters.stalled_resumes if record.reason is SaveReason.RESUME else 0
 
 
 def claim_for_resume(
@@ -115,7 +123,7 @@ def claim_for_resume(
         update={
             "epoch": record.epoch + 1,
             "seq": record.seq + 1,
-            "reason": CLAIM_REASON,
+            "reason": SaveReason.RESUME,
             "counters": counters,
             "updated_at": now_ms,
         }
@@ -124,9 +132,9 @@ def claim_for_resume(
 
 def suspended(claimed: CheckpointRecord) -> CheckpointRecord:
     """A claim turned into the parked record: out of the in-progress index, with its evidence."""
-    counters = claimed.counters.model_copy(update={"outcome": SUSPENDED_POISON})
+    counters = claimed.counters.model_copy(update={"outcome": Outcome.SUSPENDED_POISON})
     return claimed.model_copy(
-        update={"in_progress": False, "reason": "suspended", "counters": counters}
+        update={"in_progress": False, "reason": SaveReason.SUSPENDED, "counters": counters}
     )
 
 
@@ -134,14 +142,14 @@ def unsuspended(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
     """An operator's ``phaseline resume TURN`` of a parked turn: back in progress, evidence
     cleared (the next claim treats it as a turn that lost its host once)."""
     counters = record.counters.model_copy(
-        update={"outcome": "", "stalled_resumes": 0, "isolated_deaths": ()}
+        update={"outcome": None, "stalled_resumes": 0, "isolated_deaths": ()}
     )
     return record.model_copy(
         update={
             "epoch": record.epoch + 1,
             "seq": record.seq + 1,
             "in_progress": True,
-            "reason": "unsuspended",
+            "reason": SaveReason.UNSUSPENDED,
             "counters": counters,
             "updated_at": now_ms,
         }
@@ -152,7 +160,7 @@ async def reopen(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord:
     """An operator asked for this turn by id: a suspended one goes back in progress (fenced
     like any claim); any other record is returned as it is."""
     record = await store.load(turn_id)
-    if record.in_progress or record.counters.outcome != SUSPENDED_POISON:
+    if record.in_progress or record.counters.outcome != Outcome.SUSPENDED_POISON:
         return record
     reopened = unsuspended(record, now_ms=int(time.time() * 1000))
     await store.save(reopened)
@@ -186,9 +194,9 @@ async def plan_resume(
     try:
         record = await store.load(turn_id)
     except (RecordNotFound, RecordError) as exc:  # deleted under us, or quarantined on load
-        return ResumePlan(turn_id, "unusable", detail=str(exc))
+        return ResumePlan(turn_id, PlanAction.UNUSABLE, detail=str(exc))
     if not record.in_progress:
-        return ResumePlan(turn_id, "finished", detail=record.counters.outcome)
+        return ResumePlan(turn_id, PlanAction.FINISHED, detail=str(record.counters.outcome))
     try:
         spec = await store.load_spec(turn_id)
         scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
@@ -198,12 +206,13 @@ async def plan_resume(
         # can never resume: take it aside, so it is reported once instead of planned again
         # at every adopt.
         await store.quarantine(turn_id, f"unusable: {exc}")
-        return ResumePlan(turn_id, "unusable", detail=str(exc))
+        return ResumePlan(turn_id, PlanAction.UNUSABLE, detail=str(exc))
     died_at = died_inside(marker, record) if isolated else None
     deaths = (*record.counters.isolated_deaths, *((died_at,) if died_at else ()))
     placement = place(stalled_resumes(record) + 1, deaths)
     if placement is Placement.ISOLATED and not isolated:
-        return ResumePlan(turn_id, "isolate", detail="stalled: runs alone on the isolation host")
+        detail = "stalled: runs alone on the isolation host"
+        return ResumePlan(turn_id, PlanAction.ISOLATE, detail=detail)
     in_flight = sum(e.state == "dispatched" for e in entries.values())
     pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))
     claimed = claim_for_resume(record, now_ms=int(time.time() * 1000), died_at=died_at)
@@ -212,12 +221,12 @@ async def plan_resume(
     try:
         await store.save(claimed)
     except StaleOwner as exc:
-        return ResumePlan(turn_id, "fenced", detail=str(exc))
+        return ResumePlan(turn_id, PlanAction.FENCED, detail=str(exc))
     if placement is Placement.SUSPEND:
-        return ResumePlan(turn_id, "suspended", record=claimed, detail=SUSPENDED_POISON)
+        return ResumePlan(turn_id, PlanAction.SUSPENDED, record=claimed, detail="poison")
     return ResumePlan(
         turn_id,
-        "resume",
+        PlanAction.RESUME,
         record=claimed,
         resume_from=record.reason,
         scenario=scenario,

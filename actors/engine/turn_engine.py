@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 
 from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.config import Settings
-from actors.engine.resume import ResumePlan, died_inside, plan_resume
+from actors.engine.probation import Probations
+from actors.engine.resume import PlanAction, ResumePlan, plan_resume
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import ScriptedLLM
 from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
@@ -30,14 +31,14 @@ from actors.turn.loop import (
     Checkpointer,
     LoopSettings,
     ProbationHooks,
+    RunStop,
     TurnDeps,
     TurnLoop,
     TurnOutcome,
 )
-from actors.turn.poison import SUSPENDED_POISON, isolation_backoff_s
 from actors.turn.tools import ToolRegistry
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import StaleOwner, StoreError
+from bus.errors import StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -48,14 +49,20 @@ from store.inbox import Inbox
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
-from store.records import CheckpointRecord, Message, MessageMeta, TurnSpec
+from store.records import CheckpointRecord, Message, MessageMeta, Outcome, SaveReason, TurnSpec
 
 log = logging.getLogger(__name__)
 
-#: Loop outcomes that leave the turn's record in progress (someone must still end it).
-NOT_ENDED = frozenset({"interrupted", "fenced", "unusable", "released", "isolate"})
-
 SYSTEM_PROMPT = "You are a phaseline scripted agent. Use the tools, then answer."
+
+
+#: What a plan that runs nothing makes of the turn for this run.
+_NOT_RUN = {
+    PlanAction.FENCED: RunStop.FENCED,
+    PlanAction.FINISHED: RunStop.FINISHED,
+    PlanAction.UNUSABLE: RunStop.UNUSABLE,
+    PlanAction.ISOLATE: RunStop.ISOLATE,
+}
 
 
 def initial_record(
@@ -78,7 +85,7 @@ def initial_record(
             "seq": 0,
             "phase": TurnPhase.INIT,
             "in_progress": True,
-            "reason": "submitted",
+            "reason": SaveReason.SUBMITTED,
             "messages": messages,
             "meta": meta,
             "baseline": len(messages),
@@ -109,7 +116,7 @@ class RunStats:
 
     turns: int = 0
     resumed: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[Outcome | RunStop] = field(default_factory=Counter)
     checkpoints: int = 0
     failed_saves: int = 0
     idle_soft: int = 0
@@ -132,7 +139,7 @@ class RunStats:
     def add(self, outcome: TurnOutcome) -> None:
         self.turns += 1
         self.outcomes[outcome.outcome] += 1
-        if outcome.outcome == SUSPENDED_POISON:
+        if outcome.outcome is Outcome.SUSPENDED_POISON:
             self.suspended.append(outcome.turn_id)
         self.checkpoints += outcome.saves
         self.failed_saves += outcome.failed_saves
@@ -141,7 +148,7 @@ class RunStats:
         return {
             "turns": self.turns,
             "resumed": self.resumed,
-            "outcomes": dict(self.outcomes),
+            "outcomes": {str(k): n for k, n in self.outcomes.items()},
             "checkpoints": self.checkpoints,
             "failed_saves": self.failed_saves,
             "idle_soft": self.idle_soft,
@@ -195,14 +202,7 @@ class TurnEngine:
         self.on_transition = on_transition
         self._on_status = on_status
         self._on_isolate = on_isolate
-        self.probation_patience_s = probation_patience_s
-        self._notes: _ProbationNotes | None = None
-        """The hooks of the probation running now (detached when patience runs out)."""
-        self._died_first: str | None = None
-        """The turn inside whose step the previous isolation host died: it runs first."""
-        self._unended: tuple[str, int] | None = None
-        """A probation whose marker could not be cleared yet (Redis was away): cleared before
-        the next one starts, or its leftover marker would read as a death."""
+        self.probations = Probations(self, patience_s=probation_patience_s)
 
     @classmethod
     def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> TurnEngine:
@@ -245,7 +245,7 @@ class TurnEngine:
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died): the shared ones
         together, then the isolated ones alone, one at a time (``actors.turn.poison``)."""
-        await self.note_predecessor(died=True)
+        await self.probations.note_predecessor(died=True)
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
         return await self.resume_turns([r.turn_id for r in scan.records])
@@ -258,165 +258,40 @@ class TurnEngine:
 
         async def everything() -> list[TurnOutcome]:
             first = list(await asyncio.gather(*(self.resume(t) for t in shared)))
-            isolated.extend(o.turn_id for o in first if o.outcome == "isolate")
-            return [o for o in first if o.outcome != "isolate"] + await self._alone(isolated)
+            isolated.extend(o.turn_id for o in first if o.outcome is RunStop.ISOLATE)
+            rest = [o for o in first if o.outcome is not RunStop.ISOLATE]
+            return rest + await self.probations.run_queued(isolated)
 
         return await self._run_all_from(everything)
-
-    async def _alone(self, turn_ids: list[str]) -> list[TurnOutcome]:
-        """Probation runs of queued turns, one at a time in queue order (waiting out their
-        backoff); a released turn, or one that outlasted the patience, goes on beside the
-        next probation."""
-        wanted = set(turn_ids)
-        ended: list[TurnOutcome] = []
-        going: list[asyncio.Task[TurnOutcome]] = []
-        while wanted:
-            turn_id, wait_s = await self.next_probation(among=wanted)
-            if turn_id is None:
-                wanted &= await self.isolation.members()  # others may have taken some off
-                if not wanted or wait_s is None:
-                    break
-                await asyncio.sleep(wait_s)  # the backoff of the next isolated attempt
-                continue
-            wanted.discard(turn_id)
-            task = await self.probation_settled(turn_id)
-            if task.done() and task.result().outcome == "interrupted":
-                ended.append(task.result())
-                break  # Redis is away: the next resume carries on
-            going.append(asyncio.ensure_future(self._after_probation(task)))
-        return ended + [o for o in await asyncio.gather(*going) if o.turn_id in turn_ids]
-
-    async def probation_settled(self, turn_id: str) -> asyncio.Task[TurnOutcome]:
-        """Start the probation of ``turn_id`` and return once it ended or the patience ran out
-        (then it is detached: no longer on probation, it goes on like any resumed turn)."""
-        task = asyncio.ensure_future(self.probation(turn_id))
-        await asyncio.wait({task}, timeout=self.probation_patience_s)
-        if not task.done():
-            log.warning(
-                "turn %s: no checkpoint after %.0f s alone; not a crash loop, it goes on beside "
-                "the next probation", turn_id, self.probation_patience_s,
-            )  # fmt: skip
-            await self.detach_probation()
-        return task
-
-    async def _after_probation(self, task: asyncio.Task[TurnOutcome]) -> TurnOutcome:
-        outcome = await task
-        if outcome.outcome == "released":
-            return await self.resume(outcome.turn_id)
-        return outcome
-
-    async def detach_probation(self) -> None:
-        """End the running probation early: its marker and queue entry go, its steps are no
-        longer noted, it is no longer released at its checkpoint."""
-        notes = self._notes
-        if notes is None:
-            return
-        notes.detached = True
-        self._notes = None
-        self._unended = None
-        await self.isolation.end(notes.turn_id, notes.epoch)
-        await self.isolation.remove(notes.turn_id)
 
     async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome:
         """Continue a turn from its last checkpoint under a new epoch (claimed by the plan).
         A turn the policy isolates is queued for the isolation host instead (``isolate``)."""
         if plan is None:
             plan = await plan_resume(self.store, self.ledger, self.inbox, turn_id)
-        if plan.action == "isolate":
+        if plan.action is PlanAction.ISOLATE:
             await self.isolation.enqueue(turn_id)
             log.warning("turn %s: %s", turn_id, plan.detail)
             if self._on_isolate is not None:
                 self._on_isolate(turn_id)
-            return TurnOutcome(turn_id, "isolate", 0, 0, 0, 0)
-        return await self._run_plan(plan)
+            return TurnOutcome(turn_id, RunStop.ISOLATE, 0, 0, 0, 0)
+        return await self.run_plan(plan)
 
-    async def _run_plan(self, plan: ResumePlan, **loop_kw: Any) -> TurnOutcome:
+    async def run_plan(self, plan: ResumePlan, **loop_kw: Any) -> TurnOutcome:
+        """Carry out a plan: run its claimed record (``loop_kw`` go to :meth:`build_loop`), or
+        report why there is nothing to run."""
         turn_id = plan.turn_id
-        if plan.action == "unusable":
+        if plan.action is PlanAction.UNUSABLE:
             self.stats.quarantined.append(turn_id)
-        if plan.action == "suspended" and plan.record is not None:
+        if plan.action is PlanAction.SUSPENDED and plan.record is not None:
             log.error("turn %s suspended: %s", turn_id, plan.record.counters.isolated_deaths)
-            return TurnOutcome(turn_id, plan.detail, plan.record.epoch, 1, 0, 0)
-        if plan.action != "resume" or plan.record is None or plan.scenario is None:
+            return TurnOutcome(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch, 1, 0, 0)
+        if plan.action is not PlanAction.RESUME or plan.record is None or plan.scenario is None:
             log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
-            return TurnOutcome(turn_id, plan.action, 0, 0, 0, 0)
+            return TurnOutcome(turn_id, _NOT_RUN.get(plan.action, RunStop.UNUSABLE), 0, 0, 0, 0)
         self.stats.resumed += 1
         loop = self.build_loop(plan.record, plan.scenario, resume_from=plan.resume_from, **loop_kw)
         return await self.drive(loop)
-
-    # -- isolation ----------------------------------------------------------------------------
-
-    async def note_predecessor(self, *, died: bool) -> None:
-        """Start of an isolation host (or of an in-process resume): read the probation marker
-        the previous one left. After a death, its turn goes first, once its backoff is over
-        (no other probation may replace the marker before that turn's claim has recorded the
-        death); after a freeze (``died`` False) the marker is no evidence and is dropped."""
-        marker = await self.isolation.current()
-        if marker is None:
-            return
-        if not died:
-            await self.isolation.forget()
-            return
-        try:
-            record = await self.store.load(marker.turn_id)
-        except StoreError:  # RecordNotFound and RecordError included: nothing to count
-            return
-        if died_inside(marker, record) is not None:
-            deaths = len(record.counters.isolated_deaths) + 1
-            await self.isolation.enqueue(marker.turn_id, delay_s=isolation_backoff_s(deaths))
-            self._died_first = marker.turn_id
-
-    async def next_probation(
-        self, among: Collection[str] | None = None
-    ) -> tuple[str | None, float | None]:
-        """The queued turn to run alone next (of ``among``, if given), or None and the seconds
-        until one is due (None: nothing queued). The turn whose isolation host died goes
-        first."""
-        ready, wait_s = await self.isolation.due()
-        if among is not None:
-            ready = [t for t in ready if t in among]
-        first = self._died_first
-        if first is not None and (among is None or first in among) and first not in ready:
-            if first in await self.isolation.members():
-                return None, wait_s  # still in its backoff: nothing else may run before it
-            self._died_first = first = None
-        if first is not None and first in ready:
-            return first, None
-        return (ready[0], None) if ready else (None, wait_s)
-
-    async def probation(self, turn_id: str) -> TurnOutcome:
-        """Claim a queued turn for the isolation host and run it alone until its first
-        checkpoint (``released``), its end, or suspension; takes it off the queue unless Redis
-        cut the run short."""
-        if self._unended is not None:
-            await self.isolation.end(*self._unended)
-            self._unended = None
-        plan = await plan_resume(
-            self.store, self.ledger, self.inbox, turn_id,
-            isolated=True, marker=await self.isolation.current(),
-        )  # fmt: skip
-        if turn_id == self._died_first:
-            self._died_first = None  # its claim has recorded the death: it went first
-        if plan.action != "resume" or plan.record is None:
-            outcome = await self._run_plan(plan)
-            await self.isolation.remove(turn_id)
-            return outcome
-        epoch = plan.record.epoch
-        await self.isolation.begin(turn_id, epoch)
-        self._unended = (turn_id, epoch)
-        notes = self._notes = _ProbationNotes(self.isolation, turn_id, epoch)
-        outcome = await self._run_plan(plan, probation=notes)
-        if notes.detached:
-            return outcome  # released from probation early: its marker and entry are gone
-        self._notes = None
-        try:
-            await self.isolation.end(turn_id, epoch)
-            self._unended = None
-        except StoreError as exc:
-            log.warning("probation marker of %s not cleared yet: %s", turn_id, exc)
-        if outcome.outcome != "interrupted":
-            await self.isolation.remove(turn_id)
-        return outcome
 
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         async def together() -> list[TurnOutcome]:
@@ -442,7 +317,7 @@ class TurnEngine:
         """Turns this run did not end, and that no other owner has ended since either."""
         left = []
         for o in outcomes:
-            if o.outcome not in NOT_ENDED or o.turn_id in self.stats.quarantined:
+            if not o.leaves_in_progress or o.turn_id in self.stats.quarantined:
                 continue
             try:
                 if (await self.store.load(o.turn_id)).in_progress:
@@ -456,7 +331,7 @@ class TurnEngine:
         record: CheckpointRecord,
         scenario: Scenario,
         *,
-        resume_from: str | None = None,
+        resume_from: SaveReason | None = None,
         settings: LoopSettings | None = None,
         probation: ProbationHooks | None = None,
         **deps: Any,
@@ -494,7 +369,7 @@ class TurnEngine:
             self._loops.pop(loop.turn_id, None)
 
     async def start(
-        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: str | None = None
+        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: SaveReason | None = None
     ) -> TurnOutcome:
         return await self.drive(self.build_loop(record, scenario, resume_from=resume_from))
 
@@ -513,12 +388,12 @@ class TurnEngine:
             )
         return out
 
-    def cancel_llm(self, turn_id: str, epoch: int, cause: str) -> bool:
+    def cancel_llm(self, turn_id: str, epoch: int) -> bool:
         """Cancel a running turn's model call, if it is still that epoch's."""
         loop = self._loops.get(turn_id)
         if loop is None or loop.epoch != epoch:
             return False
-        cancelled = loop.cancel_llm(cause)
+        cancelled = loop.cancel_llm()
         self.stats.hard_cancels += cancelled
         return cancelled
 
@@ -541,34 +416,12 @@ class TurnEngine:
             await asyncio.sleep(self.rules.config.tick_s)  # the watchdog's own tick period
             for action in self.rules.tick(time.time()):
                 if isinstance(action, HardCancel):
-                    self.cancel_llm(action.turn_id, action.epoch, action.cause)
+                    self.cancel_llm(action.turn_id, action.epoch)
                 else:
                     self.stats.idle_soft += 1
                     log.info("turn %s: %s", action.turn_id, action.label)
                     if self._on_status is not None:
                         self._on_status(action)
-
-
-@dataclass(slots=True)
-class _ProbationNotes:
-    """The probation hooks of one isolated run: its steps go to the probation marker."""
-
-    isolation: Isolation
-    turn_id: str
-    epoch: int
-    detached: bool = False
-    """Patience ran out: it goes on as an ordinary run (no notes, no release)."""
-
-    @property
-    def releases(self) -> bool:
-        return not self.detached
-
-    async def step(self, step: str) -> None:
-        if self.detached:
-            return
-        if not await self.isolation.step(self.turn_id, self.epoch, step):
-            # A successor isolation host replaced this one's marker: stop before the step.
-            raise StaleOwner(f"probation of {self.turn_id} epoch {self.epoch} taken over")
 
 
 def new_run_id() -> str:

@@ -22,13 +22,12 @@ import redis.asyncio as aioredis
 from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
-from actors.turn.poison import SUSPENDED_POISON
 from bus.errors import RecordError, RecordNotFound
 from store.checkpoint import RedisCheckpointStore
 from store.connection import read_range, text
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Message
+from store.records import CheckpointRecord, Message, Outcome
 
 
 async def reference_transcript(
@@ -180,7 +179,7 @@ async def judge(
                 "isolated_deaths": list(record.counters.isolated_deaths),
             }
             v.poison_deaths += record.counters.resume_attempts
-            if outcome != SUSPENDED_POISON:
+            if outcome is not Outcome.SUSPENDED_POISON:
                 v.poison_escaped.append(f"{tid}: outcome {outcome or 'none (in progress)'}")
                 v.flagged.add(tid)
             if any(n > 1 for n in (await effects.counts(tid)).values()):
@@ -191,11 +190,11 @@ async def judge(
             v.in_progress.append(tid)
             v.flagged.add(tid)
             continue
-        if outcome == SUSPENDED_POISON:
+        if outcome is Outcome.SUSPENDED_POISON:
             v.suspended.append(f"{tid}: {list(record.counters.isolated_deaths)}")
             v.flagged.add(tid)
             continue
-        if outcome.startswith("aborted:"):
+        if outcome is not None and outcome.aborted:
             v.aborted.append(f"{tid}: {outcome}")
             v.flagged.add(tid)
         v.resumed += record.counters.resume_attempts > 0

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from actors.turn.compaction import compact
@@ -45,7 +46,9 @@ from store.records import (
     InboxItem,
     Message,
     MessageMeta,
+    Outcome,
     SaveAck,
+    SaveReason,
     Source,
     ToolCall,
     ToolResult,
@@ -137,16 +140,43 @@ class TurnDeps:
     """Receives every phase transition (bus publisher, watchdog, progress display)."""
 
 
+class RunStop(StrEnum):
+    """Why a run returned without an outcome of its own. Reports count these beside the
+    :class:`~store.records.Outcome` values."""
+
+    FENCED = "fenced"
+    """A newer owner refused this incarnation's save or dispatch."""
+    RELEASED = "released"
+    """A probation run reached its first checkpoint; its slot resumes it."""
+    INTERRUPTED = "interrupted"
+    """Redis failed under the run; the turn is resumable from its last checkpoint."""
+    ISOLATE = "isolate"
+    """Not run (set by the engine): the poison-turn policy queued it for the isolation host."""
+    UNUSABLE = "unusable"
+    """Not run (set by the engine): its record or spec could not be read (quarantined)."""
+    FINISHED = "finished"
+    """Not run (set by the engine): the turn had ended already."""
+
+    @property
+    def leaves_in_progress(self) -> bool:
+        """The turn's record may still be in progress after this run: someone must end it."""
+        return self is not RunStop.FINISHED
+
+
+def aborted(problem: Problem) -> Outcome:
+    """The outcome of a turn the recovery policy aborted for ``problem``."""
+    return Outcome(f"aborted:{problem.value}")
+
+
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
-    """How a turn ended, as seen by the loop that ended it."""
+    """How a run of a turn ended, as seen by the loop (or engine) that ran it."""
 
     turn_id: str
     """The turn."""
-    outcome: str
-    """``answered``, ``force_stopped``, ``aborted:<cause>``, ``fenced`` (a newer owner),
-    ``released`` (a probation run that reached its checkpoint; its slot resumes it) or
-    ``interrupted`` (Redis failed under it)."""
+    outcome: Outcome | RunStop
+    """How the turn ended (an :class:`Outcome`, stored in its final record), or why this run
+    stopped without ending it (a :class:`RunStop`)."""
     epoch: int
     """Epoch that ran it."""
     saves: int
@@ -155,6 +185,11 @@ class TurnOutcome:
     """Saves that failed and were retried at a later site."""
     messages: int
     """Transcript length at the end."""
+
+    @property
+    def leaves_in_progress(self) -> bool:
+        """The run may have left the turn's record in progress (someone must still end it)."""
+        return isinstance(self.outcome, RunStop) and self.outcome.leaves_in_progress
 
 
 class _Fenced(Exception):
@@ -179,12 +214,12 @@ class TurnLoop:
         settings: LoopSettings = LoopSettings(),
         *,
         clock: Callable[[], float] = time.time,
-        resume_from: str | None = None,
+        resume_from: SaveReason | None = None,
         probation: ProbationHooks | None = None,
     ) -> None:
         """``resume_from`` is the reason of the checkpoint a resumed turn restarts from;
         ``probation`` makes this a probation run: it notes each step before it begins and
-        stops (outcome ``released``) right after its first mid-turn checkpoint."""
+        stops (:attr:`RunStop.RELEASED`) right after its first mid-turn checkpoint."""
         self.turn_id = record.turn_id
         self.session_id = record.session_id
         self.epoch = record.epoch
@@ -213,7 +248,7 @@ class TurnLoop:
             listener=deps.listener,
         )
         self._llm_task: asyncio.Task[Message] | None = None
-        self._cancel_cause: str | None = None
+        self._hard_cancelled = False
         self.pending_approval: str | None = None
 
     # -- public -------------------------------------------------------------------------------
@@ -222,12 +257,12 @@ class TurnLoop:
     def messages(self) -> tuple[Message, ...]:
         return (*self._baseline, *self._turn)
 
-    def cancel_llm(self, cause: str = "hard_idle_timeout") -> bool:
+    def cancel_llm(self) -> bool:
         """Cancel the in-flight model call (the watchdog's hard timeout). False if none."""
         task = self._llm_task
         if task is None or task.done():
             return False
-        self._cancel_cause = cause
+        self._hard_cancelled = True
         task.cancel()
         return True
 
@@ -235,27 +270,20 @@ class TurnLoop:
         t = self.tracker
         try:
             t.to(P.SETUP)
-            if self._resume_from == "force_stop":
+            if self._resume_from is SaveReason.FORCE_STOP:
                 return await self._force_stop(checkpoint_first=False)
             t.to(P.AWAITING_LLM)
             return await self._drive()
         except _Fenced:
-            return self._outcome("fenced")
+            return self._outcome(RunStop.FENCED)
         except _Released:
-            return self._outcome("released")
+            return self._outcome(RunStop.RELEASED)
         except _TooLarge:
             return await self._end_oversized()
 
-    async def abort(self, cause: str) -> TurnOutcome:
-        """End the turn without running it (e.g. out of resume attempts), saving its record."""
-        try:
-            return await self._finish(f"aborted:{cause}")
-        except _Fenced:
-            return self._outcome("fenced")
-
     def interrupted(self) -> TurnOutcome:
         """Outcome of a loop cut short by a store failure (its turn stays resumable)."""
-        return self._outcome("interrupted")
+        return self._outcome(RunStop.INTERRUPTED)
 
     # -- the walk -----------------------------------------------------------------------------
 
@@ -279,7 +307,7 @@ class TurnLoop:
                 continue
             self._append(reply, "llm")
             if not reply.tool_calls:
-                return await self._finish("answered")
+                return await self._finish(Outcome.ANSWERED)
             verdict = detect_loop(self._turn, self.settings.loop_thresholds)
             if verdict is not LoopVerdict.OK:
                 self._skip_batch(reply.tool_calls)
@@ -290,7 +318,7 @@ class TurnLoop:
                 continue
             self.tracker.to(P.EXECUTING_TOOLS)
             await self._run_batch(reply.tool_calls)
-            await self._checkpoint("tool_batch")
+            await self._checkpoint(SaveReason.TOOL_BATCH)
             self.tracker.to(P.AWAITING_LLM)
 
     def _decide(self, problem: Problem, *, loop_stop: bool = False) -> Decision:
@@ -320,11 +348,11 @@ class TurnLoop:
             t.to(P.COMPACTING)
             shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=_new_id())
             if shrunk is None:
-                return await self._finish("aborted:context_length")
+                return await self._finish(Outcome.ABORTED_CONTEXT_LENGTH)
             self._turn, self._meta = shrunk
             self._counters = c.model_copy(update={"reactive_compacted": True})
             self._dirty = True
-            await self._checkpoint("compaction")
+            await self._checkpoint(SaveReason.COMPACTION)
             t.to(P.AWAITING_LLM)
             return None
         if decision.action is Action.NUDGE:
@@ -335,24 +363,24 @@ class TurnLoop:
             return None
         if decision.action is Action.FORCE_STOP:
             return await self._force_stop(checkpoint_first=True)
-        return await self._finish(f"aborted:{decision.cause}")
+        return await self._finish(aborted(decision.cause))
 
     async def _force_stop(self, *, checkpoint_first: bool) -> TurnOutcome:
         if checkpoint_first:
-            await self._checkpoint("force_stop")
+            await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
         try:
             reply = await self._call_llm(tools_enabled=False)
         except LLMError as exc:
-            return await self._finish(f"aborted:{_problem_of(exc).value}")
+            return await self._finish(aborted(_problem_of(exc)))
         self._append(reply, "llm")
-        return await self._finish("force_stopped")
+        return await self._finish(Outcome.FORCE_STOPPED)
 
-    async def _finish(self, outcome: str) -> TurnOutcome:
+    async def _finish(self, outcome: Outcome) -> TurnOutcome:
         self.tracker.to(P.DONE)
         self._counters = self._counters.model_copy(update={"outcome": outcome})
         self._dirty = True
-        await self._checkpoint("final", final=True)
+        await self._checkpoint(SaveReason.FINAL, final=True)
         return self._outcome(outcome)
 
     def _fenced(self, exc: StaleOwner) -> _Fenced:
@@ -363,7 +391,7 @@ class TurnLoop:
     async def _end_oversized(self) -> TurnOutcome:
         """End the turn on its last stored checkpoint: the transcript grew past what a record
         may hold, so nothing since that checkpoint can be kept."""
-        outcome = "aborted:record_too_large"
+        outcome = Outcome.ABORTED_RECORD_TOO_LARGE
         self._turn = list(self._saved.messages[self._saved.baseline :])
         self._meta = list(self._saved.meta[self._saved.baseline :])
         self._counters = self._saved.counters.model_copy(update={"outcome": outcome})
@@ -371,14 +399,14 @@ class TurnLoop:
             self.tracker.to(P.DONE)
         self._dirty = True
         try:
-            await self._checkpoint("final", final=True)
+            await self._checkpoint(SaveReason.FINAL, final=True)
         except _Fenced:
-            return self._outcome("fenced")
+            return self._outcome(RunStop.FENCED)
         except _TooLarge:  # even the last checkpoint is over the cap now (it was lowered)
             return self.interrupted()
         return self._outcome(outcome)
 
-    def _outcome(self, outcome: str) -> TurnOutcome:
+    def _outcome(self, outcome: Outcome | RunStop) -> TurnOutcome:
         return TurnOutcome(
             self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages)
         )
@@ -401,7 +429,7 @@ class TurnLoop:
             tools_enabled=tools_enabled,
             attempt=self._counters.retry_attempts,
         )
-        self._cancel_cause = None
+        self._hard_cancelled = False
         task = asyncio.ensure_future(self.deps.llm.complete(request))
         self._llm_task = task
         try:
@@ -412,8 +440,8 @@ class TurnLoop:
         finally:
             self._llm_task = None
         if task.cancelled():
-            if self._cancel_cause is not None:
-                raise HardIdleTimeout(f"model call cancelled: {self._cancel_cause}")
+            if self._hard_cancelled:
+                raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
         return task.result()
 
@@ -525,7 +553,7 @@ class TurnLoop:
         )
         self._dirty = True
 
-    def snapshot(self, reason: str, *, in_progress: bool) -> CheckpointRecord:
+    def snapshot(self, reason: SaveReason, *, in_progress: bool) -> CheckpointRecord:
         """The whole record, rebuilt from the canonical list on top of the baseline."""
         self._seq += 1
         return CheckpointRecord(
@@ -543,7 +571,7 @@ class TurnLoop:
             updated_at=self._now_ms(),
         )
 
-    async def _checkpoint(self, reason: str, *, final: bool = False) -> None:
+    async def _checkpoint(self, reason: SaveReason, *, final: bool = False) -> None:
         if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
             return
         now = self._clock()

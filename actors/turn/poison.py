@@ -36,9 +36,6 @@ MAX_ISOLATED_DEATHS = 4
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 
-#: The outcome of a parked turn; ``phaseline resume TURN`` runs it again.
-SUSPENDED_POISON = "suspended:poison"
-
 
 class Placement(str, Enum):
     """Where the next owner of a turn runs it."""

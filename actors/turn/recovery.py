@@ -72,8 +72,8 @@ class Situation:
 class Decision:
     action: Action
     """What to do."""
-    cause: str
-    """Why, for logs and the turn's outcome (``aborted:<cause>``)."""
+    cause: Problem
+    """Why, for logs and the turn's outcome (``aborted:<problem>``)."""
     backoff_s: float = 0.0
     """Seconds to wait in ``retrying_llm`` (RETRY only)."""
 
@@ -83,16 +83,16 @@ _NUDGEABLE = frozenset({Problem.EMPTY_REPLY, Problem.LOOP})
 
 def decide_recovery(s: Situation) -> Decision:
     if s.problem is Problem.HARD_IDLE_TIMEOUT:
-        return Decision(Action.ABORT, "hard_idle_timeout")
+        return Decision(Action.ABORT, s.problem)
     if s.problem is Problem.CONTEXT_LENGTH and not s.reactive_compacted:
-        return Decision(Action.COMPACT, "context_length")
+        return Decision(Action.COMPACT, s.problem)
     if s.problem is Problem.RETRYABLE and s.retry_attempts < MAX_RETRIES:
-        return Decision(Action.RETRY, "retryable", backoff_s=float(2**s.retry_attempts))
+        return Decision(Action.RETRY, s.problem, backoff_s=float(2**s.retry_attempts))
     if s.loop_stop:
-        return Decision(Action.FORCE_STOP, "loop")
+        return Decision(Action.FORCE_STOP, Problem.LOOP)
     if s.problem in _NUDGEABLE and s.nudges < MAX_NUDGES:
-        return Decision(Action.NUDGE, s.problem.value)
-    return Decision(Action.ABORT, s.problem.value)
+        return Decision(Action.NUDGE, s.problem)
+    return Decision(Action.ABORT, s.problem)
 
 
 def nudge_text(problem: Problem) -> str:

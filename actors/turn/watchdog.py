@@ -57,8 +57,6 @@ class HardCancel:
     """The turn to cancel."""
     epoch: int
     """Owner epoch the cancel is aimed at (a newer owner is left alone)."""
-    cause: str = "hard_idle_timeout"
-    """Cause reported to the loop and recorded in the outcome."""
 
 
 WatchdogAction = SoftIdle | HardCancel

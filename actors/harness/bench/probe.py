@@ -24,6 +24,7 @@ import ray
 
 from actors.cluster.checkpoint_actor import (
     CheckpointClient,
+    Verdict,
     actor_sender,
     local_sender,
     record_to_wire,
@@ -106,9 +107,9 @@ class BenchProbe:
         )
 
     async def _unbatched(self, record: CheckpointRecord) -> None:
-        ((status, detail),) = await self.send([record_to_wire(record)])
-        if status != "ok":
-            raise StoreError(f"unbatched save refused: {status}: {detail}")
+        (answer,) = await self.send([record_to_wire(record)])
+        if answer.verdict is not Verdict.OK:
+            raise StoreError(f"unbatched save refused: {answer.verdict}: {answer.detail}")
 
     async def _bare(self, record: CheckpointRecord) -> SaveAck:
         """The latency floor: the same three writes in one MULTI/EXEC, no fence, no script."""

@@ -24,6 +24,7 @@ from actors.harness.bench.workload import deployed
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves
 from bus.errors import PhaselineError
+from store.records import Outcome
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -87,6 +88,6 @@ async def host_kill_recovery(
         "in_flight_at_kill": in_flight,
         "killed_pid": pid,
         "recovered": len(first),
-        "answered": sum(r.counters.outcome == "answered" for r in finals.values()),
+        "answered": sum(r.counters.outcome is Outcome.ANSWERED for r in finals.values()),
         "latency_ms": summarize(latency),
     }

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,10 +54,7 @@ async def run_turns(
 
 
 def _outcomes(finals: dict[str, CheckpointRecord]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in finals.values():
-        out[r.counters.outcome] = out.get(r.counters.outcome, 0) + 1
-    return out
+    return dict(Counter(str(r.counters.outcome) for r in finals.values()))
 
 
 async def timed_run(rt: Runtime, scenario: Scenario, n: int) -> dict[str, Any]:
