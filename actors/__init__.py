@@ -21,6 +21,16 @@ _EXPORTS = {
     "Scenario": "actors.engine.scenario",
     "load_scenario": "actors.engine.scenario",
     "BUILTIN_TOOLS": "actors.engine.builtin_tools",
+    "scripted_turn": "actors.engine.scripted",
+    "load_agent": "actors.engine.agents",
+    # agents
+    "Agent": "actors.turn.agent",
+    "AgentSettings": "actors.turn.agent",
+    "ModelContext": "actors.turn.agent",
+    "tool": "actors.turn.tools",
+    "LLMReply": "actors.turn.llm",
+    "TurnInput": "store.records",
+    "Usage": "store.records",
     # the model and tool interfaces
     "LLMClient": "actors.turn.llm",
     "LLMRequest": "actors.turn.llm",
@@ -57,6 +67,8 @@ _EXPORTS = {
 
 __all__ = [
     "BUILTIN_TOOLS",
+    "Agent",
+    "AgentSettings",
     "CheckpointRecord",
     "ConfigError",
     "ContextLengthError",
@@ -65,9 +77,11 @@ __all__ = [
     "InboxItem",
     "LLMClient",
     "LLMError",
+    "LLMReply",
     "LLMRequest",
     "Message",
     "MessageMeta",
+    "ModelContext",
     "Outcome",
     "PhaselineError",
     "RecordError",
@@ -89,20 +103,28 @@ __all__ = [
     "ToolSpec",
     "TurnEngine",
     "TurnExists",
+    "TurnInput",
     "TurnPhase",
     "TurnSpec",
+    "Usage",
+    "load_agent",
     "load_scenario",
     "load_settings",
+    "scripted_turn",
+    "tool",
 ]
 
 if TYPE_CHECKING:
     from actors.cluster.runtime import Runtime
+    from actors.engine.agents import load_agent
     from actors.engine.builtin_tools import BUILTIN_TOOLS
     from actors.engine.config import Settings, load_settings
     from actors.engine.scenario import Scenario, load_scenario
+    from actors.engine.scripted import scripted_turn
     from actors.engine.turn_engine import RunStats, TurnEngine
-    from actors.turn.llm import LLMClient, LLMRequest
-    from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+    from actors.turn.agent import Agent, AgentSettings, ModelContext
+    from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+    from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, tool
     from bus.errors import (
         ConfigError,
         ContextLengthError,
@@ -129,7 +151,9 @@ if TYPE_CHECKING:
         SaveReason,
         ToolCall,
         ToolResult,
+        TurnInput,
         TurnSpec,
+        Usage,
     )
 
 

@@ -32,10 +32,11 @@ from rich.table import Table
 from rich.text import Text
 
 from actors.cluster.runtime import Runtime, ensure_ray
-from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.agents import check_agent
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
@@ -329,7 +330,7 @@ def run(
     """Run TURNS scripted turns of a scenario concurrently (on Ray unless --in-process)."""
     settings = _settings(config_path, redis_url, namespace)
     scenario = load_scenario(shipped_scenario(scenario_path))
-    BUILTIN_TOOLS.require(scenario.tools)
+    check_agent(*scripted_turn(scenario))
     rid = check_turn_id(run_id) if run_id else new_run_id()
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
@@ -337,13 +338,13 @@ def run(
     async def in_proc(client: aioredis.Redis) -> RunStats:
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
-            return await engine.run_new(scenario, ids)
+            return await engine.run_new(*scripted_turn(scenario), ids)
 
     async def on_ray(rt: Runtime) -> RunStats:
         started = time.monotonic()
         unusable: list[str] = []
         with bar.progress:
-            await rt.submit(scenario, ids)
+            await rt.submit(*scripted_turn(scenario), ids)
             finals = await rt.wait(
                 ids, timeout=24 * 3600, on_done=bar.advance,
                 on_unusable=lambda tid, _exc: unusable.append(tid),
@@ -446,7 +447,7 @@ def demo(
     rid = f"demo{new_run_id()}"
     settings = _settings(config_path, redis_url, namespace or rid)
     scenario = load_scenario(shipped_scenario(scenario_path))
-    BUILTIN_TOOLS.require(scenario.tools)
+    check_agent(*scripted_turn(scenario))
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
 
@@ -502,7 +503,7 @@ def chaos(
     """Kill runtime processes at random under load; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
     scenario = load_scenario(shipped_scenario(scenario_path))
-    BUILTIN_TOOLS.require(scenario.tools)
+    check_agent(*scripted_turn(scenario))
     chosen = parse_targets(targets, embedded=settings.redis.url is None)
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")

@@ -102,6 +102,10 @@ class UnknownTool(ToolError):
     """The model or a scenario named a tool that is not registered."""
 
 
+class ToolArgumentsError(ToolError):
+    """The model called a tool with arguments its schema refuses; the model reads why."""
+
+
 class TurnExists(StoreError):
     """A turn with this id was already submitted."""
 

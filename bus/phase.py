@@ -11,14 +11,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from bus.errors import IllegalTransition
 
 log = logging.getLogger(__name__)
 
 
-class TurnPhase(str, Enum):
+class TurnPhase(StrEnum):
     """Where a turn is. The string values are what Redis and the bus carry."""
 
     INIT = "init"

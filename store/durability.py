@@ -16,7 +16,7 @@ from dataclasses import dataclass
 __all__ = ["Durability", "DurabilityKind", "parse_durability"]
 
 
-class DurabilityKind(str, enum.Enum):
+class DurabilityKind(enum.StrEnum):
     ACK = "ack"
     """Redis answered: in its memory, in the AOF within a second (``appendfsync everysec``)."""
     FSYNC = "fsync"

@@ -130,6 +130,15 @@ class Message(_Frozen):
         return self
 
 
+class Usage(_Frozen):
+    """Tokens one model call used, as the endpoint reported them."""
+
+    prompt_tokens: int = Field(default=0, ge=0)
+    """Tokens of the request."""
+    completion_tokens: int = Field(default=0, ge=0)
+    """Tokens of the reply."""
+
+
 class MessageMeta(_Frozen):
     """Bookkeeping beside a message (index-aligned), never shown to the model."""
 
@@ -141,6 +150,8 @@ class MessageMeta(_Frozen):
     """Unix milliseconds when the message entered the transcript."""
     system_injected: bool = False
     """True for nudges and other messages the runtime wrote on the user's behalf."""
+    usage: Usage | None = None
+    """On model replies from an endpoint that reports it: the tokens the call used."""
 
 
 class Counters(_Frozen):
@@ -216,6 +227,19 @@ class CheckpointRecord(_Frozen):
         return self
 
 
+#: Import path of the scripted agent: what specs written before agents existed ran.
+SCRIPTED_AGENT = "actors.engine.scripted:agent"
+
+
+class TurnInput(_Frozen):
+    """What the user gave the turn."""
+
+    message: str
+    """The user message that opens the turn."""
+    context: dict[str, Any] = Field(default_factory=dict)
+    """Extra JSON-like context for the agent (the scripted agent reads its scenario here)."""
+
+
 class TurnSpec(_Frozen):
     """What a turn was asked to do; written once at submission so any host can resume it."""
 
@@ -223,10 +247,25 @@ class TurnSpec(_Frozen):
     """The turn."""
     session_id: str
     """Conversation the turn belongs to."""
-    scenario: dict[str, Any]
-    """The scenario table (validated again by ``actors.engine.scenario`` when the turn is built)."""
+    agent: str
+    """Import path of the agent (``"pkg.module:name"``) every host imports to run the turn."""
+    input: TurnInput
+    """The user's input."""
     created_at: int
     """Unix milliseconds of submission."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_scenario_spec(cls, data: Any) -> Any:
+        """Specs written before agents existed carried a scenario: the scripted agent's."""
+        if isinstance(data, dict) and "scenario" in data and "agent" not in data:
+            data = dict(data)
+            scenario = data.pop("scenario")
+            # The message only opens the first record, written at submission already.
+            message = scenario.get("prompt", "") if isinstance(scenario, dict) else ""
+            data["agent"] = SCRIPTED_AGENT
+            data["input"] = {"message": message, "context": {"scenario": scenario}}
+        return data
 
 
 class LedgerEntry(_Frozen):

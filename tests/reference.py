@@ -7,6 +7,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from store.keys import KeyLayout
@@ -22,5 +23,5 @@ async def reference(
     keys = KeyLayout(f"ref{uuid.uuid4().hex[:10]}", shards=4)
     engine = TurnEngine(client, keys, loop_settings=FAST)
     fast = sc.model_copy(update={"llm_latency_ms": 0})  # tool latency is in the args
-    await engine.run_new(fast, turn_ids)
+    await engine.run_new(*scripted_turn(fast), turn_ids)
     return {t: await engine.store.load(t) for t in turn_ids}

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from actors.cli import main
 from actors.engine.scenario import load_scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from store.connection import connect, redact_url
 from store.keys import KeyLayout
@@ -126,7 +127,9 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         client = connect(redis_url)
         keys = KeyLayout(namespace)
         engine = TurnEngine(client, keys)
-        await engine.submit_many(load_scenario(PLAIN), ["ok-1", "ok-2"])  # in progress, not run
+        await engine.submit_many(
+            *scripted_turn(load_scenario(PLAIN)), ["ok-1", "ok-2"]
+        )  # in progress, not run
         await client.set(keys.turn("bad"), b"a string, not a hash")
         await client.sadd(keys.in_progress_of("bad"), "bad")
         await client.aclose()

@@ -13,6 +13,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from actors.engine.scenario import load_scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
@@ -203,8 +204,8 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
     normal = load_scenario(write_scenario(tmp_path, 40, '["echo", "counter_increment"]'))
     poison = poison_variant(normal)  # its third model call SIGKILLs the process
     engine = TurnEngine(real_client, keys, loop_settings=FAST)
-    await engine.submit_many(normal, ["ok1", "ok2", "ok3"])
-    await engine.submit(poison, "bad")
+    await engine.submit_many(*scripted_turn(normal), ["ok1", "ok2", "ok3"])
+    await engine.submit(*scripted_turn(poison), "bad")
 
     codes = []
     for _ in range(8):  # each pass is a new process, as an operator's retries would be
@@ -236,7 +237,7 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
 
     # after a fix (the agent no longer crashes: a new spec), resuming it by id finishes it
     spec = await store.load_spec("bad")
-    fixed = spec.model_copy(update={"scenario": normal.model_dump(mode="json")})
+    fixed = spec.model_copy(update={"input": scripted_turn(normal)[1]})
     await real_client.set(keys.spec("bad"), pack_model(fixed))
     again = phaseline(redis_url, namespace, "resume", "bad", "--in-process")
     assert again.returncode == 0, again.stderr[-2000:]

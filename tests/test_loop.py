@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 
 from actors.engine.resume import claim_for_resume, plan_resume
 from actors.engine.scenario import Scenario, parse_scenario
-from actors.engine.scripted import ScriptedLLM
+from actors.engine.scripted import ScriptedLLM, scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.llm import LLMRequest
+from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.loop import LoopSettings, TurnLoop
 from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.watchdog import WatchdogSettings
@@ -25,7 +25,7 @@ from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, Message, SaveAck, SaveReason, ToolResult
+from store.records import CheckpointRecord, LedgerEntry, SaveAck, SaveReason, ToolResult
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 
@@ -66,10 +66,16 @@ def make_engine(client: aioredis.Redis, keys: KeyLayout, **kw: Any) -> TurnEngin
 async def run_with_recorder(
     engine: TurnEngine, sc: Scenario, turn_id: str, *, fail: int = 0, settings: LoopSettings = FAST
 ) -> tuple[TurnLoop, Recorder, list[Transition]]:
-    record = await engine.submit(sc, turn_id)
+    record = await engine.submit(*scripted_turn(sc), turn_id)
     rec = Recorder(engine.store, fail)
     moves: list[Transition] = []
-    loop = engine.build_loop(record, sc, settings=settings, checkpoints=rec, listener=moves.append)
+    loop = engine.build_loop(
+        record,
+        await engine.store.load_spec(record.turn_id),
+        settings=settings,
+        checkpoints=rec,
+        listener=moves.append,
+    )
     await engine.drive(loop)
     return loop, rec, moves
 
@@ -200,9 +206,9 @@ async def test_a_fenced_loop_stops_without_further_side_effects(
 ) -> None:
     engine = make_engine(real_client, keys)
     sc = scenario(tools=["counter_increment"], rounds=4, tools_per_round=1)
-    record = await engine.submit(sc, "zombie")
+    record = await engine.submit(*scripted_turn(sc), "zombie")
     slow_model = ScriptedLLM(sc.model_copy(update={"llm_latency_ms": 100}), baseline=2)
-    loop = engine.build_loop(record, sc, llm=slow_model)
+    loop = engine.build_loop(record, await engine.store.load_spec(record.turn_id), llm=slow_model)
 
     async def first_batch_saved() -> CheckpointRecord | None:
         r = await engine.store.load("zombie")
@@ -228,8 +234,8 @@ async def test_an_in_progress_record_without_a_spec_is_quarantined_not_replanned
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     engine = make_engine(real_client, keys)
-    await engine.submit(scenario(), "nospec")
-    await engine.submit(scenario(), "fine")
+    await engine.submit(*scripted_turn(scenario()), "nospec")
+    await engine.submit(*scripted_turn(scenario()), "fine")
     await real_client.delete(keys.spec("nospec"))
     lost = await plan_resume(engine.store, engine.ledger, engine.inbox, "nospec")
     assert lost.action == "unusable" and "no spec" in lost.detail
@@ -249,7 +255,7 @@ async def test_only_resumes_without_progress_count_towards_isolation(
         return (await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)).action
 
     # claimed again and again before it saved anything: not aborted, but isolated
-    await engine.submit(scenario(), "stuck")
+    await engine.submit(*scripted_turn(scenario()), "stuck")
     assert [await plan("stuck") for _ in range(ISOLATE_AFTER)] == ["resume"] * (
         ISOLATE_AFTER - 1
     ) + ["isolate"]
@@ -257,7 +263,7 @@ async def test_only_resumes_without_progress_count_towards_isolation(
     assert stuck.in_progress and stuck.counters.stalled_resumes == ISOLATE_AFTER - 1
 
     # a turn that saves a checkpoint after every claim is resumed in place as often as it takes
-    await engine.submit(scenario(), "busy")
+    await engine.submit(*scripted_turn(scenario()), "busy")
     for n in range(1, 7):
         assert await plan("busy") == "resume"
         claimed = await engine.store.load("busy")
@@ -274,9 +280,9 @@ async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_call
 ) -> None:
     engine = make_engine(real_client, keys)
     sc = scenario(tools=["counter_increment", "echo"], rounds=1, tools_per_round=3)
-    record = await engine.submit(sc, "ledger")
+    record = await engine.submit(*scripted_turn(sc), "ledger")
     model = ScriptedLLM(sc, baseline=2)  # what the model will ask for first
-    first = await model.complete(LLMRequest("ledger", record.messages, True, 0))
+    first = (await model.complete(LLMRequest("ledger", record.messages, True, 0))).message
     names = [c.name for c in first.tool_calls]
     assert names == ["counter_increment", "echo", "counter_increment"]
     k = [call_key("ledger", 0, c.name, c.args, i) for i, c in enumerate(first.tool_calls)]
@@ -288,7 +294,7 @@ async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_call
         k[2]: LedgerEntry(state="committed", name=names[2], result=done),
     })  # fmt: skip
     await engine.effects.increment("ledger", k[2])
-    outcome = await engine.start(record, sc)
+    outcome = await engine.start(record, await engine.store.load_spec(record.turn_id))
     assert outcome.outcome == "answered"
     final = await engine.store.load("ledger")
     results = [m.tool_result for m in final.messages if m.tool_result]
@@ -305,7 +311,7 @@ async def test_injected_messages_enter_once_at_the_next_boundary(
 ) -> None:
     engine = make_engine(real_client, keys)
     sc = scenario(llm_latency_ms=20)
-    record = await engine.submit(sc, "inbox")
+    record = await engine.submit(*scripted_turn(sc), "inbox")
     await engine.inbox.push("inbox", "before the first call", message_id="early")
     pushes: list[asyncio.Future[object]] = []
 
@@ -316,7 +322,7 @@ async def test_injected_messages_enter_once_at_the_next_boundary(
             )
 
     engine.on_transition = on_move
-    await engine.start(record, sc)
+    await engine.start(record, await engine.store.load_spec(record.turn_id))
     await asyncio.gather(*pushes)
     final = await engine.store.load("inbox")
     ids = [m.message_id for m in final.meta]
@@ -338,10 +344,10 @@ async def test_approvals_wait_in_a_transient_and_deny_after_the_cap(
     )
     engine = make_engine(real_client, keys, loop_settings=settings)
     sc = scenario(rounds=1, tools_per_round=1, require_approval=["echo"])
-    record = await engine.submit(sc, "gate")
+    record = await engine.submit(*scripted_turn(sc), "gate")
     moves: list[Transition] = []
     engine.on_transition = moves.append
-    task = asyncio.ensure_future(engine.start(record, sc))
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec(record.turn_id)))
 
     async def pending() -> str | None:
         return engine.pending_approval("gate")
@@ -370,7 +376,7 @@ async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
         on_status=statuses.append,
     )  # fmt: skip
     sc = scenario(faults=[{"at_call": 2, "kind": "hang"}])
-    stats = await engine.run_new(sc, ["hung"])
+    stats = await engine.run_new(*scripted_turn(sc), ["hung"])
     assert stats.outcomes == {"aborted:hard_idle_timeout": 1}
     assert stats.idle_soft == 1 and stats.hard_cancels == 1
     assert statuses[0].turn_id == "hung" and "waiting for the model" in statuses[0].label
@@ -402,7 +408,7 @@ class WatchedLLM:
         self.killed = False
         self.replied_after_kill = asyncio.Event()
 
-    async def complete(self, request: LLMRequest) -> Message:
+    async def complete(self, request: LLMRequest) -> LLMReply:
         reply = await self.inner.complete(request)
         if self.killed:
             self.replied_after_kill.set()
@@ -419,9 +425,13 @@ async def test_a_redis_restart_mid_turn_is_ridden_out(
         client = connect(server.url, retry_s=retry_s)
         engine = make_engine(client, keys, watchdog=None)
         sc = scenario(rounds=8, tools_per_round=1, llm_latency_ms=150)
-        record = await engine.submit(sc, "bumpy")
+        record = await engine.submit(*scripted_turn(sc), "bumpy")
         model = WatchedLLM(ScriptedLLM(sc, baseline=record.baseline))
-        turn = asyncio.ensure_future(engine.drive(engine.build_loop(record, sc, llm=model)))
+        turn = asyncio.ensure_future(
+            engine.drive(
+                engine.build_loop(record, await engine.store.load_spec(record.turn_id), llm=model)
+            )
+        )
 
         async def second_batch_saved() -> bool:
             return (await engine.store.load("bumpy")).seq >= 2

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from actors.engine.resume import ResumePlan, plan_resume, reopen
 from actors.engine.scenario import Scenario, parse_scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos import parse_targets, poison_ids, poison_variant
 from actors.harness.timeline import label_levels
@@ -27,7 +28,7 @@ from bus.errors import RecordError, StoreError
 from store.codec import pack, pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Outcome, TurnSpec
+from store.records import CheckpointRecord, Outcome
 from tests.polling import eventually
 from tests.reference import reference
 
@@ -150,7 +151,7 @@ async def test_a_stalled_turn_is_isolated_then_released_and_completes(
 ) -> None:
     engine = engine_on(real_client, keys)
     sc = scenario()
-    await engine.submit(sc, "unlucky")
+    await engine.submit(*scripted_turn(sc), "unlucky")
     await claims(engine, "unlucky", ISOLATE_AFTER - 1)  # lost its host, resumed, lost it again
     before = await engine.store.load("unlucky")
     plan = await plan_resume(engine.store, engine.ledger, engine.inbox, "unlucky")
@@ -181,7 +182,8 @@ async def die_in_probation(engine: TurnEngine, turn_id: str) -> str:
 
     async def stepped() -> str | None:
         m = await engine.isolation.current()
-        return m.step if m is not None and m.turn_id == turn_id and m.epoch > epoch else None
+        begun = m is not None and m.turn_id == turn_id and m.epoch > epoch
+        return m.step if begun and m.step else None  # "" is a probation not yet in a step
 
     step = await eventually(stepped, what="the probation's first step")
     task.cancel()
@@ -192,7 +194,7 @@ async def die_in_probation(engine: TurnEngine, turn_id: str) -> str:
 
 async def poisoned(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> TurnEngine:
     engine = engine_on(client, keys)
-    await engine.submit(scenario(**HANG_FIRST_CALL), turn_id)
+    await engine.submit(*scripted_turn(scenario(**HANG_FIRST_CALL)), turn_id)
     await engine.isolation.enqueue(turn_id)
     return engine
 
@@ -256,7 +258,7 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
 
     # a marker left by an owner that was claimed since (a stale epoch) is no evidence either
     stale = engine_on(real_client, keys)
-    await stale.submit(scenario(), "moved")
+    await stale.submit(*scripted_turn(scenario()), "moved")
     await stale.isolation.begin("moved", 1)
     await stale.isolation.step("moved", 1, "awaiting_llm@2")
     await claims(stale, "moved", 1)  # epoch 2 now
@@ -283,7 +285,7 @@ async def test_a_redis_failure_cutting_a_probation_leaves_no_evidence(
     engine = TurnEngine(
         real_client, keys, loop_settings=FAST, watchdog=None, checkpoints=_Unreachable()
     )
-    await engine.submit(scenario(), "cut")
+    await engine.submit(*scripted_turn(scenario()), "cut")
     await engine.isolation.enqueue("cut")
     outcome = await engine.probations.run("cut")
     assert outcome.outcome == "interrupted"
@@ -303,7 +305,7 @@ async def test_a_suspended_turn_resumes_by_id_after_a_fix(
 
     # the fix: the agent no longer hangs (a new spec, as a redeploy would bring)
     spec = await engine.store.load_spec("fixme")
-    fixed = TurnSpec(**{**spec.model_dump(), "scenario": scenario().model_dump(mode="json")})
+    fixed = spec.model_copy(update={"input": scripted_turn(scenario())[1]})
     await real_client.set(keys.spec("fixme"), pack_model(fixed))
 
     reopened = await reopen(engine.store, "fixme")
@@ -324,8 +326,8 @@ async def test_a_slow_probation_does_not_hold_the_queue(
     engine = TurnEngine(
         real_client, keys, loop_settings=FAST, watchdog=None, probation_patience_s=0.2
     )
-    await engine.submit(scenario(**HANG_FIRST_CALL), "slow")
-    await engine.submit(scenario(), "next")
+    await engine.submit(*scripted_turn(scenario(**HANG_FIRST_CALL)), "slow")
+    await engine.submit(*scripted_turn(scenario()), "next")
     await engine.isolation.enqueue("slow")
     await engine.isolation.enqueue("next", delay_s=0.01)
     assert (await engine.probations.next_turn())[0] == "slow"

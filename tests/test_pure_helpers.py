@@ -81,13 +81,13 @@ def test_scripted_model_is_a_pure_function_of_the_transcript() -> None:
         {"name": "p", "rounds": 2, "tools_per_round": 3, "tools": ["echo", "sleep"]}
     )
     m1, m2 = ScriptedLLM(sc, baseline=2), ScriptedLLM(sc, baseline=2)
-    a = asyncio.run(m1.complete(req(BASE)))
-    assert a == asyncio.run(m2.complete(req(BASE)))
+    a = asyncio.run(m1.complete(req(BASE))).message
+    assert a == asyncio.run(m2.complete(req(BASE))).message
     assert [c.name for c in a.tool_calls] == ["echo", "sleep", "echo"]
     t = BASE + tuple(batch(*a.tool_calls))
-    b = asyncio.run(m1.complete(req(t)))
+    b = asyncio.run(m1.complete(req(t))).message
     assert [c.name for c in b.tool_calls] == ["sleep", "echo", "sleep"]
-    final = asyncio.run(m1.complete(req(t + tuple(batch(*b.tool_calls)))))
+    final = asyncio.run(m1.complete(req(t + tuple(batch(*b.tool_calls))))).message
     assert not final.tool_calls and len(final.text) == sc.payload_bytes
 
 
@@ -97,16 +97,16 @@ def test_scripted_faults_fire_at_the_right_call() -> None:
         {"at_call": 3, "kind": "context_length"},
     ]})  # fmt: skip
     m = ScriptedLLM(sc, baseline=2)
-    first = asyncio.run(m.complete(req(BASE)))
+    first = asyncio.run(m.complete(req(BASE))).message
     t = BASE + tuple(batch(*first.tool_calls))
     for attempt in (0, 1):
         with pytest.raises(RetryableLLMError):
             asyncio.run(m.complete(req(t, attempt=attempt)))
-    second = asyncio.run(m.complete(req(t, attempt=2)))
+    second = asyncio.run(m.complete(req(t, attempt=2))).message
     t2 = t + tuple(batch(*second.tool_calls))
     with pytest.raises(ContextLengthError):
         asyncio.run(m.complete(req(t2)))
     shrunk = compact(list(t2[2:]), meta_for(list(t2[2:])), at_ms=1, message_id="s")
     assert shrunk is not None
-    third = asyncio.run(m.complete(req(BASE + tuple(shrunk[0]))))
+    third = asyncio.run(m.complete(req(BASE + tuple(shrunk[0])))).message
     assert third.tool_calls[0].id == "call_2_0"  # the count survived compaction

@@ -18,6 +18,7 @@ from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario, parse_scenario
+from actors.engine.scripted import scripted_turn
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
 from actors.turn.recovery import Action, Decision, Problem
@@ -104,7 +105,7 @@ async def test_sigkill_of_a_host_mid_turn(
     rt = await start_runtime(hosts=2)
     sc = scenario()
     ids = [f"h{i:03d}" for i in range(40)]
-    await rt.submit(sc, ids)
+    await rt.submit(*scripted_turn(sc), ids)
     await checkpoints_written(real_client, rt.dep.keys, 40 + 60)
     victim = rt.dep.slot_of(ids[0])
     pid = await rt.kill_host(victim)
@@ -134,8 +135,8 @@ async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
     rt = await start_runtime(hosts=2)
     sc = scenario(rounds=4, tools=["echo", "counter_increment"], llm_latency_ms=100)
     ids = [f"ok{i}" for i in range(8)]
-    await rt.submit(sc, ids)
-    await rt.submit(poison_variant(sc), ["bad"])
+    await rt.submit(*scripted_turn(sc), ids)
+    await rt.submit(*scripted_turn(poison_variant(sc)), ["bad"])
     finals = await rt.wait([*ids, "bad"], timeout=240)
 
     bad = finals.pop("bad")
@@ -164,7 +165,7 @@ async def test_wait_reports_a_record_corrupted_mid_run_and_returns_the_others(
     rt = await start_runtime(hosts=1, supervisor={"adopt_interval_s": 0.5})
     sc = scenario(rounds=6, llm_latency_ms=200)
     ids = [f"w{i}" for i in range(4)]
-    await rt.submit(sc, ids)
+    await rt.submit(*scripted_turn(sc), ids)
     await checkpoints_written(real_client, rt.dep.keys, 4 + 2)
     await real_client.hset(rt.dep.keys.turn("w0"), "epoch", "not-a-number")
     unusable: dict[str, str] = {}
@@ -184,7 +185,7 @@ async def test_sigkill_of_tool_workers_mid_call(
         rounds=1, tools=["counter_increment", "echo"], tool_latency_ms=3000, llm_latency_ms=10
     )
     ids = ["tool0", "tool1"]
-    await rt.submit(sc, ids)
+    await rt.submit(*scripted_turn(sc), ids)
 
     async def in_flight() -> bool:
         states = [e.state for t in ids for e in (await ledger(rt).entries(t)).values()]
@@ -233,7 +234,7 @@ async def test_sigkill_of_the_checkpoint_actor_during_saves(
     rt = await start_runtime(hosts=2)
     sc = scenario(llm_latency_ms=50, tool_latency_ms=5)
     ids = [f"c{i:03d}" for i in range(60)]
-    await rt.submit(sc, ids)
+    await rt.submit(*scripted_turn(sc), ids)
     await checkpoints_written(real_client, rt.dep.keys, 60 + 50)
     old = await rt.service_pid("checkpoint")
     os.kill(old, signal.SIGKILL)
@@ -268,8 +269,8 @@ async def test_a_killed_service_actor_comes_back_and_works(
     sc = scenario()
     ids = [f"{role}{i}" for i in range(10)]
     hang = scenario(name="hang", faults=[{"at_call": 2, "kind": "hang"}])
-    await rt.submit(sc, ids)
-    await rt.submit(hang, [f"{role}-hang"])
+    await rt.submit(*scripted_turn(sc), ids)
+    await rt.submit(*scripted_turn(hang), [f"{role}-hang"])
     await checkpoints_written(real_client, rt.dep.keys, 11 + 10)
     await rt.kill_host(rt.dep.slot_of(ids[0]))
     finals = await rt.wait([*ids, f"{role}-hang"], timeout=180)
@@ -287,7 +288,7 @@ async def freeze_a_host(
         hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
     )
     ids = [f"{prefix}{i:03d}" for i in range(20)]
-    await rt.submit(sc, ids)
+    await rt.submit(*scripted_turn(sc), ids)
     await checkpoints_written(client, rt.dep.keys, 20 + 20)
     slot = rt.dep.slot_of(ids[0])
     zombie = await rt.hosts.handle(slot)
@@ -370,7 +371,7 @@ async def test_watchdog_soft_then_hard_on_a_hanging_model(
         hosts=1, watchdog={"tick_s": 0.1, "soft_idle_s": 0.5, "hard_idle_s": 2.0}
     )
     sc = scenario(name="hang", faults=[{"at_call": 3, "kind": "hang"}])
-    await rt.submit(sc, ["hung"])
+    await rt.submit(*scripted_turn(sc), ["hung"])
     (final,) = (await rt.wait(["hung"], timeout=60)).values()
     assert final.counters.outcome == "aborted:hard_idle_timeout"
     assert not final.in_progress and len(final.messages) == 2 + 2 * 3  # partial, saved
@@ -398,7 +399,7 @@ async def test_injected_messages_during_a_turn_and_during_recovery(
     rt = await start_runtime(hosts=2)
     sc = scenario(llm_latency_ms=300)
     live, crashed = "inject-live", "inject-crash"
-    await rt.submit(sc, [live, crashed])
+    await rt.submit(*scripted_turn(sc), [live, crashed])
     await checkpoints_written(real_client, rt.dep.keys, 2 + 2)
     await rt.inject(live, "hello during the turn", message_id="m-live")
     before = await rt.store.load(crashed)
@@ -417,7 +418,7 @@ async def test_injected_messages_during_a_turn_and_during_recovery(
 async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> None:
     rt = await start_runtime(hosts=1)
     sc = scenario(rounds=1, tools_per_round=1, require_approval=["echo"], llm_latency_ms=10)
-    await rt.submit(sc, ["gate"])
+    await rt.submit(*scripted_turn(sc), ["gate"])
 
     async def pending() -> list[str] | None:
         return await rt.pending_approvals("gate") or None
@@ -427,4 +428,6 @@ async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> Non
     (final,) = (await rt.wait(["gate"], timeout=60)).values()
     (result,) = [m.tool_result for m in final.messages if m.tool_result]
     assert result.status == "ok"
-    assert await rt.submit(sc, ["gate"]) == []  # resubmitting is a no-op, not a second run
+    assert (
+        await rt.submit(*scripted_turn(sc), ["gate"]) == []
+    )  # resubmitting is a no-op, not a second run

@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from bus.errors import StoreError
 from store.connection import connect
@@ -36,11 +37,13 @@ async def test_an_acl_user_runs_turns_in_its_namespace_and_nowhere_else(tmp_path
         url = acl_user(server, "team_a", "s3cret-a", "team_a")
         client = connect(url, retry_s=0)
         engine = TurnEngine(client, KeyLayout("team_a", shards=4), watchdog=None)
-        stats = await engine.run_new(SCENARIO, ["a1", "a2"])
+        stats = await engine.run_new(*scripted_turn(SCENARIO), ["a1", "a2"])
         assert stats.outcomes == {"answered": 2} and stats.all_final
         other = TurnEngine(client, KeyLayout("team_b", shards=4), watchdog=None)
         with pytest.raises(StoreError, match="No permissions to access a key"):
-            await other.submit(SCENARIO, "b1")  # another namespace's keys: refused by Redis
+            await other.submit(
+                *scripted_turn(SCENARIO), "b1"
+            )  # another namespace's keys: refused by Redis
         await client.aclose()
         admin = redis.Redis.from_url(server.url)
         assert not admin.keys("team_b:*")
@@ -80,7 +83,7 @@ async def test_turns_over_tls_with_a_client_certificate(
         url = f"{base}&ssl_certfile={tmp_path}/client.pem&ssl_keyfile={tmp_path}/client.key"
         client = connect(url, retry_s=0)
         engine = TurnEngine(client, KeyLayout("tls", shards=2), watchdog=None)
-        stats = await engine.run_new(SCENARIO, ["over-tls"])
+        stats = await engine.run_new(*scripted_turn(SCENARIO), ["over-tls"])
         assert stats.outcomes == {"answered": 1}
         await client.aclose()
         no_cert = connect(base, retry_s=0)  # the server wants a client certificate

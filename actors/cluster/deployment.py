@@ -9,18 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from store.connection import text, translated
 from store.keys import KeyLayout
 
 #: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
 RAY_NAMESPACE = "phaseline"
+
+
+def pool_name(resources: Mapping[str, float]) -> str:
+    """Pools are keyed by the Ray resources their workers hold ('default': none)."""
+    if not resources:
+        return "default"
+    return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
 
 
 class Deployment(BaseModel):
@@ -38,6 +47,9 @@ class Deployment(BaseModel):
     """Where the built-in non-idempotent tool performs its side effect; None: ``redis_url``.
     The chaos target ``power_loss`` points it at a witness server outside the Redis under
     test, so losing that Redis's AOF tail cannot hide a duplicated side effect."""
+    agents: tuple[str, ...] = ()
+    """Import paths of agents whose tools need Ray resources: their resource shapes get
+    ToolWorker pools. Tools without resources run on the default pool, which always exists."""
 
     @property
     def keys(self) -> KeyLayout:
@@ -66,6 +78,15 @@ class Deployment(BaseModel):
 
     def tool_worker_name(self, pool: str, index: int) -> str:
         return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
+
+    def tool_pools(self) -> dict[str, dict[str, float]]:
+        """Pool name -> the Ray resources its workers hold: the default pool and one per
+        resource shape of the tools of :attr:`agents`."""
+        pools: dict[str, dict[str, float]] = {pool_name({}): {}}
+        for path in self.agents:
+            for spec in load_agent(path).tools:
+                pools[pool_name(spec.resources)] = dict(spec.resources)
+        return pools
 
     def slot_of(self, turn_id: str) -> int:
         """The stable host slot of a turn."""

@@ -13,19 +13,18 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask, pool_name
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.supervisor import Supervisor
-from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.agents import load_agent
 from actors.engine.config import Settings
-from actors.engine.scenario import Scenario
-from actors.engine.turn_engine import new_turn
+from actors.engine.turn_engine import new_turns
 from bus.errors import (
     ConfigError,
     PhaselineError,
@@ -39,7 +38,7 @@ from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, read_streams, redact_url, text, translated
 from store.inbox import Inbox
-from store.records import CheckpointRecord, InboxItem
+from store.records import CheckpointRecord, InboxItem, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +77,20 @@ class Runtime:
         hosts: int = 2,
         ray_address: str | None = None,
         effects_url: str | None = None,
+        agents: Sequence[str] = (),
     ) -> Runtime:
-        """Start a local Ray (or join ``ray_address``) and bring the deployment up."""
+        """Start a local Ray (or join ``ray_address``) and bring the deployment up. ``agents``
+        lists the import paths of agents whose tools need Ray resources (each resource shape
+        gets its ToolWorker pool); any agent whose tools need none runs without being listed."""
+        for path in agents:
+            load_agent(path)  # a bad path is a ConfigError here, not in the supervisor
         owns_ray = ensure_ray(ray_address)
         dep = Deployment(
-            redis_url=redis_url, settings=settings, hosts=hosts, effects_url=effects_url
+            redis_url=redis_url,
+            settings=settings,
+            hosts=hosts,
+            effects_url=effects_url,
+            agents=tuple(agents),
         )
         client = connect(redis_url, retry_s=settings.redis.retry_s)
         with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
@@ -104,15 +112,26 @@ class Runtime:
 
     # -- turns --------------------------------------------------------------------------------
 
-    async def submit(self, scenario: Scenario, turn_ids: Iterable[str]) -> list[str]:
-        """Create the turns in Redis and hand each to its host slot; returns the new ones.
+    async def submit(
+        self,
+        agent: str,
+        turn_input: TurnInput | str,
+        turn_ids: Iterable[str],
+        *,
+        session: str | None = None,
+    ) -> list[str]:
+        """Create turns of ``agent`` (an import path) on ``turn_input`` in Redis and hand each
+        to its host slot; returns the new ones. A bad agent or input is a ConfigError here,
+        before anything is written.
 
         Idempotent: a turn that already exists is left alone, so a submission cut short by a
         Redis failure can simply be repeated. Any other failure raises after the turns that
         were created have been handed over.
         """
-        BUILTIN_TOOLS.require(scenario.tools)
-        turns = [new_turn(scenario, t) for t in turn_ids]
+        if isinstance(turn_input, str):
+            turn_input = TurnInput(message=turn_input)
+        turns = new_turns(agent, turn_input, turn_ids, session_id=session)
+        self._check_pools(agent)
         created: list[str] = []
         failure: StoreError | None = None
         for (spec, _), result in zip(turns, await self.store.submit_many(turns), strict=True):
@@ -136,6 +155,21 @@ class Runtime:
         if failure is not None:
             raise failure
         return created
+
+    def _check_pools(self, agent: str) -> None:
+        """Refuse an agent whose tools need a ToolWorker pool this deployment does not run."""
+        pools = self.dep.tool_pools()
+        missing = {
+            spec.name: dict(spec.resources)
+            for spec in load_agent(agent).tools
+            if pool_name(spec.resources) not in pools
+        }
+        if missing:
+            raise ConfigError(
+                f"agent {agent!r}: tools {sorted(missing)} need Ray resources {missing} that no "
+                "tool worker pool of this deployment holds; start the runtime with "
+                f"agents=[{agent!r}]"
+            )
 
     async def adopt(self, turn_ids: Iterable[str]) -> None:
         """Have the hosts of these turns' slots pick up their in-progress turns now (instead of
@@ -240,7 +274,7 @@ class Runtime:
                 continue
             try:
                 out.append(HostInfo.of(await ask(host.hello.remote(), 5)))
-            except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out
 

@@ -36,10 +36,9 @@ from actors.cluster.checkpoint_actor import CheckpointActor
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
 from actors.cluster.info import HostInfo, SupervisorInfo
 from actors.cluster.recovery_actor import RecoveryActor
-from actors.cluster.tool_workers import ToolWorker, pool_name
+from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
-from actors.engine.builtin_tools import BUILTIN_TOOLS
 from bus.errors import PhaselineError
 from store.connection import connect, translated
 
@@ -97,7 +96,7 @@ class Supervisor:
             _kill(self.dep.host_name(slot, gen + 1))  # the standby
         for role in SERVICES:
             _kill(self.dep.name(role))
-        for pool in _tool_pools():
+        for pool in self.dep.tool_pools():
             for i in range(self.dep.settings.tools.workers):
                 _kill(self.dep.tool_worker_name(pool, i))
 
@@ -122,7 +121,7 @@ class Supervisor:
             ).remote(self.dep.to_wire())
             for role, cls in SERVICES.items()
         ]
-        for pool, resources in _tool_pools().items():
+        for pool, resources in self.dep.tool_pools().items():
             for i in range(self.dep.settings.tools.workers):
                 ToolWorker.options(  # type: ignore[attr-defined]
                     name=self.dep.tool_worker_name(pool, i),
@@ -222,7 +221,7 @@ async def _ping(handle: Any, timeout: float) -> Any | None:
     """The raw ``hello`` reply (a host's or a service's), or None if it did not come."""
     try:
         return await ask(handle.hello.remote(), timeout)
-    except (asyncio.TimeoutError, RayActorError):
+    except (TimeoutError, RayActorError):
         return None
 
 
@@ -232,16 +231,9 @@ async def _alive(handle: Any) -> bool:
         await ask(handle.hello.remote(), 0.05)
     except RayActorError:
         return False
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return True
     return True
-
-
-def _tool_pools() -> dict[str, dict[str, float]]:
-    return {
-        pool_name(s.resources): dict(s.resources)
-        for s in map(BUILTIN_TOOLS.get, BUILTIN_TOOLS.names())
-    }
 
 
 def _kill(name: str) -> None:

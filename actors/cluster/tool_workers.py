@@ -19,15 +19,14 @@ import json
 import logging
 import os
 import zlib
-from collections.abc import Mapping
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask
+from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
 from actors.cluster.info import ServiceInfo
-from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.agents import load_agent
 from actors.engine.toolrun import IDEMPOTENT_ATTEMPTS, lost_call, timed_out, tool_result
 from actors.turn.tools import ToolContext, ToolSpec
 from bus.errors import StoreError
@@ -36,13 +35,6 @@ from store.effects import EffectCounters
 from store.records import ToolCall, ToolResult
 
 log = logging.getLogger(__name__)
-
-
-def pool_name(resources: Mapping[str, float]) -> str:
-    """Pools are keyed by the Ray resources their workers hold ('default': none)."""
-    if not resources:
-        return "default"
-    return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -59,11 +51,12 @@ class ToolWorker:
         self._effects = EffectCounters(self._client, dep.keys)
         self.calls = 0
 
-    async def call(self, name: str, args_json: str, turn_id: str, call_key: str) -> str:
-        """Arguments travel as JSON, never as pickles; a tool's exception is its error."""
+    async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
+        """Run ``agent``'s tool ``name``. Arguments travel as JSON, never as pickles; a tool's
+        exception (an agent that does not load here included) is its error."""
         self.calls += 1
-        ctx = ToolContext(turn_id, call_key, self._effects)
-        return await BUILTIN_TOOLS.get(name).fn(json.loads(args_json), ctx)
+        ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
+        return await load_agent(agent).tools.get(name).fn(json.loads(args_json), ctx)
 
     async def hello(self) -> dict[str, Any]:
         return ServiceInfo(pid=os.getpid(), counts={"calls": self.calls}).wire()
@@ -94,11 +87,11 @@ class RayToolRunner:
                 except ValueError:  # the pool is being (re)created
                     await asyncio.sleep(0.2)  # backoff before the next attempt
                     continue
-                ref = worker.call.remote(call.name, args, ctx.turn_id, ctx.call_key)
+                ref = worker.call.remote(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
                 try:
                     output = await ask(ref, spec.timeout_s)
                     return tool_result(call, "ok", str(output))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     ray.cancel(ref)
                     return timed_out(call, spec)
                 except asyncio.CancelledError:

@@ -37,7 +37,6 @@ from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.cluster.info import HostInfo
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
-from actors.engine.scenario import parse_scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
 from bus.errors import PhaselineError
@@ -220,9 +219,7 @@ class TurnActor:
             log.error("turn %s cannot start: %s", turn_id, exc)
             return TurnOutcome(turn_id, RunStop.UNUSABLE, 0, 0, 0, 0)
         if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
-            spec = await store.load_spec(turn_id)
-            scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
-            return await self.engine.start(record, scenario)
+            return await self.engine.start(record, await store.load_spec(turn_id))
         return await self._resume(turn_id)
 
     async def _resume(self, turn_id: str) -> TurnOutcome:

@@ -1,46 +1,57 @@
 """The built-in tools of DESIGN §5: ``echo`` and ``sleep`` (idempotent) and
 ``counter_increment`` (not idempotent: its side effect is a Redis counter per call key, so a
-duplicate can be counted from outside)."""
+duplicate can be counted from outside). They are the scripted agent's tools; every one takes the
+scripted model's arguments (``text``, ``delay_ms``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any
+from typing import Annotated
 
-from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from pydantic import Field
 
+from actors.turn.tools import ToolContext, ToolRegistry, tool
 
-def _delay(args: Mapping[str, Any]) -> float:
-    value = args.get("delay_ms", 0)
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"delay_ms must be a non-negative integer, got {value!r}")
-    return value / 1000
+Delay = Annotated[int, Field(ge=0, le=3_600_000)]
 
 
-async def _echo(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    await asyncio.sleep(_delay(args))
-    return str(args.get("text", ""))
+@tool(idempotent=True)
+async def echo(text: str = "", delay_ms: Delay = 0) -> str:
+    """Answer with the text given.
+
+    Args:
+        text: What to answer with.
+        delay_ms: Milliseconds to wait first.
+    """
+    await asyncio.sleep(delay_ms / 1000)
+    return text
 
 
-async def _sleep(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    delay = _delay(args)
-    await asyncio.sleep(delay)
-    return f"slept {int(delay * 1000)} ms"
+@tool(idempotent=True)
+async def sleep(text: str = "", delay_ms: Delay = 0) -> str:
+    """Wait, then say how long.
+
+    Args:
+        text: Ignored.
+        delay_ms: Milliseconds to wait.
+    """
+    await asyncio.sleep(delay_ms / 1000)
+    return f"slept {delay_ms} ms"
 
 
-async def _counter_increment(args: Mapping[str, Any], ctx: ToolContext) -> str:
-    await asyncio.sleep(_delay(args))
+@tool(idempotent=False)
+async def counter_increment(ctx: ToolContext, text: str = "", delay_ms: Delay = 0) -> str:
+    """Increment the side-effect counter of this call, once per run of the call.
+
+    Args:
+        text: Ignored.
+        delay_ms: Milliseconds to wait first.
+    """
+    await asyncio.sleep(delay_ms / 1000)
     if ctx.effects is None:
         raise RuntimeError("counter_increment needs a side-effect store")
     count = await ctx.effects.increment(ctx.turn_id, ctx.call_key)
     return f"count={count}"
 
 
-BUILTIN_TOOLS = ToolRegistry(
-    [
-        ToolSpec("echo", _echo, idempotent=True),
-        ToolSpec("sleep", _sleep, idempotent=True),
-        ToolSpec("counter_increment", _counter_increment, idempotent=False),
-    ]
-)
+BUILTIN_TOOLS = ToolRegistry([echo, sleep, counter_increment])

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from actors.engine.scenario import Scenario, parse_scenario
 from actors.turn.poison import Placement, place
-from bus.errors import ConfigError, RecordError, RecordNotFound, StaleOwner
+from bus.errors import RecordError, RecordNotFound, StaleOwner
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model, pack, unpack
 from store.inbox import Inbox
 from store.isolation import Probation
 from store.ledger import ToolLedger
-from store.records import CheckpointRecord, Outcome, SaveReason
+from store.records import CheckpointRecord, Outcome, SaveReason, TurnSpec
 
 
 class PlanAction(StrEnum):
@@ -54,8 +53,8 @@ class ResumePlan:
     """The claimed record (new epoch) for ``resume``; the parked one for ``suspended``."""
     resume_from: SaveReason | None = None
     """Reason of the checkpoint the turn restarts from (``force_stop`` resumes the wrap-up)."""
-    scenario: Scenario | None = None
-    """The turn's scenario, from its spec."""
+    spec: TurnSpec | None = None
+    """The turn's spec (its agent and input), for ``resume``."""
     in_flight: int = 0
     """Tool calls the ledger shows dispatched but unfinished (non-idempotent ones will be
     reported ``outcome_unknown``, idempotent ones re-run)."""
@@ -72,7 +71,7 @@ class ResumePlan:
                 "action": self.action.value,
                 "record": None if self.record is None else dump_model(self.record),
                 "resume_from": None if self.resume_from is None else self.resume_from.value,
-                "scenario": None if self.scenario is None else dump_model(self.scenario),
+                "spec": None if self.spec is None else dump_model(self.spec),
                 "in_flight": self.in_flight,
                 "pending_inbox": self.pending_inbox,
                 "detail": self.detail,
@@ -92,7 +91,7 @@ class ResumePlan:
             action=action,
             record=None if d["record"] is None else CheckpointRecord.model_validate(d["record"]),
             resume_from=resume_from,
-            scenario=None if d["scenario"] is None else parse_scenario(d["scenario"]),
+            spec=None if d["spec"] is None else TurnSpec.model_validate(d["spec"]),
             in_flight=int(d["in_flight"]),
             pending_inbox=int(d["pending_inbox"]),
             detail=str(d["detail"]),
@@ -199,9 +198,8 @@ async def plan_resume(
         return ResumePlan(turn_id, PlanAction.FINISHED, detail=str(record.counters.outcome))
     try:
         spec = await store.load_spec(turn_id)
-        scenario = parse_scenario(spec.scenario, source=f"spec of {turn_id}")
         entries = await ledger.entries(turn_id)
-    except (RecordNotFound, RecordError, ConfigError) as exc:
+    except (RecordNotFound, RecordError) as exc:
         # An in-progress record whose spec is missing or bad, or whose ledger is unreadable,
         # can never resume: take it aside, so it is reported once instead of planned again
         # at every adopt.
@@ -229,7 +227,7 @@ async def plan_resume(
         PlanAction.RESUME,
         record=claimed,
         resume_from=record.reason,
-        scenario=scenario,
+        spec=spec,
         in_flight=in_flight,
         pending_inbox=pending,
         detail=f"resume attempt {claimed.counters.resume_attempts}",

@@ -20,13 +20,17 @@ import asyncio
 import hashlib
 import os
 import signal
+from dataclasses import dataclass
 
-from actors.engine.scenario import Scenario
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.scenario import Scenario, parse_scenario
+from actors.turn.agent import Agent, ModelContext
 from actors.turn.compaction import progress, read_summary
-from actors.turn.llm import LLMRequest
+from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.recovery import NUDGE_PREFIX
-from bus.errors import ContextLengthError, FatalLLMError, RetryableLLMError
-from store.records import Message, ToolCall
+from actors.turn.tools import ToolRegistry
+from bus.errors import ConfigError, ContextLengthError, FatalLLMError, RetryableLLMError
+from store.records import SCRIPTED_AGENT, Message, ToolCall, TurnInput
 
 
 def payload(seed: str, size: int) -> str:
@@ -40,7 +44,10 @@ class ScriptedLLM:
         self.scenario = scenario
         self.baseline = baseline
 
-    async def complete(self, request: LLMRequest) -> Message:
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        return LLMReply(await self._reply(request))
+
+    async def _reply(self, request: LLMRequest) -> Message:
         sc = self.scenario
         if sc.llm_latency_ms:
             await asyncio.sleep(sc.llm_latency_ms / 1000)
@@ -92,3 +99,41 @@ class ScriptedLLM:
         return Message(
             role="assistant", text=payload(f"{seed}|reply|{r}", sc.payload_bytes), tool_calls=calls
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedAgent(Agent):
+    """The scripted model and the built-in tools, run from a scenario in the turn's context
+    (``{"scenario": {...}}``): the agent of the tests, the demo, chaos and the bench."""
+
+    def scenario(self, turn_input: TurnInput) -> Scenario:
+        data = turn_input.context.get("scenario")
+        if not isinstance(data, dict):
+            raise ConfigError("the scripted agent needs a scenario table in the input's context")
+        return parse_scenario(data, source="scenario of the turn")
+
+    def check_input(self, turn_input: TurnInput) -> None:
+        self.tools.require(self.scenario(turn_input).tools)
+
+    def registry(self, turn_input: TurnInput) -> ToolRegistry:
+        approved = self.scenario(turn_input).require_approval
+        return Agent.registry(self, turn_input).with_approval(approved)
+
+
+def _scripted_model(ctx: ModelContext) -> ScriptedLLM:
+    return ScriptedLLM(agent.scenario(ctx.input), baseline=ctx.baseline)
+
+
+#: The scripted agent (its import path is :data:`~store.records.SCRIPTED_AGENT`).
+agent = ScriptedAgent(
+    model=_scripted_model,
+    tools=BUILTIN_TOOLS,
+    system_prompt="You are a phaseline scripted agent. Use the tools, then answer.",
+    model_name="scripted",
+)
+
+
+def scripted_turn(scenario: Scenario) -> tuple[str, TurnInput]:
+    """The agent path and input of a turn that runs ``scenario``."""
+    context = {"scenario": scenario.model_dump(mode="json")}
+    return SCRIPTED_AGENT, TurnInput(message=scenario.prompt, context=context)

@@ -80,7 +80,7 @@ class LocalToolRunner:
                 try:
                     output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
                     return tool_result(call, "ok", output)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return timed_out(call, spec)
                 except StoreError as exc:
                     log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
@@ -114,11 +114,16 @@ class BatchExecutor:
         runner: ToolRunner,
         ledger: ToolLedger,
         effects: EffectSink | None,
+        *,
+        agent: str = "",
     ) -> None:
+        """``agent``: import path of the agent whose tools these are (a ToolWorker on another
+        process loads the tool from it)."""
         self.registry = registry
         self.runner = runner
         self.ledger = ledger
         self.effects = effects
+        self.agent = agent
 
     def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
         return [call_key(turn_id, batch, c.name, c.args, i) for i, c in enumerate(calls)]
@@ -215,7 +220,9 @@ class BatchExecutor:
     async def _run(
         self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec, dispatched: bytes
     ) -> ToolResult:
-        res = await self.runner.run(spec, call, ToolContext(turn_id, key, self.effects))
+        res = await self.runner.run(
+            spec, call, ToolContext(turn_id, key, self.effects, agent=self.agent)
+        )
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":
             state = "outcome_unknown"

@@ -20,13 +20,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.agents import check_agent, load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import ScriptedLLM
 from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
+from actors.turn.agent import Agent, ModelContext
 from actors.turn.loop import (
     Checkpointer,
     LoopSettings,
@@ -36,9 +35,8 @@ from actors.turn.loop import (
     TurnLoop,
     TurnOutcome,
 )
-from actors.turn.tools import ToolRegistry
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import StoreError
+from bus.errors import ConfigError, StoreError
 from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -47,13 +45,19 @@ from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
 from store.isolation import Isolation
-from store.keys import KeyLayout
+from store.keys import KeyLayout, check_turn_id
 from store.ledger import ToolLedger
-from store.records import CheckpointRecord, Message, MessageMeta, Outcome, SaveReason, TurnSpec
+from store.records import (
+    CheckpointRecord,
+    Message,
+    MessageMeta,
+    Outcome,
+    SaveReason,
+    TurnInput,
+    TurnSpec,
+)
 
 log = logging.getLogger(__name__)
-
-SYSTEM_PROMPT = "You are a phaseline scripted agent. Use the tools, then answer."
 
 
 #: What a plan that runs nothing makes of the turn for this run.
@@ -66,17 +70,16 @@ _NOT_RUN = {
 
 
 def initial_record(
-    turn_id: str, session_id: str, scenario: Scenario, *, now_ms: int
+    turn_id: str, session_id: str, agent: Agent, turn_input: TurnInput, *, now_ms: int
 ) -> CheckpointRecord:
     """The record a turn is created with: the pre-turn baseline, nothing run yet."""
-    messages = (
-        Message(role="system", text=SYSTEM_PROMPT),
-        Message(role="user", text=scenario.prompt),
-    )
-    meta = (
-        MessageMeta(source="prompt", message_id=f"{turn_id}:system", at_ms=now_ms),
-        MessageMeta(source="prompt", message_id=f"{turn_id}:user", at_ms=now_ms),
-    )
+    messages: list[Message] = []
+    meta: list[MessageMeta] = []
+    if agent.system_prompt:
+        messages.append(Message(role="system", text=agent.system_prompt))
+        meta.append(MessageMeta(source="prompt", message_id=f"{turn_id}:system", at_ms=now_ms))
+    messages.append(Message(role="user", text=turn_input.message))
+    meta.append(MessageMeta(source="prompt", message_id=f"{turn_id}:user", at_ms=now_ms))
     return CheckpointRecord.model_validate(
         {
             "turn_id": turn_id,
@@ -95,19 +98,26 @@ def initial_record(
     )
 
 
-def new_turn(
-    scenario: Scenario, turn_id: str, *, session_id: str | None = None
-) -> tuple[TurnSpec, CheckpointRecord]:
-    """Spec and first record of a turn, ready for ``RedisCheckpointStore.submit_many``."""
+def new_turns(
+    agent_path: str,
+    turn_input: TurnInput,
+    turn_ids: Iterable[str],
+    *,
+    session_id: str | None = None,
+) -> list[tuple[TurnSpec, CheckpointRecord]]:
+    """Specs and first records of turns, ready for ``RedisCheckpointStore.submit_many``; the
+    agent is loaded and checks the input first (:class:`ConfigError` if either is bad)."""
+    agent = check_agent(agent_path, turn_input)
     now = int(time.time() * 1000)
-    session = session_id or f"session-{turn_id}"
-    spec = TurnSpec(
-        turn_id=turn_id,
-        session_id=session,
-        scenario=scenario.model_dump(mode="json"),
-        created_at=now,
-    )
-    return spec, initial_record(turn_id, session, scenario, now_ms=now)
+    out = []
+    for turn_id in turn_ids:
+        check_turn_id(turn_id)
+        session = session_id or f"session-{turn_id}"
+        spec = TurnSpec(
+            turn_id=turn_id, session_id=session, agent=agent_path, input=turn_input, created_at=now
+        )
+        out.append((spec, initial_record(turn_id, session, agent, turn_input, now_ms=now)))
+    return out
 
 
 @dataclass(slots=True)
@@ -172,7 +182,6 @@ class TurnEngine:
         *,
         loop_settings: LoopSettings = LoopSettings(),
         watchdog: WatchdogSettings | None = WatchdogSettings(),
-        registry: ToolRegistry = BUILTIN_TOOLS,
         checkpoints: Checkpointer | None = None,
         runner: ToolRunner | None = None,
         on_transition: Callable[[Transition], None] | None = None,
@@ -194,7 +203,6 @@ class TurnEngine:
         self.isolation = Isolation(client, keys)
         self.checkpoints: Checkpointer = checkpoints or self.store
         self.loop_settings = loop_settings
-        self.registry = registry
         self.runner: ToolRunner = runner or LocalToolRunner()
         self.rules = None if watchdog is None else WatchdogRules(watchdog)
         self.stats = RunStats()
@@ -220,27 +228,32 @@ class TurnEngine:
     # -- submitting and running ---------------------------------------------------------------
 
     async def submit(
-        self, scenario: Scenario, turn_id: str, *, session_id: str | None = None
+        self, agent: str, turn_input: TurnInput, turn_id: str, *, session_id: str | None = None
     ) -> CheckpointRecord:
-        """Create one turn in Redis (spec + first record, atomically)."""
-        (record,) = await self.submit_many(scenario, [turn_id], session_id=session_id)
+        """Create one turn of ``agent`` in Redis (spec + first record, atomically)."""
+        ((_, record),) = await self.submit_many(agent, turn_input, [turn_id], session_id=session_id)
         return record
 
     async def submit_many(
-        self, scenario: Scenario, turn_ids: Iterable[str], *, session_id: str | None = None
-    ) -> list[CheckpointRecord]:
-        """Create turns in Redis, grouped per shard; a duplicate id raises TurnExists."""
-        self.registry.require(scenario.tools)
-        turns = [new_turn(scenario, t, session_id=session_id) for t in turn_ids]
+        self,
+        agent: str,
+        turn_input: TurnInput,
+        turn_ids: Iterable[str],
+        *,
+        session_id: str | None = None,
+    ) -> list[tuple[TurnSpec, CheckpointRecord]]:
+        """Create turns of ``agent`` in Redis (spec + first record, atomically, grouped per
+        shard); a duplicate id raises TurnExists."""
+        turns = new_turns(agent, turn_input, turn_ids, session_id=session_id)
         for result in await self.store.submit_many(turns):
             if isinstance(result, Exception):
                 raise result
-        return [record for _, record in turns]
+        return turns
 
-    async def run_new(self, scenario: Scenario, turn_ids: Iterable[str]) -> RunStats:
+    async def run_new(self, agent: str, turn_input: TurnInput, turn_ids: Iterable[str]) -> RunStats:
         """Submit and run turns concurrently; returns the stats of this batch."""
-        records = await self.submit_many(scenario, turn_ids)
-        return await self._run_all([self.start(r, scenario) for r in records])
+        turns = await self.submit_many(agent, turn_input, turn_ids)
+        return await self._run_all([self.start(record, spec) for spec, record in turns])
 
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died): the shared ones
@@ -286,12 +299,11 @@ class TurnEngine:
         if plan.action is PlanAction.SUSPENDED and plan.record is not None:
             log.error("turn %s suspended: %s", turn_id, plan.record.counters.isolated_deaths)
             return TurnOutcome(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch, 1, 0, 0)
-        if plan.action is not PlanAction.RESUME or plan.record is None or plan.scenario is None:
+        if plan.action is not PlanAction.RESUME or plan.record is None or plan.spec is None:
             log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
             return TurnOutcome(turn_id, _NOT_RUN.get(plan.action, RunStop.UNUSABLE), 0, 0, 0, 0)
         self.stats.resumed += 1
-        loop = self.build_loop(plan.record, plan.scenario, resume_from=plan.resume_from, **loop_kw)
-        return await self.drive(loop)
+        return await self.start(plan.record, plan.spec, resume_from=plan.resume_from, **loop_kw)
 
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         async def together() -> list[TurnOutcome]:
@@ -329,28 +341,36 @@ class TurnEngine:
     def build_loop(
         self,
         record: CheckpointRecord,
-        scenario: Scenario,
+        spec: TurnSpec,
         *,
         resume_from: SaveReason | None = None,
         settings: LoopSettings | None = None,
         probation: ProbationHooks | None = None,
         **deps: Any,
     ) -> TurnLoop:
-        """A loop for ``record`` wired to this engine; ``deps`` replace TurnDeps members."""
-        registry = self.registry.with_approval(scenario.require_approval)
+        """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
+        replace TurnDeps members."""
+        agent = load_agent(spec.agent)
+        registry = agent.registry(spec.input)
         wired = TurnDeps(
-            llm=ScriptedLLM(scenario, baseline=record.baseline),
-            tools=BatchExecutor(registry, self.runner, self.ledger, self.effects),
+            llm=agent.client(ModelContext(record.turn_id, spec.input, record.baseline)),
+            tools=BatchExecutor(registry, self.runner, self.ledger, self.effects, agent=spec.agent),
             registry=registry,
             checkpoints=self.checkpoints,
             inbox=self.inbox,
             approvals=self.approvals,
             listener=self._transition,
         )
+        limits = agent.settings
+        tuned = dataclasses.replace(
+            settings or self.loop_settings,
+            max_tool_rounds=limits.max_tool_rounds,
+            compact_at_chars=limits.compact_at_chars,
+        )
         return TurnLoop(
             record,
             dataclasses.replace(wired, **deps),
-            settings or self.loop_settings,
+            tuned,
             resume_from=resume_from,
             probation=probation,
         )
@@ -368,10 +388,15 @@ class TurnEngine:
         finally:
             self._loops.pop(loop.turn_id, None)
 
-    async def start(
-        self, record: CheckpointRecord, scenario: Scenario, *, resume_from: SaveReason | None = None
-    ) -> TurnOutcome:
-        return await self.drive(self.build_loop(record, scenario, resume_from=resume_from))
+    async def start(self, record: CheckpointRecord, spec: TurnSpec, **loop_kw: Any) -> TurnOutcome:
+        """Run ``record`` (``loop_kw`` go to :meth:`build_loop`). An agent that does not load
+        here leaves the turn in progress for a host where it does."""
+        try:
+            loop = self.build_loop(record, spec, **loop_kw)
+        except ConfigError as exc:
+            log.error("turn %s cannot run here: %s", record.turn_id, exc)
+            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+        return await self.drive(loop)
 
     # -- what watchdogs and operators may ask -------------------------------------------------
 

@@ -49,6 +49,7 @@ from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves
@@ -419,7 +420,9 @@ async def submit_over(
         for scenario, group in groups.items():
             while True:
                 try:
-                    await rt.submit(scenario, group)  # idempotent: repeating a wave is safe
+                    await rt.submit(
+                        *scripted_turn(scenario), group
+                    )  # idempotent: repeating a wave is safe
                     break
                 except PhaselineError as exc:
                     log.warning("submission interrupted, repeating the wave: %s", exc)

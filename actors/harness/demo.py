@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.harness.verdict import Verdict, judge, reference_transcript
 
 
@@ -76,7 +77,7 @@ async def run_demo(
         on_done(turn_id)
         check()
 
-    await rt.submit(scenario, ids)
+    await rt.submit(*scripted_turn(scenario), ids)
     check()  # at kill_at 0 the kill is due at once, with every turn in flight
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
     kill_due = asyncio.ensure_future(due.wait())

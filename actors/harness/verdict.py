@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from bus.errors import RecordError, RecordNotFound
@@ -40,7 +41,9 @@ async def reference_transcript(
         KeyLayout(namespace, shards=1),
         loop_settings=LoopSettings(checkpoint_min_interval_s=0),
     )
-    await engine.run_new(scenario.model_copy(update={"llm_latency_ms": 0}), ["reference"])
+    await engine.run_new(
+        *scripted_turn(scenario.model_copy(update={"llm_latency_ms": 0})), ["reference"]
+    )
     return (await engine.store.load("reference")).messages
 
 

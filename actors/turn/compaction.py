@@ -1,4 +1,5 @@
-"""Reactive compaction: shrink a transcript after a context-length error. Pure.
+"""Compaction: shrink a transcript after a context-length error (reactive) or past an agent's
+threshold (proactive, ``AgentSettings.compact_at_chars``). Pure.
 
 Everything between the pre-turn baseline and the last complete tool round is replaced by one
 system-injected summary message. The summary states, in a fixed machine-readable form, how many
@@ -8,7 +9,9 @@ counting across a compaction.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from store.records import Message, MessageMeta
@@ -58,6 +61,17 @@ def compact(
         source="system", message_id=message_id, at_ms=at_ms, system_injected=True
     )
     return [summary, *turn[last_round:]], [summary_meta, *meta[last_round:]]
+
+
+def size_chars(messages: Iterable[Message]) -> int:
+    """About how much of a context window ``messages`` fill: their text, tool results and tool
+    call arguments, in characters (a model's tokenizer is not known here)."""
+    total = 0
+    for m in messages:
+        total += len(m.text) + sum(len(c.name) + len(json.dumps(c.args)) for c in m.tool_calls)
+        if m.tool_result is not None:
+            total += len(m.tool_result.output)
+    return total
 
 
 def progress(turn: list[Message] | tuple[Message, ...]) -> Compacted:

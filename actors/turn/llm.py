@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from store.records import Message
+from actors.turn.tools import ToolSpec
+from store.records import Message, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +26,21 @@ class LLMRequest:
     """False for the wrap-up call after a force stop: the model must answer in text."""
     attempt: int
     """0 for the first try of this call, then 1, 2, 3 for retries."""
+    tools: tuple[ToolSpec, ...] = ()
+    """The tools the model may call (their descriptions and argument schemas)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LLMReply:
+    """One model answer."""
+
+    message: Message
+    """The assistant message: text and/or tool calls."""
+    usage: Usage | None = None
+    """Tokens the call used, if the endpoint said."""
 
 
 class LLMClient(Protocol):
-    async def complete(self, request: LLMRequest) -> Message:
-        """Return one assistant message (text and/or tool calls) or raise a typed LLMError."""
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        """Return one assistant reply or raise a typed LLMError."""
         ...

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from actors.turn.compaction import compact
-from actors.turn.llm import LLMClient, LLMRequest
+from actors.turn.compaction import compact, size_chars
+from actors.turn.llm import LLMClient, LLMReply, LLMRequest
 from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
 from actors.turn.poison import step_name
 from actors.turn.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
@@ -52,6 +52,7 @@ from store.records import (
     Source,
     ToolCall,
     ToolResult,
+    Usage,
 )
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,11 @@ class LoopSettings:
     """Multiplier of the 1 s / 2 s / 4 s retry backoff (tests shrink it)."""
     loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
     """When the loop detector suspects and stops."""
+    max_tool_rounds: int | None = None
+    """Tool rounds a turn may run; past it the turn wraps up in ``force_stop`` (the agent's
+    limit)."""
+    compact_at_chars: int | None = None
+    """Compact before a model call once the transcript holds this many characters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +253,7 @@ class TurnLoop:
             clock=clock,
             listener=deps.listener,
         )
-        self._llm_task: asyncio.Task[Message] | None = None
+        self._llm_task: asyncio.Task[LLMReply] | None = None
         self._hard_cancelled = False
         self.pending_approval: str | None = None
 
@@ -290,8 +296,9 @@ class TurnLoop:
     async def _drive(self) -> TurnOutcome:
         while True:
             await self._drain_inbox()
+            await self._compact_if_large()
             try:
-                reply = await self._call_llm(tools_enabled=True)
+                answer = await self._call_llm(tools_enabled=True)
             except LLMError as exc:
                 decision = self._decide(_problem_of(exc))
                 done = await self._apply(decision, _problem_of(exc))
@@ -299,18 +306,23 @@ class TurnLoop:
                     return done
                 continue
             self._counters = self._counters.model_copy(update={"retry_attempts": 0})
+            reply = answer.message
             if not reply.text and not reply.tool_calls:
                 decision = self._decide(Problem.EMPTY_REPLY)
                 done = await self._apply(decision, Problem.EMPTY_REPLY)
                 if done is not None:
                     return done
                 continue
-            self._append(reply, "llm")
+            self._append(reply, "llm", usage=answer.usage)
             if not reply.tool_calls:
                 return await self._finish(Outcome.ANSWERED)
+            limit = self.settings.max_tool_rounds
+            if limit is not None and self._counters.tool_batches >= limit:
+                self._skip_batch(reply.tool_calls, f"the agent's limit of {limit} tool rounds")
+                return await self._force_stop(checkpoint_first=True)
             verdict = detect_loop(self._turn, self.settings.loop_thresholds)
             if verdict is not LoopVerdict.OK:
-                self._skip_batch(reply.tool_calls)
+                self._skip_batch(reply.tool_calls, "this exact call was just repeated")
                 decision = self._decide(Problem.LOOP, loop_stop=verdict is LoopVerdict.STOP)
                 done = await self._apply(decision, Problem.LOOP)
                 if done is not None:
@@ -370,10 +382,10 @@ class TurnLoop:
             await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
         try:
-            reply = await self._call_llm(tools_enabled=False)
+            answer = await self._call_llm(tools_enabled=False)
         except LLMError as exc:
             return await self._finish(aborted(_problem_of(exc)))
-        self._append(reply, "llm")
+        self._append(answer.message, "llm", usage=answer.usage)
         return await self._finish(Outcome.FORCE_STOPPED)
 
     async def _finish(self, outcome: Outcome) -> TurnOutcome:
@@ -421,13 +433,28 @@ class TurnLoop:
         except StaleOwner as exc:
             raise self._fenced(exc) from exc
 
-    async def _call_llm(self, *, tools_enabled: bool) -> Message:
+    async def _compact_if_large(self) -> None:
+        """The agent's proactive compaction: a checkpoint site like the reactive one."""
+        limit = self.settings.compact_at_chars
+        if limit is None or size_chars(self.messages) < limit:
+            return
+        shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=_new_id())
+        if shrunk is None:
+            return  # nothing left to drop: the model gets the transcript as it is
+        self.tracker.to(P.COMPACTING)
+        self._turn, self._meta = shrunk
+        self._dirty = True
+        await self._checkpoint(SaveReason.COMPACTION)
+        self.tracker.to(P.AWAITING_LLM)
+
+    async def _call_llm(self, *, tools_enabled: bool) -> LLMReply:
         await self._note_step()
         request = LLMRequest(
             turn_id=self.turn_id,
             messages=self.messages,
             tools_enabled=tools_enabled,
             attempt=self._counters.retry_attempts,
+            tools=tuple(self.deps.registry),
         )
         self._hard_cancelled = False
         task = asyncio.ensure_future(self.deps.llm.complete(request))
@@ -487,14 +514,11 @@ class TurnLoop:
         self.tracker.restore()
         return decided
 
-    def _skip_batch(self, calls: Sequence[ToolCall]) -> None:
-        """Answer a looping batch without running it, keeping the transcript well-formed."""
+    def _skip_batch(self, calls: Sequence[ToolCall], why: str) -> None:
+        """Answer a batch without running it, keeping the transcript well-formed."""
         for call in calls:
             res = ToolResult(
-                call_id=call.id,
-                name=call.name,
-                status="skipped",
-                output="not run: this exact call was just repeated",
+                call_id=call.id, name=call.name, status="skipped", output=f"not run: {why}"
             )
             self._append(Message(role="tool", tool_result=res), "tool")
 
@@ -541,6 +565,7 @@ class TurnLoop:
         injected: bool = False,
         message_id: str | None = None,
         at_ms: int | None = None,
+        usage: Usage | None = None,
     ) -> None:
         self._turn.append(message)
         self._meta.append(
@@ -549,6 +574,7 @@ class TurnLoop:
                 message_id=message_id or _new_id(),
                 at_ms=self._now_ms() if at_ms is None else at_ms,
                 system_injected=injected,
+                usage=usage,
             )
         )
         self._dirty = True

@@ -11,12 +11,12 @@ import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from store.records import Message
 
 
-class LoopVerdict(str, Enum):
+class LoopVerdict(StrEnum):
     OK = "ok"
     """No sign of a loop."""
     SUSPECT = "suspect"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 
 #: Stalled resumes (claims with no checkpoint between) after which a turn runs isolated.
 ISOLATE_AFTER = 2
@@ -37,7 +37,7 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 
 
-class Placement(str, Enum):
+class Placement(StrEnum):
     """Where the next owner of a turn runs it."""
 
     SHARED = "shared"

@@ -15,7 +15,7 @@ out of attempts or a second context-length error fall through to abort (docs/ARC
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 MAX_RETRIES = 3
 MAX_NUDGES = 3
@@ -24,7 +24,7 @@ MAX_NUDGES = 3
 NUDGE_PREFIX = "[nudge]"
 
 
-class Problem(str, Enum):
+class Problem(StrEnum):
     HARD_IDLE_TIMEOUT = "hard_idle_timeout"
     """The watchdog cancelled the model call."""
     CONTEXT_LENGTH = "context_length"
@@ -39,7 +39,7 @@ class Problem(str, Enum):
     """The model repeats its tool calls."""
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     ABORT = "abort"
     """End the turn now, saving what it has."""
     COMPACT = "compact"

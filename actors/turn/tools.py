@@ -1,18 +1,31 @@
-"""Tools as the loop sees them: specs and the registry (the built-in tools are in
-``actors.engine.builtin_tools``).
+"""Tools as the loop sees them: specs, the registry and the :func:`tool` decorator (the
+built-in tools are in ``actors.engine.builtin_tools``).
 
 A tool is an async function ``(args, ctx) -> str``. Its spec carries what the runtime needs to
 run it safely: a timeout, a concurrency limit, whether re-running it is harmless (``idempotent``)
-and whether a human must approve each call (``requires_approval``).
+and whether a human must approve each call (``requires_approval``), plus what the model is told
+about it (a description and the JSON schema of its arguments).
+
+:func:`tool` makes a spec of a plain Python function: pydantic builds the argument schema from
+its type hints and the docstring's ``Args:`` section, and validates what the model sends before
+the function runs. Invalid arguments raise :class:`~bus.errors.ToolArgumentsError`, which, like
+any exception of a tool, becomes an ``error`` result the model reads; the turn goes on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import asyncio
+import inspect
+import typing
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
-from bus.errors import ConfigError, UnknownTool
+import docstring_parser
+import pydantic
+import pydantic_core
+
+from bus.errors import ConfigError, ToolArgumentsError, UnknownTool
 
 
 class EffectSink(Protocol):
@@ -29,9 +42,14 @@ class ToolContext:
     """Stable idempotency key; pass it downstream so a retried call can be deduplicated."""
     effects: EffectSink | None = None
     """Where ``counter_increment`` performs its side effect (None: no side-effect store)."""
+    agent: str = ""
+    """Import path of the agent that made the call."""
 
 
 ToolFn = Callable[[Mapping[str, Any], ToolContext], Awaitable[str]]
+
+#: The schema of a tool without arguments.
+NO_ARGUMENTS: Mapping[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +71,10 @@ class ToolSpec:
     """Calls of this tool running at once in one process."""
     resources: Mapping[str, float] = field(default_factory=dict)
     """Ray resources a call of this tool needs (its ToolWorker pool is keyed by them)."""
+    description: str = ""
+    """What the model is told the tool does."""
+    parameters: Mapping[str, Any] = field(default_factory=lambda: dict(NO_ARGUMENTS))
+    """JSON schema of the arguments (an object schema)."""
 
 
 class ToolRegistry:
@@ -63,6 +85,12 @@ class ToolRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._specs
+
+    def __iter__(self) -> Iterator[ToolSpec]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
 
     def get(self, name: str) -> ToolSpec:
         try:
@@ -86,3 +114,96 @@ class ToolRegistry:
             replace(s, requires_approval=True) if s.name in wanted else s
             for s in self._specs.values()
         )
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> ToolSpec: ...
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    idempotent: bool = False,
+    requires_approval: bool = False,
+    timeout_s: float = 30.0,
+    max_concurrency: int = 64,
+    resources: Mapping[str, float] | None = None,
+) -> Callable[[Callable[..., Any]], ToolSpec]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    idempotent: bool = False,
+    requires_approval: bool = False,
+    timeout_s: float = 30.0,
+    max_concurrency: int = 64,
+    resources: Mapping[str, float] | None = None,
+) -> ToolSpec | Callable[[Callable[..., Any]], ToolSpec]:
+    """Make a :class:`ToolSpec` of a plain function (``@tool`` or ``@tool(...)``).
+
+    The function may be async or sync (a sync one runs in a thread, off the event loop; a
+    timeout abandons it there but cannot stop it). Its parameters, with type hints, are the
+    tool's arguments; one parameter annotated :class:`ToolContext` receives the call's context
+    instead. It returns a string, or anything pydantic can serialise (sent to the model as
+    JSON). Not idempotent unless it says so: a call caught in flight by a crash is then
+    reported ``outcome_unknown`` and never re-run.
+    """
+
+    def build(f: Callable[..., Any]) -> ToolSpec:
+        return _python_tool(
+            f,
+            name=name or f.__name__,
+            idempotent=idempotent,
+            requires_approval=requires_approval,
+            timeout_s=timeout_s,
+            max_concurrency=max_concurrency,
+            resources=dict(resources or {}),
+        )
+
+    return build if fn is None else build(fn)
+
+
+def _python_tool(f: Callable[..., Any], *, name: str, **rules: Any) -> ToolSpec:
+    doc = docstring_parser.parse(inspect.getdoc(f) or "")
+    described = {p.arg_name: p.description for p in doc.params if p.description}
+    hints = typing.get_type_hints(f, include_extras=True)
+    ctx_param: str | None = None
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(f).parameters.values():
+        hint = hints.get(param.name, Any)
+        if hint is ToolContext:
+            ctx_param = param.name
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise ConfigError(f"tool {name}: parameter {param.name} must be a named parameter")
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (hint, pydantic.Field(default, description=described.get(param.name)))
+    try:
+        args_model = pydantic.create_model(
+            f"{name}_arguments", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+        )
+        schema = args_model.model_json_schema()
+    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError) as exc:
+        raise ConfigError(f"tool {name}: its arguments have no JSON schema: {exc}") from exc
+    schema.pop("title", None)
+    description = "\n\n".join(d for d in (doc.short_description, doc.long_description) if d)
+    is_async = inspect.iscoroutinefunction(f)
+
+    async def call(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        try:
+            parsed = args_model.model_validate(dict(args))
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}"
+                for e in exc.errors(include_url=False, include_input=False)
+            )
+            raise ToolArgumentsError(f"invalid arguments for {name}: {problems}") from None
+        kwargs = {k: getattr(parsed, k) for k in fields}
+        if ctx_param is not None:
+            kwargs[ctx_param] = ctx
+        result = await f(**kwargs) if is_async else await asyncio.to_thread(f, **kwargs)
+        return result if isinstance(result, str) else pydantic_core.to_json(result).decode()
+
+    return ToolSpec(name, call, description=description, parameters=schema, **rules)

@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 from actors.cluster.deployment import ask
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import new_run_id, turn_ids
 from actors.harness.bench.workload import deployed
 from actors.harness.percentiles import summarize
@@ -69,7 +70,7 @@ async def host_kill_recovery(
     kill to its first transition under the successor's epoch."""
     async with deployed(base, url, hosts=1, label="rec") as rt:
         ids = turn_ids(new_run_id(), turns)
-        await rt.submit(scenario, ids)
+        await rt.submit(*scripted_turn(scenario), ids)
         deadline = time.monotonic() + timeout
         while len({t.turn_id for t in await read_moves(rt.client, rt.dep.keys)}) < turns:
             if time.monotonic() > deadline:

@@ -7,7 +7,6 @@ to itself (with its baseline measured right beside it).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import platform
@@ -217,7 +216,7 @@ async def run_bench(
             continue
         try:
             data = await measure()
-        except (PhaselineError, RayError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, PhaselineError, RayError) as exc:
             # Reported, not fatal: the other figures are still worth having.
             data = {"error": f"{type(exc).__name__}: {exc}"}
         results = data if figure == "probe" and "error" not in data else {name: data}

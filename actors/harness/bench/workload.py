@@ -17,6 +17,7 @@ from typing import Any
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
+from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import new_run_id, turn_ids
 from store.codec import encode_record
 from store.records import CheckpointRecord
@@ -48,7 +49,7 @@ async def run_turns(
     """Submit ``n`` turns at once and wait for all; returns (wall seconds, final records)."""
     ids = turn_ids(new_run_id(), n)
     t0 = time.perf_counter()
-    await rt.submit(scenario, ids)
+    await rt.submit(*scripted_turn(scenario), ids)
     finals = await rt.wait(ids, timeout=timeout)
     return time.perf_counter() - t0, finals
 

@@ -1,0 +1,49 @@
+"""Loading agents by import path (``"pkg.module:name"``), once per process.
+
+The path is what a turn's spec stores, so a host on any node imports the very agent the turn was
+submitted with. A path that does not import, or names something that is not an
+:class:`~actors.turn.agent.Agent`, is a :class:`~bus.errors.ConfigError` raised at submission
+(``check_agent``), never first seen on a host.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+from actors.turn.agent import Agent
+from bus.errors import ConfigError
+from store.records import TurnInput
+
+__all__ = ["check_agent", "load_agent"]
+
+_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@functools.cache
+def load_agent(path: str) -> Agent:
+    """The agent at ``path``; cached, so every turn of a process shares one."""
+    if not _PATH.match(path):
+        raise ConfigError(f"agent {path!r}: not an import path of the form 'package.module:name'")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # anything the user's module raises while importing
+        raise ConfigError(f"agent {path!r}: cannot import {module_name}: {exc!r}") from exc
+    try:
+        agent = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"agent {path!r}: module {module_name} has no {attr!r}") from None
+    if not isinstance(agent, Agent):
+        raise ConfigError(
+            f"agent {path!r}: {module_name}.{attr} is a {type(agent).__name__}, not an Agent"
+        )
+    return agent
+
+
+def check_agent(path: str, turn_input: TurnInput) -> Agent:
+    """Load the agent and let it check the input: what every submission does first."""
+    agent = load_agent(path)
+    agent.check_input(turn_input)
+    return agent

@@ -1,0 +1,70 @@
+"""Agents the tests name by import path (``tests.agents_for_tests:NAME``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from actors.engine import scripted
+from actors.turn.agent import Agent, AgentSettings, ModelContext
+from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.tools import ToolRegistry, tool
+from store.records import Message, ToolCall
+
+#: Threads the sync tool ran in (it must not run on the event loop's thread).
+ADD_THREADS: list[int] = []
+
+
+@tool(idempotent=True)
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    ADD_THREADS.append(threading.get_ident())
+    return a + b
+
+
+@tool
+async def explode(reason: str) -> str:
+    """Fail on purpose.
+
+    Args:
+        reason: What to say.
+    """
+    raise RuntimeError(reason)
+
+
+class PlannedModel:
+    """First asks for a batch of good, bad and unknown calls, then answers with what it read."""
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        results = [m.tool_result for m in request.messages if m.tool_result is not None]
+        if not results:
+            calls = (
+                ToolCall(id="c1", name="add", args={"a": 2, "b": 3}),
+                ToolCall(id="c2", name="add", args={"a": "two"}),
+                ToolCall(id="c3", name="add", args={"a": 1, "c": 1}),
+                ToolCall(id="c4", name="nosuch", args={}),
+                ToolCall(id="c5", name="explode", args={"reason": "on purpose"}),
+            )
+            return LLMReply(Message(role="assistant", text="calling", tool_calls=calls))
+        text = " | ".join(f"{r.status}: {r.output}" for r in results)
+        return LLMReply(Message(role="assistant", text=text))
+
+
+def _planned(_ctx: ModelContext) -> PlannedModel:
+    return PlannedModel()
+
+
+calculator = Agent(
+    model=_planned, tools=ToolRegistry([add, explode]), system_prompt="You add numbers."
+)
+limited = dataclasses.replace(scripted.agent, settings=AgentSettings(max_tool_rounds=1))
+compacting = dataclasses.replace(scripted.agent, settings=AgentSettings(compact_at_chars=400))
+impatient = dataclasses.replace(
+    scripted.agent, settings=AgentSettings(tool_timeouts={"echo": 0.05})
+)
+not_an_agent = 42
