@@ -6,6 +6,7 @@ import dataclasses
 import threading
 
 from actors.engine import scripted
+from actors.engine.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.tools import ToolRegistry, tool
@@ -68,3 +69,17 @@ impatient = dataclasses.replace(
     scripted.agent, settings=AgentSettings(tool_timeouts={"echo": 0.05})
 )
 not_an_agent = 42
+
+
+#: The environment variable the HTTP agents read their API key from.
+TEST_KEY_ENV = "PHASELINE_TEST_OPENAI_KEY"
+
+http_stream = Agent(
+    model=OpenAIChat(model="test-model", api_key_env=TEST_KEY_ENV, timeout_s=20),
+    tools=ToolRegistry([add]),
+    system_prompt="You add numbers with the add tool.",
+    model_name="test-model",
+)
+http_json = dataclasses.replace(
+    http_stream, model=OpenAIChat(model="test-model", api_key_env=TEST_KEY_ENV, stream=False)
+)

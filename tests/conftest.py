@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -70,3 +76,28 @@ def ray_cluster() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def openai_server() -> Iterator[str]:
+    """The local OpenAI-compatible server (``tests/openai_server.py``) in its own process; its
+    base URL (``http://127.0.0.1:PORT/v1``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/_stats", timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the test OpenAI server did not start") from None
+            time.sleep(0.05)  # polling its port until it listens
+    yield f"{base}/v1"
+    proc.terminate()
+    proc.wait(timeout=10)

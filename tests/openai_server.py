@@ -1,0 +1,241 @@
+"""A local OpenAI-compatible Chat Completions server for the tests (an ASGI app run by uvicorn).
+
+It speaks the real protocol: JSON replies and SSE streams (``stream: true``, tool call arguments
+split across deltas, a usage chunk when ``stream_options.include_usage``), and error bodies in
+OpenAI's shape. Its replies are scripted per conversation, so a fault-free run is deterministic
+and a run with faults can be compared with it. The script is a line of a system or user message::
+
+    #script {"rounds": 2, "tool": "add", "faults": {"2": {"kind": "429", "times": 1}}}
+
+At model call N of a conversation (counted through compaction summaries) the server asks for
+one ``tool`` call with arguments ``{"a": N, "b": 1}`` until ``rounds`` tool rounds are done, then
+answers ``results: <every tool output it can see>``. A fault at call N fires ``times`` times for
+that conversation (keyed by its first user message), then the call succeeds:
+
+``429`` (with ``retry-after``), ``500``, ``fatal`` (400), ``context`` (400
+``context_length_exceeded`` until the transcript holds a compaction summary), ``length``
+(``finish_reason: length``), ``drop`` (the connection closes mid-reply), ``hang`` (no answer
+until the client goes away; counted in ``disconnects``).
+
+``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
+request's ``Authorization`` header). Run: ``python -m tests.openai_server PORT``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+
+_SUMMARY = re.compile(r"^\[compacted: \d+ messages, (\d+) replies, (\d+) rounds\]")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.fired: Counter[str] = Counter()
+        self.disconnects = 0
+        self.authorization = ""
+        self.bodies: list[dict[str, Any]] = []
+
+
+STATS = Stats()
+_FIRED: Counter[tuple[str, int]] = Counter()
+
+
+def _script(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first ``#script`` line of a system or user message."""
+    for m in messages:
+        if m.get("role") in ("system", "user"):
+            for line in str(m.get("content") or "").splitlines():
+                if line.startswith("#script "):
+                    return dict(json.loads(line[len("#script ") :]))
+    return {}
+
+
+def _progress(messages: list[dict[str, Any]]) -> tuple[int, int, bool]:
+    """(replies, tool rounds, compacted) so far, counting through compaction summaries."""
+    replies = rounds = 0
+    compacted = False
+    for m in messages:
+        summary = _SUMMARY.match(str(m.get("content") or "")) if m["role"] == "system" else None
+        if summary:
+            replies += int(summary[1])
+            rounds += int(summary[2])
+            compacted = True
+        elif m["role"] == "assistant":
+            replies += 1
+            rounds += bool(m.get("tool_calls"))
+    return replies, rounds, compacted
+
+
+def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The fault to play (or None) and the reply: ``{"content", "tool_calls"}``."""
+    messages = body["messages"]
+    script = _script(messages)
+    replies, rounds, compacted = _progress(messages)
+    call = replies + 1
+    first_user = next((str(m.get("content")) for m in messages if m["role"] == "user"), "")
+    fault = script.get("faults", {}).get(str(call))
+    kind = None
+    due = fault is not None and _FIRED[(first_user, call)] < int(fault.get("times", 1))
+    if fault is not None and due and not (fault["kind"] == "context" and compacted):
+        _FIRED[(first_user, call)] += 1
+        kind = str(fault["kind"])
+    outputs = [str(m.get("content")) for m in messages if m["role"] == "tool"]
+    if rounds < int(script.get("rounds", 0)) and body.get("tool_choice") != "none":
+        args = json.dumps({"a": call, "b": 1})
+        name = str(script.get("tool", "add"))
+        return kind, {"content": f"step {call}", "tool_calls": [(f"call_{call}", name, args)]}
+    return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        event = await receive()
+        chunks.append(event.get("body", b""))
+        if not event.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _json(send: Send, status: int, payload: Any, headers: list[Any] | None = None) -> None:
+    data = json.dumps(payload).encode()
+    head = [(b"content-type", b"application/json"), *(headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _error(message: str, kind: str, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _usage(body: dict[str, Any], reply: dict[str, Any]) -> dict[str, int]:
+    prompt = len(json.dumps(body["messages"])) // 4
+    completion = (len(reply["content"]) + sum(len(a) for _, _, a in reply["tool_calls"])) // 4
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _message(reply: dict[str, Any]) -> dict[str, Any]:
+    calls = [
+        {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+        for i, n, a in reply["tool_calls"]
+    ]
+    return {"role": "assistant", "content": reply["content"], **({"tool_calls": calls} if calls
+            else {})}  # fmt: skip
+
+
+async def _stream(
+    send: Send, body: dict[str, Any], reply: dict[str, Any], finish: str, drop: bool
+) -> None:
+    head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    base = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0,
+            "model": body["model"]}  # fmt: skip
+
+    async def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> None:
+        payload = {**base, "choices": [{"index": 0, "delta": delta,
+                                        "finish_reason": finish_reason}]}  # fmt: skip
+        data = f"data: {json.dumps(payload)}\n\n".encode()
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    text = reply["content"]
+    await chunk({"role": "assistant", "content": text[: len(text) // 2]})
+    if drop:
+        raise ConnectionAbortedError("scripted drop mid-stream")  # uvicorn cuts the connection
+    await chunk({"content": text[len(text) // 2 :]})
+    for index, (call_id, name, args) in enumerate(reply["tool_calls"]):
+        half = len(args) // 2
+        await chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": args[:half]},
+                    }
+                ]
+            }
+        )
+        await chunk({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
+    await chunk({}, finish)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        payload = {**base, "choices": [], "usage": _usage(body, reply)}
+        data = f"data: {json.dumps(payload)}\n\n".encode()
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["method"] == "GET" and scope["path"] == "/_stats":
+        await _json(send, 200, {"requests": STATS.requests, "fired": dict(STATS.fired),
+                                "disconnects": STATS.disconnects,
+                                "authorization": STATS.authorization,
+                                "bodies": STATS.bodies[-20:]})  # fmt: skip
+        return
+    if scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
+        await _json(send, 404, _error("not found", "invalid_request_error", None))
+        return
+    body = json.loads(await _read_body(receive))
+    STATS.requests += 1
+    STATS.bodies.append(body)
+    headers = dict(scope["headers"])
+    STATS.authorization = headers.get(b"authorization", b"").decode()
+    kind, reply = plan(body)
+    if kind is not None:
+        STATS.fired[kind] += 1
+    if kind == "429":
+        err = _error("slow down", "rate_limit_error", "rate_limit_exceeded")
+        await _json(send, 429, err, [(b"retry-after", b"0")])
+        return
+    if kind == "500":
+        await _json(send, 500, _error("boom", "server_error", None))
+        return
+    if kind == "fatal":
+        await _json(send, 400, _error("bad request", "invalid_request_error", "invalid_value"))
+        return
+    if kind == "context":
+        msg = "This model's maximum context length is 100 tokens."
+        await _json(send, 400, _error(msg, "invalid_request_error", "context_length_exceeded"))
+        return
+    if kind == "hang":
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        STATS.disconnects += 1
+        return
+    finish = "length" if kind == "length" else ("tool_calls" if reply["tool_calls"] else "stop")
+    if body.get("stream"):
+        await _stream(send, body, reply, finish, drop=kind == "drop")
+        return
+    if kind == "drop":
+        raise ConnectionAbortedError("scripted drop before the reply")
+    completion = {
+        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": body["model"],
+        "choices": [{"index": 0, "message": _message(reply), "finish_reason": finish}],
+        "usage": _usage(body, reply),
+    }  # fmt: skip
+    await _json(send, 200, completion)
+
+
+def main() -> None:
+    import uvicorn
+
+    port = int(sys.argv[1])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+
+
+if __name__ == "__main__":
+    main()
