@@ -23,6 +23,7 @@ _EXPORTS = {
     "BUILTIN_TOOLS": "actors.engine.builtin_tools",
     "scripted_turn": "actors.engine.scripted",
     "load_agent": "actors.engine.agents",
+    "OpenAIChat": "actors.engine.openai_chat",
     # agents
     "Agent": "actors.turn.agent",
     "AgentSettings": "actors.turn.agent",
@@ -82,6 +83,7 @@ __all__ = [
     "Message",
     "MessageMeta",
     "ModelContext",
+    "OpenAIChat",
     "Outcome",
     "PhaselineError",
     "RecordError",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
     from actors.engine.agents import load_agent
     from actors.engine.builtin_tools import BUILTIN_TOOLS
     from actors.engine.config import Settings, load_settings
+    from actors.engine.openai_chat import OpenAIChat
     from actors.engine.scenario import Scenario, load_scenario
     from actors.engine.scripted import scripted_turn
     from actors.engine.turn_engine import RunStats, TurnEngine

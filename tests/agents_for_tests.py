@@ -9,7 +9,7 @@ from actors.engine import scripted
 from actors.engine.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest
-from actors.turn.tools import ToolRegistry, tool
+from actors.turn.tools import ToolContext, ToolRegistry, tool
 from store.records import Message, ToolCall
 
 #: Threads the sync tool ran in (it must not run on the event loop's thread).
@@ -83,3 +83,19 @@ http_stream = Agent(
 http_json = dataclasses.replace(
     http_stream, model=OpenAIChat(model="test-model", api_key_env=TEST_KEY_ENV, stream=False)
 )
+
+
+@tool(idempotent=False)
+async def bump(ctx: ToolContext, a: int, b: int = 0) -> str:
+    """Count this call's side effect once per run of it (a duplicate shows as a count of 2).
+
+    Args:
+        a: Ignored.
+        b: Ignored.
+    """
+    if ctx.effects is None:
+        raise RuntimeError("bump needs a side-effect store")
+    return f"count={await ctx.effects.increment(ctx.turn_id, ctx.call_key)}"
+
+
+http_bump = dataclasses.replace(http_stream, tools=ToolRegistry([add, bump]))

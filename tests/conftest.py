@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import redis.asyncio as aioredis
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
+
+#: The API key the Ray workers' HTTP agents send to the test endpoint.
+RAY_TEST_KEY = "sk-ray-test-key"
 
 
 @pytest.fixture(scope="session")
@@ -61,11 +65,16 @@ async def any_client(
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """One real local Ray cluster for the whole session."""
+def ray_cluster(openai_server: str) -> Iterator[None]:
+    """One real local Ray cluster for the whole session. Its workers inherit this process's
+    environment as it is now: the test OpenAI endpoint and its key are set first."""
     import ray
 
     from actors.cluster.deployment import RAY_NAMESPACE
+    from tests.agents_for_tests import TEST_KEY_ENV
+
+    os.environ["OPENAI_BASE_URL"] = openai_server
+    os.environ[TEST_KEY_ENV] = RAY_TEST_KEY
 
     ray.init(
         num_cpus=2,

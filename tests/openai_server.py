@@ -7,10 +7,11 @@ and a run with faults can be compared with it. The script is a line of a system 
 
     #script {"rounds": 2, "tool": "add", "faults": {"2": {"kind": "429", "times": 1}}}
 
-At model call N of a conversation (counted through compaction summaries) the server asks for
-one ``tool`` call with arguments ``{"a": N, "b": 1}`` until ``rounds`` tool rounds are done, then
-answers ``results: <every tool output it can see>``. A fault at call N fires ``times`` times for
-that conversation (keyed by its first user message), then the call succeeds:
+``latency_ms`` delays every answer. At model call N of a conversation (counted through
+compaction summaries) the server asks for one ``tool`` call with arguments
+``{"a": N, "b": 1}`` until ``rounds`` tool rounds are done, then answers
+``results: <every tool output it can see>``. A fault at call N fires ``times`` times for that
+conversation (keyed by its first user message), then the call succeeds:
 
 ``429`` (with ``retry-after``), ``500``, ``fatal`` (400), ``context`` (400
 ``context_length_exceeded`` until the transcript holds a compaction summary), ``length``
@@ -23,6 +24,7 @@ request's ``Authorization`` header). Run: ``python -m tests.openai_server PORT``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -195,6 +197,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     headers = dict(scope["headers"])
     STATS.authorization = headers.get(b"authorization", b"").decode()
     kind, reply = plan(body)
+    latency_ms = int(_script(body["messages"]).get("latency_ms", 0))
+    if latency_ms:
+        await asyncio.sleep(latency_ms / 1000)
     if kind is not None:
         STATS.fired[kind] += 1
     if kind == "429":

@@ -136,3 +136,22 @@ async def test_an_agent_tool_timeout_replaces_the_tools_own(
     final = await e.store.load("i")
     (result,) = [m.tool_result for m in final.messages if m.tool_result]
     assert result.status == "timeout" and "0.05 s" in result.output
+
+
+def test_the_example_tools_stay_in_their_sandbox(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from actors.examples.assistant import calculate, read_file
+    from actors.turn.tools import ToolContext
+
+    (tmp_path / "notes.txt").write_text("forty-two")
+    monkeypatch.setenv("PHASELINE_SANDBOX", str(tmp_path))
+    ctx = ToolContext("t", "k")
+    assert asyncio.run(read_file.fn({"path": "notes.txt"}, ctx)) == "forty-two"
+    with pytest.raises(PermissionError, match="outside the sandbox"):
+        asyncio.run(read_file.fn({"path": "../../etc/passwd"}, ctx))
+    assert asyncio.run(calculate.fn({"expression": "(2 + 3) * 7 - 2 ** 3"}, ctx)) == "27"
+    with pytest.raises(ValueError, match="not arithmetic"):
+        asyncio.run(calculate.fn({"expression": "__import__('os')"}, ctx))

@@ -21,6 +21,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "actors/engine": ("ray", "actors.cluster", "actors.harness", "actors.cli"),
     "actors/cluster": ("actors.harness", "actors.cli"),
     "actors/harness": ("actors.cli",),
+    "actors/examples": ("ray", "redis", "actors.cluster", "actors.harness", "actors.cli"),
 }  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def test_every_module_of_actors_is_in_a_layer() -> None:
     top = sorted(p.name for p in (ROOT / "actors").glob("*.py"))
     assert top == ["__init__.py", "cli.py"]
     subpackages = {p.name for p in (ROOT / "actors").iterdir() if (p / "__init__.py").exists()}
-    assert subpackages == {"turn", "engine", "cluster", "harness"}
+    assert subpackages == {"turn", "engine", "cluster", "harness", "examples"}
 
 
 @pytest.mark.parametrize(("package", "banned"), [("actors.turn", ("ray", "redis")),

@@ -1,0 +1,1 @@
+"""Example agents to copy: ``actors.examples.assistant:agent``."""

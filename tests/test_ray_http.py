@@ -1,0 +1,88 @@
+"""An HTTP agent on the Ray runtime: the OpenAI-compatible client and a Python tool with a side
+effect, in TurnActors and ToolWorkers that are SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+import ray
+import redis.asyncio as aioredis
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.info import ServiceInfo
+from actors.cluster.runtime import Runtime
+from actors.engine.config import Settings
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.loop import LoopSettings
+from store.effects import EffectCounters
+from store.keys import KeyLayout
+from store.records import CheckpointRecord, TurnInput
+from tests.polling import eventually
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+AGENT = "tests.agents_for_tests:http_bump"
+SCRIPT = {"rounds": 4, "tool": "bump", "latency_ms": 150}
+
+
+def texts(record: CheckpointRecord) -> list[tuple[str, str, tuple[Any, ...], str]]:
+    return [
+        (m.role, m.text, tuple((c.id, c.name, c.args) for c in m.tool_calls),
+         m.tool_result.output if m.tool_result else "")
+        for m in record.messages
+    ]  # fmt: skip
+
+
+async def test_http_turns_survive_killed_hosts_and_tool_workers(
+    redis_url: str, namespace: str, real_client: aioredis.Redis
+) -> None:
+    turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
+    reference = TurnEngine(
+        real_client, KeyLayout(f"{namespace}r", 4), watchdog=None,
+        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
+    )  # fmt: skip
+    await reference.run_new(AGENT, turn_input, ["ref"])
+    expected = texts(await reference.store.load("ref"))
+
+    settings = Settings.model_validate({
+        "redis": {"namespace": namespace},
+        "checkpoint": {"min_interval_s": 0},
+        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0, "ping_misses": 3},
+    })  # fmt: skip
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=2)
+    try:
+        ids = [f"http{i:02d}" for i in range(16)]
+        assert await rt.submit(AGENT, turn_input, ids) == ids
+
+        async def moving() -> bool:
+            tools = 0
+            async for _ in real_client.scan_iter(f"{namespace}:*:tools:*"):
+                tools += 1
+            return tools >= 8
+
+        await eventually(moving, timeout=60, what="tool calls under way")
+        await rt.kill_host(rt.dep.slot_of(ids[0]))
+        worker = ray.get_actor(rt.dep.tool_worker_name("default", 0), namespace=RAY_NAMESPACE)
+        os.kill(ServiceInfo.of(await worker.hello.remote()).pid, signal.SIGKILL)
+        finals = await rt.wait(ids, timeout=180)
+    finally:
+        await rt.shutdown()
+    effects = EffectCounters(real_client, rt.dep.keys)
+    unknown = 0
+    for tid, final in finals.items():
+        assert final.counters.outcome == "answered", tid
+        got = texts(final)
+        assert len(got) == len(expected), tid
+        # The fault-free turn, message for message, but for a call caught in flight by a kill:
+        # it is reported outcome_unknown (never re-run), and the answer quotes that.
+        for (role, text, calls, output), want in zip(got[2:-1], expected[2:-1], strict=True):
+            if output != want[3]:
+                assert role == "tool" and "will not be re-run" in output, (tid, output)
+                unknown += 1
+            else:
+                assert (role, text, calls) == want[:3], tid
+        assert all(n == 1 for n in (await effects.counts(tid)).values()), tid  # never twice
