@@ -13,6 +13,7 @@ import enum
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from store.codec import dump_model
 from store.connection import connect, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.keys import KeyLayout, check_turn_id
-from store.records import CheckpointRecord, Outcome
+from store.records import CheckpointRecord, Outcome, TurnInput
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -182,6 +183,10 @@ async def _with_client(
 def main(log_level: str) -> None:
     """phaseline: crash-surviving agent turns with fenced Redis checkpoints."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Agents are named by import path: modules of the directory the command runs in import,
+    # as with ``python -m`` (Ray workers get this path from the driver).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _exit_on_signals()
 
 
@@ -314,23 +319,54 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
     return stats
 
 
+def _work(
+    scenario_path: str | None, agent_path: str | None, input_text: str | None
+) -> tuple[str, TurnInput, str]:
+    """The agent, input and label of ``run``: a scripted scenario, or an agent and a message."""
+    if (scenario_path is None) == (agent_path is None):
+        raise BadInput("give either --scenario (the scripted agent) or --agent")
+    if agent_path is None:
+        assert scenario_path is not None
+        if input_text is not None:
+            raise BadInput("--input goes with --agent; a scenario carries its own prompt")
+        scenario = load_scenario(shipped_scenario(scenario_path))
+        agent, turn_input = scripted_turn(scenario)
+        label = scenario.name
+    else:
+        if not input_text:
+            raise BadInput("--agent needs --input, the user message of each turn")
+        agent, turn_input, label = agent_path, TurnInput(message=input_text), agent_path
+    check_agent(agent, turn_input)
+    return agent, turn_input, label
+
+
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
-              help="Scenario file, or the name of a shipped one (e.g. tool_loop).")  # fmt: skip
+@click.option("--scenario", "scenario_path", default=None, type=click.Path(dir_okay=False),
+              help="Scenario file, or the name of a shipped one (e.g. tool_loop), run by the "
+                   "scripted agent.")  # fmt: skip
+@click.option(
+    "--agent",
+    "agent_path",
+    default=None,
+    help="Import path of an agent (pkg.module:name), instead of --scenario.",
+)
+@click.option("--input", "input_text", default=None,
+              help="With --agent: the user message of each turn.")  # fmt: skip
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
 @click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
 @_ray_options
 @_report_option
 def run(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str, turns: int, run_id: str | None, in_process: bool, hosts: int,
-    ray_address: str | None, report: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    run_id: str | None, in_process: bool, hosts: int, ray_address: str | None,
+    report: str | None,
 ) -> None:  # fmt: skip
-    """Run TURNS scripted turns of a scenario concurrently (on Ray unless --in-process)."""
+    """Run TURNS turns concurrently (on Ray unless --in-process): of a scenario, or of an
+    agent on one input."""
     settings = _settings(config_path, redis_url, namespace)
-    scenario = load_scenario(shipped_scenario(scenario_path))
-    check_agent(*scripted_turn(scenario))
+    agent, turn_input, label = _work(scenario_path, agent_path, input_text)
     rid = check_turn_id(run_id) if run_id else new_run_id()
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
@@ -338,13 +374,13 @@ def run(
     async def in_proc(client: aioredis.Redis) -> RunStats:
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
-            return await engine.run_new(*scripted_turn(scenario), ids)
+            return await engine.run_new(agent, turn_input, ids)
 
     async def on_ray(rt: Runtime) -> RunStats:
         started = time.monotonic()
         unusable: list[str] = []
         with bar.progress:
-            await rt.submit(*scripted_turn(scenario), ids)
+            await rt.submit(agent, turn_input, ids)
             finals = await rt.wait(
                 ids, timeout=24 * 3600, on_done=bar.advance,
                 on_unusable=lambda tid, _exc: unusable.append(tid),
@@ -355,7 +391,7 @@ def run(
         return stats
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
-    _summary(f"run {rid}: {scenario.name}", stats, report)
+    _summary(f"run {rid}: {label}", stats, report)
     _exit_unless_final(stats)
 
 

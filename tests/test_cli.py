@@ -185,3 +185,30 @@ def test_redact_url() -> None:
     assert redact_url("rediss://:p@h/2") == "rediss://:***@h/2"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert redact_url("unix:///tmp/r.sock?db=1") == "unix:///tmp/r.sock?db=1"
+
+
+def test_run_an_agent_by_import_path(redis_url: str, namespace: str, tmp_path: Path) -> None:
+    report = tmp_path / "a.json"
+    code, out = invoke(
+        "run", "--in-process", "--redis-url", redis_url, "--namespace", namespace,
+        "--config", TEST_CONFIG, "--agent", "tests.agents_for_tests:calculator",
+        "--input", "2+3?", "--turns", "2", "--report", str(report),
+    )  # fmt: skip
+    assert code == 0, out
+    assert json.loads(report.read_text())["outcomes"] == {"answered": 2}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--agent", "tests.agents_for_tests:not_an_agent", "--input", "x"], "not an Agent"),
+        (["--agent", "no.such.module:agent", "--input", "x"], "cannot import"),
+        (["--agent", "tests.agents_for_tests:calculator"], "needs --input"),
+        (["--scenario", PLAIN, "--agent", "tests.agents_for_tests:calculator"], "either"),
+        (["--scenario", PLAIN, "--input", "x"], "--input goes with --agent"),
+        ([], "either --scenario"),
+    ],
+)
+def test_bad_agent_flags_exit_2(redis_url: str, args: list[str], message: str) -> None:
+    code, out = invoke("run", "--in-process", "--redis-url", redis_url, *args)
+    assert code == 2 and message in out, out
