@@ -117,8 +117,6 @@ class Runtime:
         agent: str,
         turn_input: TurnInput | str,
         turn_ids: Iterable[str],
-        *,
-        session: str | None = None,
     ) -> list[str]:
         """Create turns of ``agent`` (an import path) on ``turn_input`` in Redis and hand each
         to its host slot; returns the new ones. A bad agent or input is a ConfigError here,
@@ -130,7 +128,7 @@ class Runtime:
         """
         if isinstance(turn_input, str):
             turn_input = TurnInput(message=turn_input)
-        turns = new_turns(agent, turn_input, turn_ids, session_id=session)
+        turns = new_turns(agent, turn_input, turn_ids)
         self._check_pools(agent)
         created: list[str] = []
         failure: StoreError | None = None

@@ -165,6 +165,11 @@ class TurnActor:
                 task = await self.engine.probations.run_settled(turn_id)
                 self._tasks[turn_id] = task  # if it outlasted the patience, it goes on here
                 task.add_done_callback(functools.partial(self._finished, turn_id))
+                settled = task.done() and not task.cancelled() and task.exception() is None
+                if settled and task.result().outcome is RunStop.INTERRUPTED:
+                    # Redis cut it, or its agent does not load here: it stays queued, so back
+                    # off before reading the queue again instead of claiming it in a tight loop.
+                    await asyncio.sleep(1)
             except PhaselineError as exc:
                 log.warning("isolation host: %s; retrying", exc)
                 await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
