@@ -9,8 +9,9 @@ Errors map onto the recovery policy, and the SDK's own retries are off (``max_re
 loop's ``retrying_llm`` phase owns retries and their backoff, so a retry is visible, counted and
 survives a crash.
 
-* 408, 409, 429, any 5xx, a connection error, a timeout and a stream cut mid-way are
-  :class:`~bus.errors.RetryableLLMError`. A cut stream's partial reply is dropped: the retry
+* 408, 409, 429, any 5xx, a connection error, a timeout, a stream cut mid-way and a reply the
+  SDK cannot read are :class:`~bus.errors.RetryableLLMError` (retried up to 3 times, then the
+  turn aborts). A cut stream's partial reply is dropped: the retry
   asks again from the same transcript.
 * 400 with code ``context_length_exceeded`` is :class:`~bus.errors.ContextLengthError`
   (compaction, then one more try). So is ``finish_reason = "length"``: a reply cut at the token
@@ -190,6 +191,8 @@ class OpenAIChatClient:
         except openai.APIStatusError as exc:
             raise _status_error(exc) from None
         except openai.APIConnectionError as exc:  # APITimeoutError included
+            raise RetryableLLMError(f"{type(exc).__name__}: {exc}") from None
+        except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
             raise RetryableLLMError(f"{type(exc).__name__}: {exc}") from None
 
     def _whole(self, completion: Any) -> LLMReply:
