@@ -113,3 +113,14 @@ class TurnExists(StoreError):
 class ServiceRestarting(PhaselineError):
     """A Ray service actor died with a call in flight; Ray is restarting it, so the call may be
     repeated (translated ``RayActorError``)."""
+
+
+class SessionBusy(PhaselineError):
+    """A session already has a turn in progress (or suspended): its next turn must wait.
+
+    A message for the running turn goes to its inbox instead (``Runtime.inject``)."""
+
+    def __init__(self, message: str, turn_id: str) -> None:
+        super().__init__(message)
+        self.turn_id = turn_id
+        """The session's turn that is not final."""

@@ -44,9 +44,109 @@ class StatusEvent:
 
 
 BusEvent = Transition | StatusEvent
+"""What the shard buses carry: the events watchdogs and other consumer groups act on."""
 
 
-def encode_event(event: BusEvent) -> dict[str, str | int]:
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """Text of a model reply, as it streams (a reply that was not streamed comes whole).
+
+    Advisory: what streamed before a crash is lost, and the resumed turn's new model call
+    streams its own text after a :class:`Restarted` marker."""
+
+    turn_id: str
+    """The turn speaking."""
+    epoch: int
+    """Owner epoch that streamed it."""
+    text: str
+    """The next piece of the reply."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalled:
+    """A tool call of the batch the turn is about to run."""
+
+    turn_id: str
+    """The turn calling."""
+    epoch: int
+    """Owner epoch that runs the batch."""
+    call_id: str
+    """The model's id for the call."""
+    name: str
+    """Tool name."""
+    arguments: str
+    """The arguments as canonical JSON, cut to :data:`LIVE_TEXT_LIMIT` characters."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolReturned:
+    """The result of one tool call, as the model will read it."""
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """Owner epoch that ran the batch."""
+    call_id: str
+    """The model's id for the call."""
+    name: str
+    """Tool name."""
+    status: str
+    """The ledger's word for it: ``committed``, ``failed``, ``outcome_unknown`` ..."""
+    output: str
+    """What the model reads, cut to :data:`LIVE_TEXT_LIMIT` characters."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """A new owner took the turn over from its last checkpoint (after a crash, a freeze or a
+    handover): whatever streamed after that checkpoint is gone, and what follows is the
+    resumed turn's own."""
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """The new owner's epoch."""
+    from_seq: int
+    """Checkpoint the turn resumed from (0: it had none yet and starts over)."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The turn's final record is stored: the last event of a turn."""
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """Owner epoch that finished it."""
+    outcome: str
+    """The record's outcome (a ``store.records.Outcome`` value: ``answered``,
+    ``aborted:<problem>`` ...); the bus layer does not import the store."""
+    answer: str
+    """Text of the last assistant message (empty if there is none)."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+LiveEvent = TextDelta | ToolCalled | ToolReturned | Restarted | Finished
+"""Events only a watcher reads (never the shard buses): see ``store.streams`` for their
+per-turn stream."""
+
+WatchEvent = BusEvent | LiveEvent
+"""Everything ``Runtime.watch`` yields."""
+
+#: Characters of tool arguments and results a live event carries (the record has them whole).
+LIVE_TEXT_LIMIT = 2000
+
+
+def encode_event(event: WatchEvent) -> dict[str, str | int]:
     if isinstance(event, Transition):
         return {
             "kind": "transition",
@@ -57,21 +157,37 @@ def encode_event(event: BusEvent) -> dict[str, str | int]:
             "dst": event.dst.value,
             "at_ms": event.at_ms,
         }
-    return {
-        "kind": "status",
-        "turn_id": event.turn_id,
-        "epoch": event.epoch,
-        "status": event.status.value,
-        "label": event.label,
-        "at_ms": event.at_ms,
-    }
+    if isinstance(event, StatusEvent):
+        return {
+            "kind": "status",
+            "turn_id": event.turn_id,
+            "epoch": event.epoch,
+            "status": event.status.value,
+            "label": event.label,
+            "at_ms": event.at_ms,
+        }
+    fields: dict[str, str | int] = {"kind": _KIND_OF[type(event)]}
+    for name in event.__slots__:
+        fields[name] = getattr(event, name)
+    return fields
+
+
+_KINDS: dict[str, type[LiveEvent]] = {
+    "text": TextDelta,
+    "tool_call": ToolCalled,
+    "tool_result": ToolReturned,
+    "restarted": Restarted,
+    "finished": Finished,
+}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_INT_FIELDS = frozenset({"epoch", "at_ms", "from_seq"})
 
 
 def _s(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> BusEvent:
+def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> WatchEvent:
     """Validate one entry's fields (as read, or as encoded); :class:`BadBusEntry` says why."""
     try:
         f = {_s(k): _s(v) for k, v in fields.items()}
@@ -93,6 +209,18 @@ def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> Bus
                 label=f["label"],
                 at_ms=int(f["at_ms"]),
             )
-        raise BadBusEntry(f"unknown event kind {kind!r}")
-    except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+        cls = _KINDS.get(kind)
+        if cls is None:
+            raise BadBusEntry(f"unknown event kind {kind!r}")
+        values = {n: int(f[n]) if n in _INT_FIELDS else f[n] for n in cls.__slots__}
+        return cls(**values)  # type: ignore[arg-type]
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
         raise BadBusEntry(f"malformed bus entry {dict(fields)!r}: {exc!r}") from exc
+
+
+def decode_bus_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> BusEvent:
+    """:func:`decode_event` for a shard bus, which carries transitions and status events only."""
+    event = decode_event(fields)
+    if not isinstance(event, Transition | StatusEvent):
+        raise BadBusEntry(f"a {type(event).__name__} does not belong on a shard bus")
+    return event

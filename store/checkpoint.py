@@ -137,7 +137,7 @@ class RedisCheckpointStore:
                 answers[i] = exc
         if sent:
             try:
-                wait = await self._wait_command()
+                wait = await self.wait_command()
                 with translated(f"save {len(sent)} records"):
                     async with self.client.pipeline(transaction=False) as pipe:
                         for i in sent:
@@ -146,7 +146,7 @@ class RedisCheckpointStore:
                             pipe.execute_command(*wait)  # same connection as the saves
                         replies = await pipe.execute(raise_on_error=False)
                 if wait:
-                    problem = self._not_durable(replies.pop())
+                    problem = self.not_durable(replies.pop())
                     if problem:
                         replies = [
                             NotDurable(f"save of {writes[i].record.turn_id}: {problem}")
@@ -158,13 +158,11 @@ class RedisCheckpointStore:
                 replies = [exc] * len(sent)
             for i, reply in zip(sent, replies, strict=True):
                 answers[i] = (
-                    reply
-                    if isinstance(reply, StoreError)
-                    else self._answer(writes[i].record, reply)
+                    reply if isinstance(reply, StoreError) else self.answer(writes[i].record, reply)
                 )
         return [a if a is not None else StoreError("not answered") for a in answers]
 
-    async def _wait_command(self) -> tuple[str | int, ...] | None:
+    async def wait_command(self) -> tuple[str | int, ...] | None:
         """The command that ends a batch under the configured durability (None: none)."""
         d = self.durability
         if d.kind is DurabilityKind.ACK:
@@ -197,7 +195,7 @@ class RedisCheckpointStore:
             "durability fsync needs WAITAOF (Redis >= 7.2, Valkey) or appendfsync always"
         )
 
-    def _not_durable(self, reply: object) -> str:
+    def not_durable(self, reply: object) -> str:
         """Why a batch's WAIT/WAITAOF reply falls short of the promise ('' if it does not)."""
         if isinstance(reply, Exception):
             return f"{self.durability} not confirmed: {reply}"
@@ -228,7 +226,7 @@ class RedisCheckpointStore:
             args += (name, value)
         await self._save_script(keys=keys, args=args, client=pipe)
 
-    def _answer(self, record: EncodedRecord, reply: object) -> SaveAck | StoreError:
+    def answer(self, record: EncodedRecord, reply: object) -> SaveAck | StoreError:
         """Turn the script's reply for one save into an ack or the typed refusal."""
         turn, key = record.turn_id, self.keys.turn(record.turn_id)
         if isinstance(reply, Exception):

@@ -9,6 +9,11 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             key -> runs, and "#<call key>#<run id>" -> 1 markers
     {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
+    {ns}:{s<N>}:live:<turn_id>      stream  what a watcher of the turn sees (bus.events
+                                            WatchEvent), capped, expires a day after its last
+                                            entry (store.streams)
+    {ns}:{s<N>}:session:<session>   hash    a session's turn count and latest turn id
+                                            (store.sessions)
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
     {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
@@ -23,7 +28,9 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             step it started (phase@position), at
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
-written with, in one Redis Cluster slot, so one save script can touch them all.
+written with, in one Redis Cluster slot, so one save script can touch them all. The turns of a
+session are named ``<session>/<n>`` and take their shard from the session's name, so a session
+key, its latest turn and the next turn live in one slot too (one transaction opens a turn).
 """
 
 from __future__ import annotations
@@ -34,15 +41,32 @@ from dataclasses import dataclass
 
 from bus.errors import ConfigError
 
-_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_TURN_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_ID = r"[A-Za-z0-9_.:\-]{1,128}"
+_SESSION_ID = re.compile(_ID)
+_TURN_ID = re.compile(rf"{_ID}(/[0-9]{{1,9}})?")
 
 
 def check_turn_id(turn_id: str) -> str:
     """Turn ids become parts of keys; refuse ones that could collide or smuggle a hash tag."""
-    if not _TURN_ID.match(turn_id):
-        raise ConfigError(f"invalid turn id {turn_id!r}: use 1-128 of [A-Za-z0-9_.:-]")
+    if not _TURN_ID.fullmatch(turn_id):
+        raise ConfigError(
+            f"invalid turn id {turn_id!r}: use 1-128 of [A-Za-z0-9_.:-] (a session's turns "
+            "add /<n>)"
+        )
     return turn_id
+
+
+def check_session_id(session_id: str) -> str:
+    """Session ids name keys and prefix their turns' ids."""
+    if not _SESSION_ID.fullmatch(session_id):
+        raise ConfigError(f"invalid session id {session_id!r}: use 1-128 of [A-Za-z0-9_.:-]")
+    return session_id
+
+
+def session_turn_id(session_id: str, n: int) -> str:
+    """Id of the ``n``-th turn (1-based) of a session."""
+    return f"{check_session_id(session_id)}/{n}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +79,15 @@ class KeyLayout:
     """Number of shard hash tags; fixed for the life of a namespace."""
 
     def __post_init__(self) -> None:
-        if not _NAMESPACE.match(self.namespace):
+        if not _NAMESPACE.fullmatch(self.namespace):
             raise ConfigError(f"invalid namespace {self.namespace!r}: use 1-64 of [A-Za-z0-9_.-]")
         if not 1 <= self.shards <= 16384:
             raise ConfigError(f"shards must be in 1..16384, got {self.shards}")
 
     def shard_of(self, turn_id: str) -> int:
-        """Stable shard of a turn (crc32, so every process and language agrees)."""
-        return zlib.crc32(turn_id.encode()) % self.shards
+        """Stable shard of a turn (crc32, so every process and language agrees); a session's
+        turn ``<session>/<n>`` is in its session's shard."""
+        return zlib.crc32(turn_id.partition("/")[0].encode()) % self.shards
 
     def _prefix(self, shard: int) -> str:
         return f"{self.namespace}:{{s{shard}}}"
@@ -90,6 +115,13 @@ class KeyLayout:
 
     def quarantined(self, turn_id: str) -> str:
         return self._turn_key("quarantined", turn_id)
+
+    def live(self, turn_id: str) -> str:
+        return self._turn_key("live", turn_id)
+
+    def session(self, session_id: str) -> str:
+        shard = self.shard_of(check_session_id(session_id))
+        return f"{self._prefix(shard)}:session:{session_id}"
 
     def events(self, shard: int) -> str:
         return f"{self._prefix(shard)}:events"

@@ -11,7 +11,6 @@ the model as ``outcome_unknown``.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from store.connection import raw as raw_bytes
 from store.connection import reading, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
-from store.records import LedgerEntry
+from store.records import LedgerEntry, canonical_json
 
 
 def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:
@@ -32,7 +31,7 @@ def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: i
 
     ``index`` (position in the batch) keeps two identical calls in one batch distinct.
     """
-    canonical = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = canonical_json(args)
     digest = hashlib.sha256(f"{turn_id}\x1f{batch}\x1f{index}\x1f{name}\x1f{canonical}".encode())
     return f"{batch}.{index}.{digest.hexdigest()[:24]}"
 

@@ -6,12 +6,14 @@ are rejected so a record written by a newer build fails loudly instead of losing
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bus.events import Finished
 from bus.phase import TurnPhase
 
 #: Version of the checkpoint record layout. Bump on any incompatible change; readers
@@ -94,6 +96,15 @@ class ToolCall(_Frozen):
     """Registered tool name."""
     args: dict[str, Any] = Field(default_factory=dict)
     """JSON-like arguments; canonicalised (sorted keys) when hashed into the call key."""
+
+    def arguments_json(self) -> str:
+        """The arguments as canonical JSON (what the call key hashes)."""
+        return canonical_json(self.args)
+
+
+def canonical_json(value: Any) -> str:
+    """One spelling of a JSON value: sorted keys, no spaces, unicode kept."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 class ToolResult(_Frozen):
@@ -225,6 +236,22 @@ class CheckpointRecord(_Frozen):
         if self.baseline > len(self.messages):
             raise ValueError(f"baseline {self.baseline} exceeds {len(self.messages)} messages")
         return self
+
+    @property
+    def answer(self) -> str:
+        """Text of the last assistant message (empty if there is none)."""
+        return next((m.text for m in reversed(self.messages) if m.role == "assistant"), "")
+
+    def finished_event(self) -> Finished:
+        """The live event a final record stands for."""
+        outcome = self.counters.outcome
+        return Finished(
+            turn_id=self.turn_id,
+            epoch=self.epoch,
+            outcome="" if outcome is None else outcome.value,
+            answer=self.answer,
+            at_ms=self.updated_at,
+        )
 
 
 #: Import path of the scripted agent: what specs written before agents existed ran.

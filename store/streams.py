@@ -1,29 +1,58 @@
-"""The bus: phase transitions and status events on sharded Redis Streams.
+"""The bus: phase transitions and status events on sharded Redis Streams, and each turn's live
+stream for watchers.
 
 Each shard's stream (``store.keys.KeyLayout.bus``) carries the events of the turns whose keys
 share its hash tag. Subscribers of one kind (e.g. all watchdogs) form one consumer group per
 stream, ack what they processed, and reclaim entries a dead member left pending (XAUTOCLAIM).
 Streams are capped (``XADD MAXLEN ~``). :class:`MemoryBus` has the same interface for pure tests.
+
+A turn's live stream (``KeyLayout.live``) gets a copy of its transitions and status events
+plus what only a watcher wants (text deltas, tool calls and results, restart markers, the
+final answer); :func:`follow` reads it. It is capped and expires a day after its last entry:
+it is advisory, the checkpoint record is the truth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 import redis.asyncio as aioredis
 
 from bus.errors import PhaselineError
-from bus.events import BadBusEntry, BusEvent, decode_event, encode_event
+from bus.events import (
+    BadBusEntry,
+    BusEvent,
+    StatusEvent,
+    TextDelta,
+    WatchEvent,
+    decode_bus_event,
+    encode_event,
+)
+from bus.phase import Transition
 from store.connection import raw, read_streams, text, translated
 from store.keys import KeyLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStreams:
+    """How the per-turn live streams are kept."""
+
+    maxlen: int = 2000
+    """Entries kept per turn (approximately; older ones are trimmed). 0 turns them off."""
+    ttl_s: int = 86_400
+    """Seconds a turn's stream lives after its last entry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +68,7 @@ class Delivery:
 
 
 class Bus(Protocol):
-    async def publish(self, events: Sequence[BusEvent]) -> None: ...
+    async def publish(self, events: Sequence[WatchEvent]) -> None: ...
     async def ensure_group(self, group: str) -> None: ...
     async def read(
         self, group: str, consumer: str, *, count: int = 500, block_ms: int = 1000
@@ -53,21 +82,40 @@ class Bus(Protocol):
 class RedisBus:
     """The bus on Redis Streams. Malformed entries go to the dead-letter stream, acked."""
 
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout, *, maxlen: int = 100_000) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: KeyLayout,
+        *,
+        maxlen: int = 100_000,
+        live: LiveStreams = LiveStreams(),
+    ) -> None:
         self.client = client
         self.keys = keys
         self.maxlen = maxlen
+        self.live = live
         self.dead_letters = 0
         self._streams = [keys.bus(s) for s in keys.all_shards()]
 
-    async def publish(self, events: Sequence[BusEvent]) -> None:
+    async def publish(self, events: Sequence[WatchEvent]) -> None:
+        """Bus events to their shard's bus, and every event to its turn's live stream."""
         if not events:
             return
+        live = self.live
         with translated("publish to bus"):
             async with self.client.pipeline(transaction=False) as pipe:
+                touched: set[str] = set()
                 for e in events:
-                    stream = self.keys.bus(self.keys.shard_of(e.turn_id))
-                    pipe.xadd(stream, encode_event(e), maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+                    fields: Any = encode_event(e)
+                    if isinstance(e, Transition | StatusEvent):
+                        stream = self.keys.bus(self.keys.shard_of(e.turn_id))
+                        pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
+                    if live.maxlen:
+                        key = self.keys.live(e.turn_id)
+                        pipe.xadd(key, fields, maxlen=live.maxlen, approximate=True)
+                        touched.add(key)
+                for key in touched:
+                    pipe.expire(key, live.ttl_s)
                 await pipe.execute()
 
     async def ensure_group(self, group: str) -> None:
@@ -105,7 +153,7 @@ class RedisBus:
                 bad.append(text(entry_id))
                 continue
             try:
-                out.append(Delivery(stream, text(entry_id), decode_event(fields)))
+                out.append(Delivery(stream, text(entry_id), decode_bus_event(fields)))
             except BadBusEntry as exc:
                 bad.append(text(entry_id))
                 self.dead_letters += 1
@@ -164,9 +212,14 @@ class MemoryBus:
         self._groups: dict[tuple[str, str], _Group] = {}
         self._ids = itertools.count(1)
         self._changed = asyncio.Condition()
+        self.live: dict[str, list[WatchEvent]] = defaultdict(list)
+        """Each turn's live events, uncapped (tests read them whole)."""
 
-    async def publish(self, events: Sequence[BusEvent]) -> None:
+    async def publish(self, events: Sequence[WatchEvent]) -> None:
         for e in events:
+            self.live[e.turn_id].append(e)
+            if not isinstance(e, Transition | StatusEvent):
+                continue
             stream = self._streams[self.keys.bus(self.keys.shard_of(e.turn_id))]
             stream.append((next(self._ids), e))
             del stream[: max(0, len(stream) - self.maxlen)]
@@ -230,6 +283,7 @@ class BufferedPublisher:
     Phase listeners are called inside the turn loop and must not block; this buffer is
     flushed by a background task every ``interval_s``. Events are advisory (watchdog, status
     display): if Redis is down a batch is dropped and counted, never retried into a backlog.
+    Text deltas of one turn that arrive within a flush period are joined into one entry.
     """
 
     def __init__(self, bus: Bus, *, interval_s: float = 0.02, max_buffer: int = 100_000) -> None:
@@ -238,13 +292,25 @@ class BufferedPublisher:
         self.max_buffer = max_buffer
         self.dropped = 0
         self.published = 0
-        self._buffer: list[BusEvent] = []
+        self._buffer: list[WatchEvent] = []
+        self._open_text: dict[str, int] = {}
+        """Turn -> index in the buffer of its text delta that later deltas join."""
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, event: BusEvent) -> None:
+    def add(self, event: WatchEvent) -> None:
+        at = self._open_text.get(event.turn_id)
+        if isinstance(event, TextDelta):
+            last = self._buffer[at] if at is not None else None
+            if isinstance(last, TextDelta) and last.epoch == event.epoch:
+                self._buffer[at] = dataclasses.replace(last, text=last.text + event.text)  # type: ignore[index]
+                return
         if len(self._buffer) >= self.max_buffer:
             self.dropped += 1
             return
+        if isinstance(event, TextDelta):
+            self._open_text[event.turn_id] = len(self._buffer)
+        elif at is not None:
+            del self._open_text[event.turn_id]
         self._buffer.append(event)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
@@ -256,6 +322,7 @@ class BufferedPublisher:
 
     async def flush(self) -> None:
         batch, self._buffer = self._buffer, []
+        self._open_text.clear()
         try:
             await self.bus.publish(batch)
             self.published += len(batch)

@@ -99,3 +99,14 @@ async def bump(ctx: ToolContext, a: int, b: int = 0) -> str:
 
 
 http_bump = dataclasses.replace(http_stream, tools=ToolRegistry([add, bump]))
+
+
+class RecallModel:
+    """Answers with every user message of the transcript it sees: what a session remembers."""
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        heard = [m.text for m in request.messages if m.role == "user"]
+        return LLMReply(Message(role="assistant", text="heard: " + " | ".join(heard)))
+
+
+recall = Agent(model=lambda _ctx: RecallModel(), system_prompt="You remember.")

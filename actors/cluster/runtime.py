@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import ray
@@ -24,7 +24,7 @@ from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
-from actors.engine.turn_engine import new_turns
+from actors.engine.submission import new_turns, session_turn
 from bus.errors import (
     ConfigError,
     PhaselineError,
@@ -34,11 +34,14 @@ from bus.errors import (
     StoreUnavailable,
     TurnExists,
 )
+from bus.events import WatchEvent
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect, read_streams, redact_url, text, translated
 from store.inbox import Inbox
 from store.records import CheckpointRecord, InboxItem, TurnInput
+from store.sessions import Sessions
+from store.watch import watch_turn
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class Runtime:
         self.store = RedisCheckpointStore(client, dep.keys)
         self.inbox = Inbox(client, dep.keys)
         self.approvals = Approvals(client, dep.keys)
+        self.sessions = Sessions(self.store)
         self.hosts = HostDirectory(dep, client)
 
     @classmethod
@@ -116,19 +120,34 @@ class Runtime:
         self,
         agent: str,
         turn_input: TurnInput | str,
-        turn_ids: Iterable[str],
+        turn_ids: Iterable[str] = (),
+        *,
+        session: str | None = None,
     ) -> list[str]:
         """Create turns of ``agent`` (an import path) on ``turn_input`` in Redis and hand each
         to its host slot; returns the new ones. A bad agent or input is a ConfigError here,
         before anything is written.
 
-        Idempotent: a turn that already exists is left alone, so a submission cut short by a
-        Redis failure can simply be repeated. Any other failure raises after the turns that
-        were created have been handed over.
+        With ``session``, one turn is opened in that session instead (its id is
+        ``<session>/<n>``): it starts from the previous turn's final transcript, and is
+        refused with :class:`SessionBusy` while that turn is still running (send the running
+        turn a message with :meth:`inject` instead).
+
+        Idempotent without a session: a turn that already exists is left alone, so a
+        submission cut short by a Redis failure can simply be repeated. Any other failure
+        raises after the turns that were created have been handed over.
         """
         if isinstance(turn_input, str):
             turn_input = TurnInput(message=turn_input)
-        turns = new_turns(agent, turn_input, turn_ids)
+        ids = list(turn_ids)
+        if session is not None:
+            if ids:
+                raise ConfigError("a session names its own turns: give turn_ids or session")
+            self._check_pools(agent)
+            spec, _ = await self.sessions.open(session, session_turn(agent, turn_input, session))
+            await self._hand_over([spec.turn_id])
+            return [spec.turn_id]
+        turns = new_turns(agent, turn_input, ids)
         self._check_pools(agent)
         created: list[str] = []
         failure: StoreError | None = None
@@ -139,8 +158,15 @@ class Runtime:
                 failure = failure or result
                 continue
             created.append(spec.turn_id)
+        await self._hand_over(created)
+        if failure is not None:
+            raise failure
+        return created
+
+    async def _hand_over(self, turn_ids: Sequence[str]) -> None:
+        """Give new turns to their slots' hosts (a slot being replaced adopts them later)."""
         by_slot: dict[int, list[str]] = defaultdict(list)
-        for tid in created:
+        for tid in turn_ids:
             by_slot[self.dep.slot_of(tid)].append(tid)
         for slot, ids in by_slot.items():
             host = await self.hosts.handle(slot)
@@ -150,9 +176,13 @@ class Runtime:
                 await host.run_turns.remote(ids)
             except ray.exceptions.RayActorError:
                 log.warning("host slot %d died while taking turns; its successor adopts them", slot)
-        if failure is not None:
-            raise failure
-        return created
+
+    def watch(self, turn_id: str, *, from_start: bool = True) -> AsyncIterator[WatchEvent]:
+        """The turn's live events until its final record (see ``store.watch``): phase
+        transitions, ``idle_soft``, streamed text, tool calls and results, a
+        :class:`~bus.events.Restarted` marker where a new owner took over after a crash, and
+        :class:`~bus.events.Finished` last."""
+        return watch_turn(self.client, self.dep.keys, turn_id, from_start=from_start)
 
     def _check_pools(self, agent: str) -> None:
         """Refuse an agent whose tools need a ToolWorker pool this deployment does not run."""

@@ -59,7 +59,9 @@ class TurnActor:
         self.client = connect(
             self.dep.redis_url, max_connections=128, retry_s=self.dep.settings.redis.retry_s
         )
-        self.publisher = BufferedPublisher(RedisBus(self.client, self.dep.keys))
+        self.publisher = BufferedPublisher(
+            RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
+        )
         self.checkpoints = CheckpointClient(
             actor_sender(self._checkpoint_actor),
             max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
@@ -71,6 +73,7 @@ class TurnActor:
             checkpoints=self.checkpoints,
             runner=RayToolRunner(self.dep),
             on_transition=self.publisher.add,
+            on_event=self.publisher.add,
             on_isolate=self._isolation_wanted,
         )
         self.directory = HostDirectory(self.dep, self.client)

@@ -41,7 +41,7 @@ class WatchdogActor:
         self.client = connect(
             self.dep.redis_url, max_connections=16, retry_s=self.dep.settings.redis.retry_s
         )
-        self.bus = RedisBus(self.client, self.dep.keys)
+        self.bus = RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         self.hosts = HostDirectory(self.dep, self.client)
         self.rules = WatchdogRules(self.dep.settings.watchdog)
         self.consumer = f"watchdog-{uuid.uuid4().hex[:8]}"

@@ -19,6 +19,7 @@ from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
 from store.connection import DEFAULT_RETRY_S, check_redis_url
 from store.durability import Durability, parse_durability
 from store.keys import KeyLayout
+from store.streams import LiveStreams
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 
@@ -118,6 +119,19 @@ class ToolSettings(_Section):
     """ToolWorker actors per resource pool (each runs many calls concurrently)."""
 
 
+class EventSettings(_Section):
+    """Each turn's live stream, what ``phaseline watch`` and ``Runtime.watch`` read."""
+
+    live_maxlen: int = Field(default=2000, ge=0, le=1_000_000)
+    """Entries kept per turn (older ones are trimmed); 0 turns live streams off (watchers
+    then see only the final answer)."""
+    live_ttl_s: int = Field(default=86_400, ge=1)
+    """Seconds a turn's live stream is kept after its last entry."""
+
+    def live(self) -> LiveStreams:
+        return LiveStreams(maxlen=self.live_maxlen, ttl_s=self.live_ttl_s)
+
+
 class LoopSectionSettings(_Section):
     """The ``[loop]`` section; with others it becomes the loop's own :class:`LoopSettings`."""
 
@@ -135,6 +149,7 @@ class Settings(_Section):
     loop: LoopSectionSettings = LoopSectionSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
     tools: ToolSettings = ToolSettings()
+    events: EventSettings = EventSettings()
 
     def loop_settings(self) -> LoopSettings:
         return LoopSettings(

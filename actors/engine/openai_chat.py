@@ -31,7 +31,7 @@ import asyncio
 import json
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,7 +186,7 @@ class OpenAIChatClient:
     async def complete(self, request: LLMRequest) -> LLMReply:
         try:
             if self.cfg.stream:
-                return await self._streamed(self._request(request))
+                return await self._streamed(self._request(request), request.on_text)
             return self._whole(await self.sdk.chat.completions.create(**self._request(request)))
         except openai.APIStatusError as exc:
             raise _status_error(exc) from None
@@ -206,7 +206,9 @@ class OpenAIChatClient:
         )
         return _reply(choice.finish_reason, msg.content or "", calls, completion.usage)
 
-    async def _streamed(self, body: dict[str, Any]) -> LLMReply:
+    async def _streamed(
+        self, body: dict[str, Any], on_text: Callable[[str], None] | None
+    ) -> LLMReply:
         stream = await self.sdk.chat.completions.create(**body)
         text: list[str] = []
         calls: dict[int, dict[str, str]] = {}
@@ -220,6 +222,8 @@ class OpenAIChatClient:
                     delta = choice.delta
                     if delta.content:
                         text.append(delta.content)
+                        if on_text is not None:
+                            on_text(delta.content)
                     for d in delta.tool_calls or ():
                         call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
                         if d.id:

@@ -20,12 +20,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from actors.engine.agents import check_agent, load_agent
+from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
+from actors.engine.submission import new_turns, session_turn
 from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
-from actors.turn.agent import Agent, ModelContext
+from actors.turn.agent import ModelContext
 from actors.turn.loop import (
     Checkpointer,
     LoopSettings,
@@ -37,7 +38,8 @@ from actors.turn.loop import (
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.errors import ConfigError, StoreError
-from bus.phase import Transition, TurnPhase
+from bus.events import LiveEvent
+from bus.phase import Transition
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES
@@ -45,17 +47,16 @@ from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
 from store.isolation import Isolation
-from store.keys import KeyLayout, check_turn_id
+from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import (
     CheckpointRecord,
-    Message,
-    MessageMeta,
     Outcome,
     SaveReason,
     TurnInput,
     TurnSpec,
 )
+from store.sessions import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -67,57 +68,6 @@ _NOT_RUN = {
     PlanAction.UNUSABLE: RunStop.UNUSABLE,
     PlanAction.ISOLATE: RunStop.ISOLATE,
 }
-
-
-def initial_record(
-    turn_id: str, session_id: str, agent: Agent, turn_input: TurnInput, *, now_ms: int
-) -> CheckpointRecord:
-    """The record a turn is created with: the pre-turn baseline, nothing run yet."""
-    messages: list[Message] = []
-    meta: list[MessageMeta] = []
-    if agent.system_prompt:
-        messages.append(Message(role="system", text=agent.system_prompt))
-        meta.append(MessageMeta(source="prompt", message_id=f"{turn_id}:system", at_ms=now_ms))
-    messages.append(Message(role="user", text=turn_input.message))
-    meta.append(MessageMeta(source="prompt", message_id=f"{turn_id}:user", at_ms=now_ms))
-    return CheckpointRecord.model_validate(
-        {
-            "turn_id": turn_id,
-            "session_id": session_id,
-            "epoch": 1,
-            "seq": 0,
-            "phase": TurnPhase.INIT,
-            "in_progress": True,
-            "reason": SaveReason.SUBMITTED,
-            "messages": messages,
-            "meta": meta,
-            "baseline": len(messages),
-            "counters": {},
-            "updated_at": now_ms,
-        }
-    )
-
-
-def new_turns(
-    agent_path: str,
-    turn_input: TurnInput,
-    turn_ids: Iterable[str],
-    *,
-    session_id: str | None = None,
-) -> list[tuple[TurnSpec, CheckpointRecord]]:
-    """Specs and first records of turns, ready for ``RedisCheckpointStore.submit_many``; the
-    agent is loaded and checks the input first (:class:`ConfigError` if either is bad)."""
-    agent = check_agent(agent_path, turn_input)
-    now = int(time.time() * 1000)
-    out = []
-    for turn_id in turn_ids:
-        check_turn_id(turn_id)
-        session = session_id or f"session-{turn_id}"
-        spec = TurnSpec(
-            turn_id=turn_id, session_id=session, agent=agent_path, input=turn_input, created_at=now
-        )
-        out.append((spec, initial_record(turn_id, session, agent, turn_input, now_ms=now)))
-    return out
 
 
 @dataclass(slots=True)
@@ -185,13 +135,16 @@ class TurnEngine:
         checkpoints: Checkpointer | None = None,
         runner: ToolRunner | None = None,
         on_transition: Callable[[Transition], None] | None = None,
+        on_event: Callable[[LiveEvent], None] | None = None,
         on_status: Callable[[SoftIdle], None] | None = None,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
         on_isolate: Callable[[str], None] | None = None,
         probation_patience_s: float = 30.0,
     ) -> None:
-        """``on_isolate`` hears of every turn this engine queued for the isolation host."""
+        """``on_event`` hears what a watcher sees besides transitions (streamed text, tool calls
+        and results, restarts, final answers); ``on_isolate`` of every turn this engine queued
+        for the isolation host."""
         self.keys = keys
         self.store = RedisCheckpointStore(
             client, keys, max_record_bytes=max_record_bytes, durability=durability
@@ -201,6 +154,7 @@ class TurnEngine:
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
         self.isolation = Isolation(client, keys)
+        self.sessions = Sessions(self.store)
         self.checkpoints: Checkpointer = checkpoints or self.store
         self.loop_settings = loop_settings
         self.runner: ToolRunner = runner or LocalToolRunner()
@@ -208,6 +162,7 @@ class TurnEngine:
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}
         self.on_transition = on_transition
+        self.on_event = on_event
         self._on_status = on_status
         self._on_isolate = on_isolate
         self.probations = Probations(self, patience_s=probation_patience_s)
@@ -249,6 +204,20 @@ class TurnEngine:
             if isinstance(result, Exception):
                 raise result
         return turns
+
+    async def open_in_session(
+        self, agent: str, turn_input: TurnInput, session_id: str
+    ) -> tuple[TurnSpec, CheckpointRecord]:
+        """Create the session's next turn (``store.sessions``): its baseline is the previous
+        turn's final transcript; :class:`SessionBusy` while that turn is not final."""
+        return await self.sessions.open(session_id, session_turn(agent, turn_input, session_id))
+
+    async def run_in_session(
+        self, agent: str, turn_input: TurnInput, session_id: str
+    ) -> TurnOutcome:
+        """Open the session's next turn and run it to its end."""
+        spec, record = await self.open_in_session(agent, turn_input, session_id)
+        return await self.start(record, spec)
 
     async def run_new(self, agent: str, turn_input: TurnInput, turn_ids: Iterable[str]) -> RunStats:
         """Submit and run turns concurrently; returns the stats of this batch."""
@@ -360,6 +329,7 @@ class TurnEngine:
             inbox=self.inbox,
             approvals=self.approvals,
             listener=self._transition,
+            events=self.on_event,
         )
         limits = agent.settings
         tuned = dataclasses.replace(

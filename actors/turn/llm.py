@@ -7,6 +7,7 @@ maps those onto the recovery policy and never sees a client library's own except
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +29,10 @@ class LLMRequest:
     """0 for the first try of this call, then 1, 2, 3 for retries."""
     tools: tuple[ToolSpec, ...] = ()
     """The tools the model may call (their descriptions and argument schemas)."""
+    on_text: Callable[[str], None] | None = None
+    """A streaming client hands each piece of reply text here as it arrives (for watchers;
+    advisory, must not block). A client that does not stream leaves it alone: the loop then
+    reports the whole reply text at once."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,14 @@ from bus.errors import (
     StaleOwner,
     StoreError,
 )
+from bus.events import (
+    LIVE_TEXT_LIMIT,
+    LiveEvent,
+    Restarted,
+    TextDelta,
+    ToolCalled,
+    ToolReturned,
+)
 from bus.phase import Listener, PhaseTracker, TurnPhase
 from store.records import (
     CheckpointRecord,
@@ -144,6 +152,9 @@ class TurnDeps:
     """Approval decisions."""
     listener: Listener | None = None
     """Receives every phase transition (bus publisher, watchdog, progress display)."""
+    events: Callable[[LiveEvent], None] | None = None
+    """Receives what a watcher of the turn sees besides transitions: streamed text, tool calls
+    and results, the restart marker, the final answer (advisory; must not block)."""
 
 
 class RunStop(StrEnum):
@@ -274,6 +285,8 @@ class TurnLoop:
 
     async def run(self) -> TurnOutcome:
         t = self.tracker
+        if self.epoch > 1:  # a new owner: what streamed after the last checkpoint is gone
+            self._emit(Restarted(self.turn_id, self.epoch, self._seq, self._now_ms()))
         try:
             t.to(P.SETUP)
             if self._resume_from is SaveReason.FORCE_STOP:
@@ -449,12 +462,20 @@ class TurnLoop:
 
     async def _call_llm(self, *, tools_enabled: bool) -> LLMReply:
         await self._note_step()
+        streamed = False
+
+        def on_text(piece: str) -> None:
+            nonlocal streamed
+            streamed = True
+            self._emit(TextDelta(self.turn_id, self.epoch, piece, self._now_ms()))
+
         request = LLMRequest(
             turn_id=self.turn_id,
             messages=self.messages,
             tools_enabled=tools_enabled,
             attempt=self._counters.retry_attempts,
             tools=tuple(self.deps.registry),
+            on_text=on_text if self.deps.events is not None else None,
         )
         self._hard_cancelled = False
         task = asyncio.ensure_future(self.deps.llm.complete(request))
@@ -470,12 +491,20 @@ class TurnLoop:
             if self._hard_cancelled:
                 raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
-        return task.result()
+        reply = task.result()
+        if not streamed and reply.message.text:  # a model that does not stream: all at once
+            on_text(reply.message.text)
+        return reply
 
     async def _run_batch(self, calls: Sequence[ToolCall]) -> None:
         await self._note_step()
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
+        if self.deps.events is not None:
+            now = self._now_ms()
+            for call in calls:
+                args = call.arguments_json()[:LIVE_TEXT_LIMIT]
+                self._emit(ToolCalled(self.turn_id, self.epoch, call.id, call.name, args, now))
         denied = set()
         for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
             needs_approval = call.name in self.deps.registry and (
@@ -489,8 +518,15 @@ class TurnLoop:
             )
         except StaleOwner as exc:
             raise self._fenced(exc) from exc
+        now = self._now_ms()
         for res in results:
             self._append(Message(role="tool", tool_result=res), "tool")
+            self._emit(
+                ToolReturned(
+                    self.turn_id, self.epoch, res.call_id, res.name, res.status,
+                    res.output[:LIVE_TEXT_LIMIT], now,
+                )
+            )  # fmt: skip
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
 
     async def _await_approval(self, key: str) -> bool:
@@ -624,8 +660,14 @@ class TurnLoop:
         self._last_save = now
         self._saved = record
         self.saves += 1
+        if final:
+            self._emit(record.finished_event())
         if self._probation is not None and self._probation.releases and not final:
             raise _Released()
+
+    def _emit(self, event: LiveEvent) -> None:
+        if self.deps.events is not None:
+            self.deps.events(event)
 
 
 def _new_id() -> str:

@@ -1,0 +1,121 @@
+"""Sessions: conversations of turns, one turn in progress at a time.
+
+A session ``S`` is one hash (``KeyLayout.session``: ``turns`` = how many it has opened,
+``latest`` = the id of its newest turn). Its turns are named ``S/1``, ``S/2`` ... and share the
+session's shard, so the session hash, its latest turn's record and the next turn's keys are in
+one Redis Cluster slot and :meth:`Sessions.open` is one transaction:
+
+``WATCH`` the session hash and the latest turn's record, read both, refuse with
+:class:`~bus.errors.SessionBusy` if that turn is still in progress or suspended, build the new
+turn from the latest turn's final record, then ``MULTI`` (bump the session, create the turn
+with the fenced submission script, the durability wait) ``EXEC``. A rival open or a late write
+to the latest record between the read and the ``EXEC`` makes it retry from the read, so two
+clients can never open two turns on one baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from bus.errors import ConfigError, RecordError, SessionBusy, StoreError
+from store.checkpoint import RedisCheckpointStore
+from store.codec import EncodedRecord, check_record_size, pack_model
+from store.connection import text, translated
+from store.keys import check_turn_id, session_turn_id
+from store.records import CheckpointRecord, Outcome, SaveAck, TurnSpec
+
+#: How often an open is retried when a rival changed the session under it.
+OPEN_ATTEMPTS = 20
+
+#: Builds the next turn of a session: (the latest turn's final record or None, the new turn's
+#: id) -> its spec and first record.
+Builder = Callable[[CheckpointRecord | None, str], tuple[TurnSpec, CheckpointRecord]]
+
+
+class Sessions:
+    """Opens turns in sessions on the checkpoint store's Redis."""
+
+    def __init__(self, store: RedisCheckpointStore) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.client: aioredis.Redis = store.client
+
+    async def latest(self, session_id: str) -> str | None:
+        """Id of the session's newest turn (None for a session that has none)."""
+        with translated(f"read session {session_id}"):
+            raw = await self.client.hget(self.keys.session(session_id), "latest")
+        return None if raw is None else text(raw)
+
+    async def open(self, session_id: str, build: Builder) -> tuple[TurnSpec, CheckpointRecord]:
+        """Create the session's next turn from ``build``; returns its spec and record."""
+        key = self.keys.session(session_id)
+        for _ in range(OPEN_ATTEMPTS):
+            with translated(f"open a turn in session {session_id}"):
+                try:
+                    async with self.client.pipeline(transaction=True) as pipe:
+                        await pipe.watch(key)
+                        fields = {text(k): text(v) for k, v in (await pipe.hgetall(key)).items()}
+                        n = _count(key, fields.get("turns", "0")) + 1
+                        latest = fields.get("latest")
+                        previous = None
+                        if latest is not None:
+                            _check_latest(key, session_id, latest)
+                            await pipe.watch(key, self.keys.turn(latest))
+                            previous = await self.store.load(latest)
+                            _check_final(session_id, previous)
+                        spec, record = build(previous, session_turn_id(session_id, n))
+                        encoded = EncodedRecord.of(record)
+                        check_record_size(spec.turn_id, encoded.nbytes, self.store.max_record_bytes)
+                        wait = await self.store.wait_command()
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        pipe.hset(key, mapping={"turns": n, "latest": spec.turn_id})
+                        await self.store.queue_save(
+                            pipe, encoded, spec=(self.keys.spec(spec.turn_id), pack_model(spec))
+                        )
+                        if wait:
+                            pipe.execute_command(*wait)
+                        replies = await pipe.execute()
+                except redis.WatchError:
+                    continue  # a rival opened a turn or the latest turn saved: read again
+            answer = self.store.answer(encoded, replies[1])
+            if not isinstance(answer, SaveAck):
+                raise answer
+            problem = self.store.not_durable(replies[2]) if wait else ""
+            if problem:
+                raise StoreError(f"turn {spec.turn_id} opened but not durable: {problem}")
+            return spec, record
+        raise StoreError(f"session {session_id}: {OPEN_ATTEMPTS} opens raced; try again")
+
+
+def _count(key: str, raw: str) -> int:
+    if not raw.isdigit():
+        raise RecordError(key, f"session turn count {raw!r} is not a count")
+    return int(raw)
+
+
+def _check_latest(key: str, session_id: str, latest: str) -> None:
+    if not latest.startswith(f"{session_id}/"):
+        raise RecordError(key, f"latest turn {latest!r} is not a turn of this session")
+    try:
+        check_turn_id(latest)
+    except ConfigError as exc:
+        raise RecordError(key, f"latest turn {latest!r}: {exc}") from None
+
+
+def _check_final(session_id: str, latest: CheckpointRecord) -> None:
+    """A session's next turn starts from a final record only."""
+    if latest.in_progress:
+        raise SessionBusy(
+            f"session {session_id} has turn {latest.turn_id} in progress; send it a message "
+            "(Runtime.inject) or wait for it to finish",
+            latest.turn_id,
+        )
+    if latest.counters.outcome is Outcome.SUSPENDED_POISON:
+        raise SessionBusy(
+            f"session {session_id}: turn {latest.turn_id} is suspended; resume it "
+            f"(phaseline resume {latest.turn_id}) before the session goes on",
+            latest.turn_id,
+        )

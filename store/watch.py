@@ -1,0 +1,67 @@
+"""Following one turn live: its live stream (``store.streams``), ended by its final record.
+
+A watcher reads the turn's capped live stream with ``XREAD BLOCK``. Events are advisory, so
+the end of a turn is decided by the checkpoint record: when the stream is quiet and the record
+is final, a :class:`~bus.events.Finished` is made from the record (it may have been trimmed,
+expired, or dropped while Redis was away). A host crash shows up as a
+:class:`~bus.events.Restarted` from the new owner; the text the dead owner streamed after its
+last checkpoint was never saved and is not repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from bus.events import BadBusEntry, Finished, WatchEvent, decode_event
+from store.checkpoint import RedisCheckpointStore
+from store.connection import read_streams, text, translated
+from store.keys import KeyLayout, check_turn_id
+
+log = logging.getLogger(__name__)
+
+
+async def watch_turn(
+    client: aioredis.Redis,
+    keys: KeyLayout,
+    turn_id: str,
+    *,
+    from_start: bool = True,
+    block_ms: int = 1000,
+) -> AsyncIterator[WatchEvent]:
+    """Yield the turn's events until it is final; :class:`Finished` is the last one.
+
+    ``from_start`` replays what the stream still holds first (a reattaching watcher sees the
+    turn so far); otherwise only what comes from now on. A turn that does not exist raises
+    :class:`~bus.errors.RecordNotFound`. Malformed entries are logged and skipped."""
+    store = RedisCheckpointStore(client, keys)
+    key = keys.live(check_turn_id(turn_id))
+    await store.load(turn_id)  # RecordNotFound for an unknown turn
+    cursor = "0-0"
+    if not from_start:
+        with translated(f"read the end of {key}"):
+            last = await client.xrevrange(key, count=1)
+        cursor = text(last[0][0] or "0-0") if last else "0-0"
+    while True:
+        quiet = True
+        for _stream, entries in await read_streams(
+            client, {key: cursor}, count=500, block_ms=block_ms
+        ):
+            for entry_id, fields in entries:
+                cursor = entry_id
+                quiet = False
+                try:
+                    event = decode_event(fields)
+                except BadBusEntry as exc:
+                    log.warning("watch %s: skipping entry %s: %s", turn_id, entry_id, exc)
+                    continue
+                yield event
+                if isinstance(event, Finished):
+                    return
+        if quiet:
+            record = await store.load(turn_id)
+            if not record.in_progress:
+                yield record.finished_event()
+                return
