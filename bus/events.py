@@ -112,8 +112,11 @@ class Restarted:
     """The turn."""
     epoch: int
     """The new owner's epoch."""
-    from_seq: int
-    """Checkpoint the turn resumed from (0: it had none yet and starts over)."""
+    resumed_from: str
+    """Why the checkpoint it resumed from was written (a ``store.records.SaveReason`` value;
+    ``submitted``: the turn had none yet and starts over)."""
+    messages: int
+    """Messages of that checkpoint: where the transcript picks up."""
     at_ms: int
     """Unix milliseconds."""
 
@@ -180,7 +183,7 @@ _KINDS: dict[str, type[LiveEvent]] = {
     "finished": Finished,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
-_INT_FIELDS = frozenset({"epoch", "at_ms", "from_seq"})
+_INT_FIELDS = frozenset({"epoch", "at_ms", "messages"})
 
 
 def _s(value: bytes | str | int) -> str:

@@ -12,7 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus.errors import RecordError
-from bus.events import BadBusEntry, decode_event, encode_event
+from bus.events import (
+    BadBusEntry,
+    Finished,
+    Restarted,
+    TextDelta,
+    ToolCalled,
+    ToolReturned,
+    decode_bus_event,
+    decode_event,
+    encode_event,
+)
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
 from store.records import InboxItem, LedgerEntry, TurnSpec
@@ -109,9 +119,41 @@ def test_ledger_entries_specs_and_inbox_items_fail_typed(model: Any, data: bytes
 @PROPS
 @given(
     fields=st.dictionaries(
-        st.sampled_from(["kind", "turn_id", "epoch", "seq", "src", "dst", "at_ms", "label", "x"]),
+        st.sampled_from(
+            [
+                "kind",
+                "turn_id",
+                "epoch",
+                "seq",
+                "src",
+                "dst",
+                "at_ms",
+                "label",
+                "x",
+                "text",
+                "call_id",
+                "name",
+                "arguments",
+                "status",
+                "output",
+                "resumed_from",
+                "messages",
+                "outcome",
+                "answer",
+            ]
+        ),
         st.binary(max_size=16) | st.integers(-(2**70), 2**70).map(lambda i: str(i).encode()),
-        max_size=9,
+        max_size=12,
+    )
+    | st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(
+                [b"text", b"tool_call", b"tool_result", b"restarted", b"finished"]
+            )
+        },
+        optional={
+            n: st.binary(max_size=8) for n in ("turn_id", "epoch", "text", "at_ms", "messages")
+        },
     )
 )
 def test_bus_entries_decode_or_fail_typed(fields: dict[str, bytes]) -> None:
@@ -122,3 +164,14 @@ def test_bus_entries_decode_or_fail_typed(fields: dict[str, bytes]) -> None:
 def test_a_valid_bus_entry_round_trips() -> None:
     t = Transition("t1", 2, 5, TurnPhase.AWAITING_LLM, TurnPhase.EXECUTING_TOOLS, 123)
     assert decode_event(encode_event(t)) == t
+    for live in (
+        TextDelta("t1", 2, "héllo\n", 1),
+        ToolCalled("t1", 2, "c1", "echo", '{"a":1}', 2),
+        ToolReturned("t1", 2, "c1", "echo", "outcome_unknown", "", 3),
+        Restarted("t1", 3, "tool_batch", 7, 4),
+        Finished("t1", 3, "answered", "done", 5),
+    ):
+        wire = {k.encode(): str(v).encode() for k, v in encode_event(live).items()}
+        assert decode_event(wire) == live
+        with pytest.raises(BadBusEntry):
+            decode_bus_event(wire)

@@ -286,7 +286,10 @@ class TurnLoop:
     async def run(self) -> TurnOutcome:
         t = self.tracker
         if self.epoch > 1:  # a new owner: what streamed after the last checkpoint is gone
-            self._emit(Restarted(self.turn_id, self.epoch, self._seq, self._now_ms()))
+            since = "" if self._resume_from is None else self._resume_from.value
+            self._emit(
+                Restarted(self.turn_id, self.epoch, since, len(self.messages), self._now_ms())
+            )
         try:
             t.to(P.SETUP)
             if self._resume_from is SaveReason.FORCE_STOP:
