@@ -3,9 +3,11 @@ effect, in TurnActors and ToolWorkers that are SIGKILLed mid-run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
+from bus.events import Finished, Restarted, ToolReturned, WatchEvent
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
@@ -27,6 +30,10 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 AGENT = "tests.agents_for_tests:http_bump"
 SCRIPT = {"rounds": 4, "tool": "bump", "latency_ms": 150}
+
+
+async def collect(events: AsyncIterator[WatchEvent]) -> list[WatchEvent]:
+    return [e async for e in events]
 
 
 def texts(record: CheckpointRecord) -> list[tuple[str, str, tuple[Any, ...], str]]:
@@ -65,12 +72,30 @@ async def test_http_turns_survive_killed_hosts_and_tool_workers(
             return tools >= 8
 
         await eventually(moving, timeout=60, what="tool calls under way")
-        await rt.kill_host(rt.dep.slot_of(ids[0]))
+        slot = rt.dep.slot_of(ids[0])
+        early = [
+            tid
+            for tid in ids
+            if rt.dep.slot_of(tid) == slot
+            and (r := await rt.store.load(tid)).in_progress
+            and r.counters.tool_batches <= 1
+        ]
+        assert early, "no turn of the victim's slot is early in its run"
+        watcher = asyncio.ensure_future(collect(rt.watch(early[0])))
+        await rt.kill_host(slot)
         worker = ray.get_actor(rt.dep.tool_worker_name("default", 0), namespace=RAY_NAMESPACE)
         os.kill(ServiceInfo.of(await worker.hello.remote()).pid, signal.SIGKILL)
         finals = await rt.wait(ids, timeout=180)
+        seen = await asyncio.wait_for(watcher, 60)
     finally:
         await rt.shutdown()
+    # The watcher, attached before the kill, saw the turn resumed by a new owner and finish.
+    restarts = [e for e in seen if isinstance(e, Restarted)]
+    assert restarts and all(r.epoch > 1 for r in restarts)
+    assert isinstance(seen[-1], Finished) and seen[-1].outcome == "answered"
+    assert seen[-1].answer == finals[early[0]].answer
+    after = seen[seen.index(restarts[-1]) :]
+    assert any(isinstance(e, ToolReturned) for e in after)
     effects = EffectCounters(real_client, rt.dep.keys)
     unknown = 0
     for tid, final in finals.items():
