@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,26 +34,31 @@ from rich.table import Table
 from rich.text import Text
 
 from actors.cluster.runtime import Runtime, ensure_ray
-from actors.engine.agents import check_agent
+from actors.engine.agents import check_agent, load_agent
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.shipped import scenario_path as shipped_scenario
+from actors.engine.submission import new_turns, session_turn
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targets, run_chaos
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
+from actors.harness.live import LiveView
 from actors.turn.poison import evidence
-from bus.errors import ConfigError, PhaselineError, RecordNotFound
+from bus.errors import ConfigError, PhaselineError, RecordNotFound, TurnExists
+from bus.events import WatchEvent
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import connect, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
-from store.keys import KeyLayout, check_turn_id
+from store.keys import KeyLayout, check_session_id, check_turn_id
 from store.records import CheckpointRecord, Outcome, TurnInput
+from store.sessions import Sessions
+from store.watch import watch_turn
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -693,6 +699,275 @@ def inspect(
         src = meta.source + (" (injected)" if meta.system_injected else "")
         transcript.add_row(str(i), m.role, src, meta.message_id[:12], escape(content))
     out.print(transcript)
+
+
+async def _render(events: AsyncIterator[WatchEvent], view: LiveView) -> None:
+    async for event in events:
+        view.show(event)
+
+
+def _exit_for(view: LiveView) -> None:
+    """0 for a turn that answered (or wrapped up in force_stop), 1 for one that ended else."""
+    done = view.finished
+    if done is not None and done.outcome not in (Outcome.ANSWERED, Outcome.FORCE_STOPPED):
+        sys.exit(ExitStatus.ERROR)
+
+
+@main.command()
+@_common
+@click.argument("turn_id")
+@click.option("--from-now", is_flag=True,
+              help="Only what happens from now on (default: first replay what the turn's live "
+                   "stream still holds).")  # fmt: skip
+@click.option("--phases", is_flag=True, help="Show every phase transition too.")
+def watch(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_id: str, from_now: bool, phases: bool,
+) -> None:  # fmt: skip
+    """Follow a turn live until it is final: streamed text, tool calls and results, watchdog
+    notes, and a marker where a new owner resumed it after a crash. Ctrl-C stops watching;
+    the turn goes on. Exits 0 for an answered turn, 1 for one that ended otherwise."""
+    settings = _settings(config_path, redis_url, namespace)
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    check_turn_id(turn_id)
+    view = LiveView(out, phases=phases)
+
+    async def go(client: aioredis.Redis) -> None:
+        try:
+            await _render(watch_turn(client, keys, turn_id, from_start=not from_now), view)
+        except RecordNotFound:
+            raise BadInput(f"no turn {turn_id} in namespace {keys.namespace!r}") from None
+
+    try:
+        _run(go, settings)
+    except KeyboardInterrupt:
+        console.print(f"\nstopped watching; turn {turn_id} goes on (phaseline watch {turn_id})")
+        sys.exit(130)
+    _exit_for(view)
+
+
+def _turn_source(session: str | None, turn_id: str | None) -> None:
+    if session is not None and turn_id is not None:
+        raise BadInput("give --session (its turns are named <session>/<n>) or --turn-id")
+    if session is not None:
+        check_session_id(session)
+    if turn_id is not None:
+        check_turn_id(turn_id)
+
+
+@main.command()
+@_common
+@click.option("--agent", "agent_path", required=True,
+              help="Import path of the agent (pkg.module:name).")  # fmt: skip
+@click.option("--input", "input_text", required=True, help="The user message.")
+@click.option("--session", default=None,
+              help="Open the turn in this session: it starts from the session's previous "
+                   "turn (refused while that one still runs).")  # fmt: skip
+@click.option("--turn-id", default=None, help="Id of the turn (default: random).")
+@click.option("--ray-address", default=None,
+              help="Hand the turn to the deployment running on this Ray cluster ('auto': the "
+                   "local one; see phaseline serve). Without it the turn is only written to "
+                   "Redis: a running deployment adopts it, phaseline resume runs it.")  # fmt: skip
+@click.option("--watch", "then_watch", is_flag=True, help="Then follow it live (watch).")
+def submit(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    agent_path: str, input_text: str, session: str | None, turn_id: str | None,
+    ray_address: str | None, then_watch: bool,
+) -> None:  # fmt: skip
+    """Submit one turn of an agent and print its id (on stdout, for scripts)."""
+    settings = _settings(config_path, redis_url, namespace)
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    _turn_source(session, turn_id)
+    if not input_text.strip():
+        raise BadInput("--input is empty")
+    turn_input = TurnInput(message=input_text)
+    check_agent(agent_path, turn_input)
+    view = LiveView(out)
+
+    async def write(client: aioredis.Redis) -> str:
+        store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
+        if session is not None:
+            build = session_turn(agent_path, turn_input, session)
+            spec, _ = await Sessions(store).open(session, build)
+            return spec.turn_id
+        tid = turn_id or new_run_id()
+        await store.submit(*new_turns(agent_path, turn_input, [tid])[0])
+        return tid
+
+    async def go(client: aioredis.Redis) -> str:
+        if ray_address is None:
+            tid = await write(client)
+            console.print(
+                f"[dim]turn {tid} is in Redis: a deployment of namespace {keys.namespace!r} "
+                f"adopts it within {settings.supervisor.adopt_interval_s:g} s; phaseline "
+                f"resume {tid} runs it here"
+            )
+        else:
+            rt = await Runtime.attach(settings, ray_address=ray_address)
+            try:
+                ids = [turn_id] if turn_id else ([] if session else [new_run_id()])
+                created = await rt.submit(agent_path, turn_input, ids, session=session)
+                if not created:
+                    raise BadInput(f"turn {ids[0]} already exists")
+                tid = created[0]
+            finally:
+                await rt.detach()
+        out.print(tid, highlight=False)
+        if then_watch:
+            await _render(watch_turn(client, keys, tid), view)
+        return tid
+
+    try:
+        _run(go, settings)
+    except TurnExists as exc:
+        raise BadInput(str(exc)) from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+    _exit_for(view)
+
+
+@main.command()
+@_common
+@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+              help="Number of TurnActor actors.")  # fmt: skip
+@click.option("--agent", "agents", multiple=True,
+              help="Import path of an agent whose tools need Ray resources, so their tool "
+                   "worker pools start (repeat it).")  # fmt: skip
+@click.option("--ray-address", default=None,
+              help="Join this Ray cluster (default: start a local one; others join it with "
+                   "--ray-address auto).")  # fmt: skip
+def serve(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    hosts: int, agents: tuple[str, ...], ray_address: str | None,
+) -> None:  # fmt: skip
+    """Run a deployment until interrupted (Ctrl-C or SIGTERM stops it; its in-progress turns
+    stay in Redis and resume when it runs again). Submit to it with phaseline submit
+    --ray-address auto, follow turns with phaseline watch."""
+    settings = _settings(config_path, redis_url, namespace)
+
+    async def go(_client: aioredis.Redis, url: str) -> None:
+        rt = await Runtime.start(
+            settings, redis_url=url, hosts=hosts, ray_address=ray_address, agents=agents
+        )
+        try:
+            console.print(
+                f"serving namespace {settings.redis.namespace!r}: {hosts} hosts on Redis "
+                f"{redact_url(url)}; submit with: phaseline submit --ray-address auto "
+                "--agent PATH --input TEXT"
+            )
+            await asyncio.Event().wait()  # until cancelled by Ctrl-C or SIGTERM
+        finally:
+            await rt.shutdown()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        _run_with_url(go, settings)
+
+
+class _Lines:
+    """Lines of stdin for an event loop, read by a daemon thread (so Ctrl-C is never stuck in
+    a blocking read, and the process can exit while it waits)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = loop
+        threading.Thread(target=self._read, daemon=True, name="stdin").start()
+
+    def _read(self) -> None:
+        for line in sys.stdin:
+            self._put(line.rstrip("\n"))
+        self._put(None)
+
+    def _put(self, line: str | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, line)
+
+
+@main.command()
+@_common
+@click.option("--agent", "agent_path", required=True,
+              help="Import path of the agent (pkg.module:name).")  # fmt: skip
+@click.option("--session", default=None,
+              help="Session to continue (default: a new one); a turn of it still running is "
+                   "followed first.")  # fmt: skip
+@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+              help="TurnActors, if this chat starts the deployment.")  # fmt: skip
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Join this Ray cluster and the deployment running there, if any.",
+)
+def chat(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    agent_path: str, session: str | None, hosts: int, ray_address: str | None,
+) -> None:  # fmt: skip
+    """An interactive session with an agent: type a message, watch its turn live, type the
+    next. Ctrl-D ends the chat. Ctrl-C leaves: a turn that is running goes on on a cluster
+    that outlives this command (or resumes from its checkpoint when you come back), and the
+    command to reattach is printed."""
+    settings = _settings(config_path, redis_url, namespace)
+    _turn_source(session, None)
+    load_agent(agent_path)
+    sid = session or f"chat-{new_run_id()}"
+    again = f"phaseline chat --agent {agent_path} --session {sid}" + (
+        f" --ray-address {ray_address}" if ray_address else ""
+    )
+    current: list[str] = []
+
+    async def converse(rt: Runtime) -> None:
+        lines = _Lines(asyncio.get_running_loop())
+        console.print(f"[dim]session {sid} with {agent_path}; Ctrl-D ends, Ctrl-C leaves")
+        latest = await rt.sessions.latest(sid)
+        if latest is not None and (await rt.store.load(latest)).in_progress:
+            console.print(f"[dim]reattaching to turn {latest}")
+            current[:] = [latest]
+            await _render(rt.watch(latest), LiveView(out))
+        while True:
+            current.clear()
+            if sys.stdin.isatty():
+                out.print("[bold]you> ", end="")
+            line = await lines.queue.get()
+            if line is None:
+                return
+            if not line.strip():
+                continue
+            (tid,) = await rt.submit(agent_path, line, session=sid)
+            current[:] = [tid]
+            await _render(rt.watch(tid), LiveView(out))
+
+    async def go(_client: aioredis.Redis, url: str) -> None:
+        try:
+            rt = await Runtime.attach(settings, ray_address=ray_address)
+            started = False
+        except ConfigError:
+            rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
+            started = True
+        left_running = False
+        try:
+            await converse(rt)
+        except asyncio.CancelledError:  # Ctrl-C
+            if current:
+                left_running = not rt.owns_ray
+                where = (
+                    "keeps running on the cluster"
+                    if left_running
+                    else "is saved in Redis and resumes from its last checkpoint when you come back"
+                )
+                console.print(
+                    f"\nturn {current[0]} {where}; reattach: phaseline watch {current[0]}, "
+                    f"or {again}"
+                )
+            raise
+        finally:
+            if started and not left_running:
+                await rt.shutdown()
+            else:
+                await rt.detach()
+
+    try:
+        _run_with_url(go, settings)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    console.print(f"[dim]session {sid} ends here; continue it with {again}")
 
 
 @main.command("redis")

@@ -75,6 +75,7 @@ def ray_cluster(openai_server: str) -> Iterator[None]:
 
     os.environ["OPENAI_BASE_URL"] = openai_server
     os.environ[TEST_KEY_ENV] = RAY_TEST_KEY
+    os.environ["OPENAI_API_KEY"] = RAY_TEST_KEY  # what the example agent reads
 
     ray.init(
         num_cpus=2,

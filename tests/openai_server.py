@@ -9,7 +9,8 @@ and a run with faults can be compared with it. The script is a line of a system 
 
 ``latency_ms`` delays every answer. At model call N of a conversation (counted through
 compaction summaries) the server asks for one ``tool`` call with arguments
-``{"a": N, "b": 1}`` until ``rounds`` tool rounds are done, then answers
+``{"a": N, "b": 1}`` (or the script's ``args``) until ``rounds`` tool rounds are done, then
+answers
 ``results: <every tool output it can see>``. A fault at call N fires ``times`` times for that
 conversation (keyed by its first user message), then the call succeeds:
 
@@ -51,14 +52,16 @@ STATS = Stats()
 _FIRED: Counter[tuple[str, int]] = Counter()
 
 
-def _script(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first ``#script`` line of a system or user message."""
-    for m in messages:
+def _script(messages: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """(index, script) of the last system or user message with a ``#script`` line: the
+    conversation's latest request (a session's later turns bring their own), or (0, {})."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
         if m.get("role") in ("system", "user"):
             for line in str(m.get("content") or "").splitlines():
                 if line.startswith("#script "):
-                    return dict(json.loads(line[len("#script ") :]))
-    return {}
+                    return i, dict(json.loads(line[len("#script ") :]))
+    return 0, {}
 
 
 def _progress(messages: list[dict[str, Any]]) -> tuple[int, int, bool]:
@@ -78,21 +81,22 @@ def _progress(messages: list[dict[str, Any]]) -> tuple[int, int, bool]:
 
 
 def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The fault to play (or None) and the reply: ``{"content", "tool_calls"}``."""
-    messages = body["messages"]
-    script = _script(messages)
+    """The fault to play (or None) and the reply: ``{"content", "tool_calls"}``. Progress
+    counts from the message that carries the script."""
+    at, script = _script(body["messages"])
+    messages = body["messages"][at:]
     replies, rounds, compacted = _progress(messages)
     call = replies + 1
-    first_user = next((str(m.get("content")) for m in messages if m["role"] == "user"), "")
+    asked = str(messages[0].get("content")) if messages else ""
     fault = script.get("faults", {}).get(str(call))
     kind = None
-    due = fault is not None and _FIRED[(first_user, call)] < int(fault.get("times", 1))
+    due = fault is not None and _FIRED[(asked, call)] < int(fault.get("times", 1))
     if fault is not None and due and not (fault["kind"] == "context" and compacted):
-        _FIRED[(first_user, call)] += 1
+        _FIRED[(asked, call)] += 1
         kind = str(fault["kind"])
     outputs = [str(m.get("content")) for m in messages if m["role"] == "tool"]
     if rounds < int(script.get("rounds", 0)) and body.get("tool_choice") != "none":
-        args = json.dumps({"a": call, "b": 1})
+        args = json.dumps(script.get("args", {"a": call, "b": 1}))
         name = str(script.get("tool", "add"))
         return kind, {"content": f"step {call}", "tool_calls": [(f"call_{call}", name, args)]}
     return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
@@ -197,7 +201,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     headers = dict(scope["headers"])
     STATS.authorization = headers.get(b"authorization", b"").decode()
     kind, reply = plan(body)
-    latency_ms = int(_script(body["messages"]).get("latency_ms", 0))
+    latency_ms = int(_script(body["messages"])[1].get("latency_ms", 0))
     if latency_ms:
         await asyncio.sleep(latency_ms / 1000)
     if kind is not None:

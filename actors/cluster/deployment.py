@@ -25,6 +25,11 @@ from store.keys import KeyLayout
 RAY_NAMESPACE = "phaseline"
 
 
+def actor_name(namespace: str, role: str) -> str:
+    """Ray actor name of a singleton role of the deployment of a key namespace."""
+    return f"{namespace}.{role}"
+
+
 def pool_name(resources: Mapping[str, float]) -> str:
     """Pools are keyed by the Ray resources their workers hold ('default': none)."""
     if not resources:
@@ -57,7 +62,7 @@ class Deployment(BaseModel):
 
     def name(self, role: str) -> str:
         """Ray actor name of a singleton role (``supervisor``, ``checkpoint``, ...)."""
-        return f"{self.settings.redis.namespace}.{role}"
+        return actor_name(self.settings.redis.namespace, role)
 
     @property
     def isolation_slot(self) -> int:

@@ -19,7 +19,14 @@ from typing import Any
 import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask, pool_name
+from actors.cluster.deployment import (
+    RAY_NAMESPACE,
+    Deployment,
+    HostDirectory,
+    actor_name,
+    ask,
+    pool_name,
+)
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
@@ -113,6 +120,28 @@ class Runtime:
                 f"on {redact_url(running.redis_url)}; shut it down first or use another --namespace"
             )
         return cls(running, client, supervisor, owns_ray)
+
+    @classmethod
+    async def attach(cls, settings: Settings, *, ray_address: str | None) -> Runtime:
+        """Join the deployment of ``settings``' namespace that already runs on the Ray cluster
+        at ``ray_address`` (``phaseline serve``); nothing is started. :class:`ConfigError` if
+        there is none. Leave it with :meth:`detach`, which stops nothing."""
+        owns_ray = ensure_ray(ray_address)
+        namespace = settings.redis.namespace
+        try:
+            supervisor = ray.get_actor(actor_name(namespace, "supervisor"), namespace=RAY_NAMESPACE)
+        except ValueError:
+            if owns_ray:
+                ray.shutdown()
+            raise ConfigError(
+                f"no deployment of namespace {namespace!r} runs on this Ray cluster; start one "
+                "with phaseline serve (and join its cluster with --ray-address)"
+            ) from None
+        dep = Deployment.from_wire(SupervisorInfo.of(await supervisor.hello.remote()).deployment)
+        client = connect(dep.redis_url, retry_s=settings.redis.retry_s)
+        with translated(f"cannot reach Redis at {redact_url(dep.redis_url)}"):
+            await client.ping()
+        return cls(dep, client, supervisor, owns_ray)
 
     # -- turns --------------------------------------------------------------------------------
 
@@ -324,6 +353,12 @@ class Runtime:
         with translated("read supervisor stats"):
             raw = await self.client.hget(self.dep.keys.supervisor(), "respawns")
         return int(raw or 0)
+
+    async def detach(self) -> None:
+        """Leave the deployment running (its turns go on); close this runtime's connections."""
+        await self.client.aclose()
+        if self.owns_ray:
+            ray.shutdown()
 
     async def shutdown(self) -> None:
         """Stop every actor of the deployment, then Ray if this runtime started it."""
