@@ -38,7 +38,6 @@ from actors.engine.agents import check_agent, load_agent
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
-from actors.engine.scripted import scripted_turn
 from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.submission import new_turns, session_turn
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
@@ -47,6 +46,7 @@ from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targ
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.live import LiveView
+from actors.harness.work import Work
 from actors.turn.poison import evidence
 from bus.errors import ConfigError, PhaselineError, RecordNotFound, TurnExists
 from bus.events import WatchEvent
@@ -325,40 +325,40 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
     return stats
 
 
-def _work(
-    scenario_path: str | None, agent_path: str | None, input_text: str | None
-) -> tuple[str, TurnInput, str]:
-    """The agent, input and label of ``run``: a scripted scenario, or an agent and a message."""
+def _work(scenario_path: str | None, agent_path: str | None, input_text: str | None) -> Work:
+    """What each turn runs: a scripted scenario, or an agent on one message."""
     if (scenario_path is None) == (agent_path is None):
         raise BadInput("give either --scenario (the scripted agent) or --agent")
     if agent_path is None:
         assert scenario_path is not None
         if input_text is not None:
             raise BadInput("--input goes with --agent; a scenario carries its own prompt")
-        scenario = load_scenario(shipped_scenario(scenario_path))
-        agent, turn_input = scripted_turn(scenario)
-        label = scenario.name
-    else:
-        if not input_text:
-            raise BadInput("--agent needs --input, the user message of each turn")
-        agent, turn_input, label = agent_path, TurnInput(message=input_text), agent_path
-    check_agent(agent, turn_input)
-    return agent, turn_input, label
+        work = Work.scripted(load_scenario(shipped_scenario(scenario_path)))
+        check_agent(work.agent, work.turn_input)
+        return work
+    if not input_text:
+        raise BadInput("--agent needs --input, the user message of each turn")
+    return Work.of_agent(agent_path, input_text)
+
+
+def _work_options(fn: F) -> F:
+    """``--scenario`` / ``--agent`` + ``--input``: what :func:`_work` reads."""
+    fn = click.option("--input", "input_text", default=None,
+                      help="With --agent: the user message of each turn.")(fn)  # fmt: skip
+    fn = click.option(
+        "--agent", "agent_path", default=None,
+        help="Import path of an agent (pkg.module:name), instead of --scenario.",
+    )(fn)  # fmt: skip
+    return click.option(
+        "--scenario", "scenario_path", default=None, type=click.Path(dir_okay=False),
+        help="Scenario file, or the name of a shipped one (e.g. tool_loop), run by the "
+             "scripted agent.",
+    )(fn)  # fmt: skip
 
 
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", default=None, type=click.Path(dir_okay=False),
-              help="Scenario file, or the name of a shipped one (e.g. tool_loop), run by the "
-                   "scripted agent.")  # fmt: skip
-@click.option(
-    "--agent",
-    "agent_path",
-    default=None,
-    help="Import path of an agent (pkg.module:name), instead of --scenario.",
-)
-@click.option("--input", "input_text", default=None,
-              help="With --agent: the user message of each turn.")  # fmt: skip
+@_work_options
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
 @click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
 @_ray_options
@@ -372,7 +372,8 @@ def run(
     """Run TURNS turns concurrently (on Ray unless --in-process): of a scenario, or of an
     agent on one input."""
     settings = _settings(config_path, redis_url, namespace)
-    agent, turn_input, label = _work(scenario_path, agent_path, input_text)
+    work = _work(scenario_path, agent_path, input_text)
+    agent, turn_input = work.agent, work.turn_input
     rid = check_turn_id(run_id) if run_id else new_run_id()
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
@@ -397,7 +398,7 @@ def run(
         return stats
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
-    _summary(f"run {rid}: {label}", stats, report)
+    _summary(f"run {rid}: {work.label}", stats, report)
     _exit_unless_final(stats)
 
 
@@ -471,8 +472,7 @@ def resume(
 
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", default="tool_loop", show_default=True,
-              help="Scenario file, or the name of a shipped one (configs/scenarios/).")  # fmt: skip
+@_work_options
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
 @click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
@@ -482,24 +482,28 @@ def resume(
 @_report_option
 def demo(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str, turns: int, hosts: int, kill_at: float, ray_address: str | None,
-    report: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    hosts: int, kill_at: float, ray_address: str | None, report: str | None,
 ) -> None:  # fmt: skip
-    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis."""
+    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis
+    against a fault-free run in this process: of a scenario (default tool_loop), or of an
+    agent on one input (its endpoint must answer each conversation deterministically)."""
     rid = f"demo{new_run_id()}"
     settings = _settings(config_path, redis_url, namespace or rid)
-    scenario = load_scenario(shipped_scenario(scenario_path))
-    check_agent(*scripted_turn(scenario))
+    if scenario_path is None and agent_path is None:
+        scenario_path = "tool_loop"
+    work = _work(scenario_path, agent_path, input_text)
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
 
     async def go(rt: Runtime) -> DemoReport:
         with bar.progress:
-            return await run_demo(rt, scenario, ids, kill_at=kill_at, on_done=bar.advance)
+            return await run_demo(rt, work, ids, kill_at=kill_at, on_done=bar.advance)
 
     result = _run_on_ray(settings, hosts, ray_address, go)
     data = result.as_dict()
-    table = Table(title=f"demo {rid}: {turns} turns on {hosts} hosts", show_header=False)
+    title = f"demo {rid}: {turns} turns of {work.label} on {hosts} hosts"
+    table = Table(title=title, show_header=False)
     for k in ("completed", "correct", "resumed", "checkpoints", "kills", "respawns", "wall_s",
               "turns_per_s"):  # fmt: skip
         value = data[k]
@@ -517,8 +521,7 @@ def demo(
 
 @main.command()
 @_common
-@click.option("--scenario", "scenario_path", required=True, type=click.Path(dir_okay=False),
-              help="Scenario file, or the name of a shipped one (e.g. tool_loop).")  # fmt: skip
+@_work_options
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
 @click.option("--duration", type=click.FloatRange(1, 86_400), default=30, show_default=True,
               help="Seconds of fault injection (turns arrive during the first half).")  # fmt: skip
@@ -538,18 +541,19 @@ def demo(
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the PNG timeline here.")  # fmt: skip
 def chaos(
-    redis_url: str | None, namespace: str | None, config_path: str | None, scenario_path: str,
-    turns: int, duration: float, kill_interval: float, targets: str, seed: int, poison: int,
-    hosts: int, ray_address: str | None, report: str, plot: str | None,
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
+    ray_address: str | None, report: str, plot: str | None,
 ) -> None:  # fmt: skip
-    """Kill runtime processes at random under load; exit 1 unless the evidence is clean."""
+    """Kill runtime processes at random under load, running a scenario or an agent on one
+    input; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
-    scenario = load_scenario(shipped_scenario(scenario_path))
-    check_agent(*scripted_turn(scenario))
+    work = _work(scenario_path, agent_path, input_text)
     chosen = parse_targets(targets, embedded=settings.redis.url is None)
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
-    cfg = ChaosSettings(scenario, turns, duration, kill_interval, chosen, seed, poison)
+    cfg = ChaosSettings(work, turns, duration, kill_interval, chosen, seed, poison)
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
     async def go(server: EmbeddedRedis | None, url: str) -> ChaosReport:

@@ -10,9 +10,11 @@ and a run with faults can be compared with it. The script is a line of a system 
 ``latency_ms`` delays every answer. At model call N of a conversation (counted through
 compaction summaries) the server asks for one ``tool`` call with arguments
 ``{"a": N, "b": 1}`` (or the script's ``args``) until ``rounds`` tool rounds are done, then
-answers
-``results: <every tool output it can see>``. A fault at call N fires ``times`` times for that
-conversation (keyed by its first user message), then the call succeeds:
+answers ``results: <every tool output it can see>`` (with ``"quote": false``: ``read <n> tool
+results``, so a chaos run whose calls caught in flight read ``outcome_unknown`` still answers
+as the fault-free run does). Progress counts from the latest message with a script (a
+session's later turns bring their own). A fault at call N fires ``times`` times for that
+conversation (keyed by that message), then the call succeeds:
 
 ``429`` (with ``retry-after``), ``500``, ``fatal`` (400), ``context`` (400
 ``context_length_exceeded`` until the transcript holds a compaction summary), ``length``
@@ -99,7 +101,9 @@ def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         args = json.dumps(script.get("args", {"a": call, "b": 1}))
         name = str(script.get("tool", "add"))
         return kind, {"content": f"step {call}", "tool_calls": [(f"call_{call}", name, args)]}
-    return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
+    if script.get("quote", True):
+        return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
+    return kind, {"content": f"read {len(outputs)} tool results", "tool_calls": []}
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -8,6 +8,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge, reference_transcript
+from actors.harness.work import Work
 from store.codec import encode_record
 from store.effects import EffectCounters
 from store.keys import KeyLayout
@@ -22,7 +23,7 @@ IDS = [f"v{i}" for i in range(6)]
 
 async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, ...]:
     await TurnEngine(client, keys, loop_settings=FAST).run_new(*scripted_turn(SC), IDS)
-    return await reference_transcript(client, SC, f"{keys.namespace}-ref")
+    return await reference_transcript(client, Work.scripted(SC), f"{keys.namespace}-ref")
 
 
 async def test_a_clean_run_is_ok(real_client: aioredis.Redis, keys: KeyLayout) -> None:

@@ -49,11 +49,11 @@ from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves
 from actors.harness.verdict import Verdict, judge, reference_transcript
+from actors.harness.work import Work
 from actors.turn.loop import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition
@@ -99,8 +99,8 @@ def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class ChaosSettings:
-    scenario: Scenario
-    """What every turn runs."""
+    work: Work
+    """What every turn runs (a scenario, or an agent on an input)."""
     turns: int
     """Turns submitted, spread evenly over the first half of ``duration_s``."""
     duration_s: float
@@ -112,7 +112,12 @@ class ChaosSettings:
     seed: int
     """Seeds the victim and interval choices, so a failing run can be replayed."""
     poison: int = 0
-    """Turns among ``turns`` that run :func:`poison_variant` of the scenario."""
+    """Turns among ``turns`` that run :func:`poison_variant` of the scenario (scripted work
+    only)."""
+
+    def __post_init__(self) -> None:
+        if self.poison and self.work.scenario is None:
+            raise ConfigError("poison turns are a scenario's (the scripted agent): use --scenario")
 
 
 def poison_variant(scenario: Scenario) -> Scenario:
@@ -403,26 +408,25 @@ class ChaosMonkey:
 
 async def submit_over(
     rt: Runtime,
-    scenario_of: Callable[[str], Scenario],
+    work_of: Callable[[str], Work],
     ids: list[str],
     seconds: float,
     on_submitted: Callable[[int], None],
 ) -> None:
     """Submit ``ids`` in one-second waves spread over ``seconds`` (retrying through outages),
-    each turn with its scenario."""
+    each turn with its work."""
     waves = max(1, int(seconds))
     per = -(-len(ids) // waves)
     for start in range(0, len(ids), per):
         wave = ids[start : start + per]
-        groups: dict[Scenario, list[str]] = {}
+        groups: dict[int, tuple[Work, list[str]]] = {}  # by identity: inputs hold dicts
         for tid in wave:
-            groups.setdefault(scenario_of(tid), []).append(tid)
-        for scenario, group in groups.items():
+            work = work_of(tid)
+            groups.setdefault(id(work), (work, []))[1].append(tid)
+        for work, group in groups.values():
             while True:
-                try:
-                    await rt.submit(
-                        *scripted_turn(scenario), group
-                    )  # idempotent: repeating a wave is safe
+                try:  # idempotent: repeating a wave is safe
+                    await rt.submit(work.agent, work.turn_input, group)
                     break
                 except PhaselineError as exc:
                     log.warning("submission interrupted, repeating the wave: %s", exc)
@@ -452,19 +456,20 @@ async def run_chaos(
     on_submitted: Callable[[int], None],
     on_done: Callable[[str], None],
 ) -> ChaosReport:
-    expected = await reference_transcript(rt.client, cfg.scenario, f"{rt.dep.keys.namespace}-ref")
+    expected = await reference_transcript(rt.client, cfg.work, f"{rt.dep.keys.namespace}-ref")
     ids = [f"chaos{cfg.seed}-t{i:06d}" for i in range(cfg.turns)]
     poisoned = frozenset(poison_ids(ids, cfg.poison)) if cfg.poison else frozenset()
-    poison = poison_variant(cfg.scenario)
+    scenario = cfg.work.scenario
+    poison = Work.scripted(poison_variant(scenario)) if scenario and cfg.poison else cfg.work
 
-    def scenario_of(tid: str) -> Scenario:
-        return poison if tid in poisoned else cfg.scenario
+    def work_of(tid: str) -> Work:
+        return poison if tid in poisoned else cfg.work
 
     t0_unix = time.time()
     monkey = ChaosMonkey(rt, server, cfg)
     started = monkey.t0
     await asyncio.gather(
-        submit_over(rt, scenario_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
+        submit_over(rt, work_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
     )
     try:
         await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
@@ -487,7 +492,7 @@ async def run_chaos(
     recovered = recoveries(moves, monkey.faults, t0_unix)
     return ChaosReport(
         config={
-            "scenario": cfg.scenario.name,
+            "work": cfg.work.label,
             "turns": cfg.turns,
             "duration_s": cfg.duration_s,
             "kill_interval_s": cfg.kill_interval_s,

@@ -2,7 +2,7 @@
 
 The verdict is :func:`actors.harness.verdict.judge`, read from Redis, not from the runtime's
 counters: every turn has a final record, its transcript equals a fault-free in-process run of
-the same scenario message for message, meta is index-aligned, nothing is left in progress, no side
+the same work message for message, meta is index-aligned, nothing is left in progress, no side
 effect ran twice and no stale write was accepted.
 """
 
@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.cluster.runtime import Runtime
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
 from actors.harness.verdict import Verdict, judge, reference_transcript
+from actors.harness.work import Work
 
 
 @dataclass(slots=True)
@@ -55,13 +54,13 @@ class DemoReport:
 
 async def run_demo(
     rt: Runtime,
-    scenario: Scenario,
+    work: Work,
     ids: list[str],
     *,
     kill_at: float,
     on_done: Callable[[str], None],
 ) -> DemoReport:
-    expected = await reference_transcript(rt.client, scenario, f"{rt.dep.keys.namespace}-ref")
+    expected = await reference_transcript(rt.client, work, f"{rt.dep.keys.namespace}-ref")
     started = time.monotonic()
     done = 0
     due = asyncio.Event()
@@ -77,7 +76,7 @@ async def run_demo(
         on_done(turn_id)
         check()
 
-    await rt.submit(*scripted_turn(scenario), ids)
+    await rt.submit(work.agent, work.turn_input, ids)
     check()  # at kill_at 0 the kill is due at once, with every turn in flight
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
     kill_due = asyncio.ensure_future(due.wait())

@@ -1,7 +1,7 @@
 """The verdict of a run, read from the evidence in Redis, never from the runtime's counters.
 
 For every turn that was submitted: its final record exists and is not in progress; its
-transcript equals the fault-free transcript of its scenario message for message (a tool result
+transcript equals the fault-free transcript of its work message for message (a tool result
 ``outcome_unknown`` is accepted in place of the call's real result: that is the documented
 answer for a non-idempotent call caught in flight); meta is index-aligned with the pre-turn
 ids intact; no non-idempotent call ran twice (side-effect counters); and the checkpoint
@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
+from actors.harness.work import Work
 from actors.turn.loop import LoopSettings
 from bus.errors import RecordError, RecordNotFound
 from store.checkpoint import RedisCheckpointStore
@@ -32,18 +31,17 @@ from store.records import CheckpointRecord, Message, Outcome
 
 
 async def reference_transcript(
-    client: aioredis.Redis, scenario: Scenario, namespace: str
+    client: aioredis.Redis, work: Work, namespace: str
 ) -> tuple[Message, ...]:
-    """The fault-free transcript of ``scenario``, run in this process in its own namespace
-    (the scripted model's replies depend on the scenario and the transcript only)."""
+    """The fault-free transcript of ``work``, run in this process in its own namespace (the
+    scripted model's replies depend on the scenario and the transcript only; an HTTP model's
+    endpoint must answer as deterministically)."""
     engine = TurnEngine(
         client,
         KeyLayout(namespace, shards=1),
         loop_settings=LoopSettings(checkpoint_min_interval_s=0),
     )
-    await engine.run_new(
-        *scripted_turn(scenario.model_copy(update={"llm_latency_ms": 0})), ["reference"]
-    )
+    await engine.run_new(*work.reference(), ["reference"])
     return (await engine.store.load("reference")).messages
 
 
