@@ -124,3 +124,14 @@ class SessionBusy(PhaselineError):
         super().__init__(message)
         self.turn_id = turn_id
         """The session's turn that is not final."""
+
+
+class ToolExecutorLost(ToolError):
+    """What ran a tool call went away mid-call (an MCP server process died, its connection
+    dropped): nobody can tell whether the call took effect. An idempotent tool is re-run, any
+    other is reported ``outcome_unknown``, as for a ToolWorker that died."""
+
+
+class ToolUnavailable(ToolError):
+    """What would run a tool call is not there (an MCP server that does not start): the call
+    never began, so it is an error result the model reads."""

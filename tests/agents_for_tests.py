@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import threading
+from pathlib import Path
 
 from actors.engine import scripted
 from actors.engine.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
 from store.records import Message, ToolCall
 
@@ -110,3 +114,67 @@ class RecallModel:
 
 
 recall = Agent(model=lambda _ctx: RecallModel(), system_prompt="You remember.")
+
+
+#: Where the tests' MCP server logs its runs (set by conftest before Ray starts, so workers
+#: see the same file).
+MCP_LOG = os.environ.get("PHASELINE_MCP_LOG", "")
+
+#: The tests' MCP server over stdio (``tests/mcp_counter_server.py``).
+COUNTER = MCPServer(
+    name="tools",
+    command=sys.executable,
+    args=("-m", "tests.mcp_counter_server"),
+    env={"PHASELINE_MCP_LOG": MCP_LOG, "PHASELINE_MCP_BUMP_MS": "300"},
+    cwd=str(Path(__file__).resolve().parents[1]),
+    timeout_s=20,
+)
+
+
+class MCPPlanModel:
+    """Calls the tools of ``input.context["calls"]`` (``[name, args]``), one per round, then
+    answers with how many results it read (or the results, with ``"quote": true``)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        self.calls = [(str(n), dict(a)) for n, a in ctx.input.context.get("calls", [])]
+        self.quote = bool(ctx.input.context.get("quote", False))
+        self.baseline = ctx.baseline
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        turn = request.messages[self.baseline :]
+        results = [m.tool_result for m in turn if m.tool_result is not None]
+        if len(results) < len(self.calls):
+            name, args = self.calls[len(results)]
+            call = ToolCall(id=f"call_{len(results)}", name=name, args=args)
+            return LLMReply(Message(role="assistant", text="", tool_calls=(call,)))
+        if self.quote:
+            text = " | ".join(f"{r.status}: {r.output}" for r in results)
+        else:
+            text = f"read {len(results)} tool results"
+        return LLMReply(Message(role="assistant", text=text))
+
+
+mcp_counter = Agent(model=MCPPlanModel, tools=ToolRegistry([add]), mcp=(COUNTER,))
+mcp_time = Agent(
+    model=MCPPlanModel,
+    mcp=(
+        MCPServer(
+            name="time",  # the console script installed beside this interpreter
+            command=str(Path(sys.executable).with_name("mcp-server-time")),
+            args=("--local-timezone", "UTC"),
+        ),
+    ),
+)
+mcp_overridden = Agent(
+    model=MCPPlanModel,
+    mcp=(dataclasses.replace(COUNTER, idempotent={"plain": True, "slow": False}),),
+)
+mcp_broken = Agent(
+    model=MCPPlanModel,
+    mcp=(MCPServer(name="gone", command="/nonexistent/mcp-server", timeout_s=5),),
+)
+mcp_clash = Agent(
+    model=MCPPlanModel,
+    tools=ToolRegistry([dataclasses.replace(add, name="tools__echo")]),
+    mcp=(COUNTER,),
+)

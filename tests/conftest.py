@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -22,6 +23,12 @@ from store.keys import KeyLayout
 
 #: The API key the Ray workers' HTTP agents send to the test endpoint.
 RAY_TEST_KEY = "sk-ray-test-key"
+
+# Where the tests' MCP server logs each run of a tool: one file for this test session, set
+# before anything imports the test agents or starts Ray (its workers inherit it).
+os.environ.setdefault(
+    "PHASELINE_MCP_LOG", os.path.join(tempfile.mkdtemp(prefix="phaseline-mcp-"), "runs.log")
+)
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,7 @@ async def run_with_recorder(
     record = await engine.submit(*scripted_turn(sc), turn_id)
     rec = Recorder(engine.store, fail)
     moves: list[Transition] = []
-    loop = engine.build_loop(
+    loop = await engine.build_loop(
         record,
         await engine.store.load_spec(record.turn_id),
         settings=settings,
@@ -208,7 +208,9 @@ async def test_a_fenced_loop_stops_without_further_side_effects(
     sc = scenario(tools=["counter_increment"], rounds=4, tools_per_round=1)
     record = await engine.submit(*scripted_turn(sc), "zombie")
     slow_model = ScriptedLLM(sc.model_copy(update={"llm_latency_ms": 100}), baseline=2)
-    loop = engine.build_loop(record, await engine.store.load_spec(record.turn_id), llm=slow_model)
+    loop = await engine.build_loop(
+        record, await engine.store.load_spec(record.turn_id), llm=slow_model
+    )
 
     async def first_batch_saved() -> CheckpointRecord | None:
         r = await engine.store.load("zombie")
@@ -429,7 +431,9 @@ async def test_a_redis_restart_mid_turn_is_ridden_out(
         model = WatchedLLM(ScriptedLLM(sc, baseline=record.baseline))
         turn = asyncio.ensure_future(
             engine.drive(
-                engine.build_loop(record, await engine.store.load_spec(record.turn_id), llm=model)
+                await engine.build_loop(
+                    record, await engine.store.load_spec(record.turn_id), llm=model
+                )
             )
         )
 

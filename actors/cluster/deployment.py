@@ -89,8 +89,8 @@ class Deployment(BaseModel):
         resource shape of the tools of :attr:`agents`."""
         pools: dict[str, dict[str, float]] = {pool_name({}): {}}
         for path in self.agents:
-            for spec in load_agent(path).tools:
-                pools[pool_name(spec.resources)] = dict(spec.resources)
+            for shape in load_agent(path).resource_shapes():
+                pools[pool_name(shape)] = dict(shape)
         return pools
 
     def slot_of(self, turn_id: str) -> int:

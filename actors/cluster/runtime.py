@@ -216,15 +216,15 @@ class Runtime:
     def _check_pools(self, agent: str) -> None:
         """Refuse an agent whose tools need a ToolWorker pool this deployment does not run."""
         pools = self.dep.tool_pools()
-        missing = {
-            spec.name: dict(spec.resources)
-            for spec in load_agent(agent).tools
-            if pool_name(spec.resources) not in pools
-        }
+        missing = [
+            dict(shape)
+            for shape in load_agent(agent).resource_shapes()
+            if pool_name(shape) not in pools
+        ]
         if missing:
             raise ConfigError(
-                f"agent {agent!r}: tools {sorted(missing)} need Ray resources {missing} that no "
-                "tool worker pool of this deployment holds; start the runtime with "
+                f"agent {agent!r}: tools need Ray resources {missing} that no tool worker pool "
+                "of this deployment holds; start the runtime with "
                 f"agents=[{agent!r}]"
             )
 

@@ -15,6 +15,7 @@ non-idempotent one is reported ``outcome_unknown`` and never re-run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -27,12 +28,21 @@ from ray.exceptions import RayActorError, RayError, TaskCancelledError
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
 from actors.cluster.info import ServiceInfo
 from actors.engine.agents import load_agent
-from actors.engine.toolrun import IDEMPOTENT_ATTEMPTS, lost_call, timed_out, tool_result
-from actors.turn.tools import ToolContext, ToolSpec
-from bus.errors import StoreError
+from actors.engine.mcp import HUB, mcp_registry, mcp_spec, merged
+from actors.engine.toolrun import (
+    IDEMPOTENT_ATTEMPTS,
+    lost_call,
+    lost_why,
+    timed_out,
+    tool_result,
+)
+from actors.turn.agent import Agent
+from actors.turn.mcp import MCPToolInfo
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from bus.errors import ConfigError, StoreError, ToolExecutorLost
 from store.connection import connect
 from store.effects import EffectCounters
-from store.records import ToolCall, ToolResult
+from store.records import ToolCall, ToolResult, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +62,35 @@ class ToolWorker:
         self.calls = 0
 
     async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
-        """Run ``agent``'s tool ``name``. Arguments travel as JSON, never as pickles; a tool's
-        exception (an agent that does not load here included) is its error."""
+        """Run ``agent``'s tool ``name`` (an MCP tool through this worker's session with its
+        server). Arguments travel as JSON, never as pickles; a tool's exception (an agent
+        that does not load here included) is its error."""
         self.calls += 1
         ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-        return await load_agent(agent).tools.get(name).fn(json.loads(args_json), ctx)
+        spec = (await self._registry(agent)).get(name)
+        return await spec.fn(json.loads(args_json), ctx)
+
+    async def list_mcp(self, agent: str, server: str) -> str:
+        """The tools of ``agent``'s MCP server ``server`` as this worker's session lists them
+        (JSON of :class:`MCPToolInfo`); :class:`ToolUnavailable` if it does not start."""
+        spec = next((s for s in load_agent(agent).mcp if s.name == server), None)
+        if spec is None:
+            raise ConfigError(f"agent {agent} has no MCP server {server!r}")
+        infos = await HUB.list_tools(agent, spec)
+        return json.dumps([dataclasses.asdict(i) for i in infos])
+
+    async def _registry(self, agent: str) -> ToolRegistry:
+        loaded = load_agent(agent)
+        if not loaded.mcp:
+            return loaded.tools
+        return await mcp_registry(agent, loaded.tools, loaded.mcp)
 
     async def hello(self) -> dict[str, Any]:
-        return ServiceInfo(pid=os.getpid(), counts={"calls": self.calls}).wire()
+        counts = {"calls": self.calls}
+        for state in HUB.states():
+            counts[f"mcp:{state.server}:starts"] = state.starts
+            counts[f"mcp:{state.server}:connected"] = int(state.state == "connected")
+        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
 
 
 class RayToolRunner:
@@ -68,13 +99,36 @@ class RayToolRunner:
     def __init__(self, dep: Deployment) -> None:
         self.dep = dep
         self._limits: dict[str, asyncio.Semaphore] = {}
+        self._listed: dict[tuple[str, str], list[MCPToolInfo]] = {}
+
+    async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
+        """The agent's tools, with its MCP servers' tools as a ToolWorker of each server's pool
+        lists them (cached per process after the first success; a server that cannot be
+        listed now is left out and asked again next time). The specs' functions never run
+        here: :meth:`run` sends every call to a worker."""
+        base = agent.registry(turn_input)
+        specs: list[ToolSpec] = []
+        for server in agent.mcp:
+            key = (agent_path, server.name)
+            if key not in self._listed:
+                worker = self._pick(pool_name(server.resources), server.name, 0)
+                try:
+                    raw = await ask(worker.list_mcp.remote(agent_path, server.name), 60)
+                except (TimeoutError, RayError) as exc:
+                    log.error("agent %s: MCP server %s not listed: %s", agent_path, server.name,
+                              _last_line(exc))  # fmt: skip
+                    continue
+                self._listed[key] = [MCPToolInfo(**d) for d in json.loads(raw)]
+            specs.extend(mcp_spec(agent_path, server, info) for info in self._listed[key])
+        return merged(agent_path, base, specs)
 
     def _worker(self, spec: ToolSpec, call_key: str, attempt: int) -> Any:
+        return self._pick(pool_name(spec.resources), call_key, attempt)
+
+    def _pick(self, pool: str, key: str, attempt: int) -> Any:
         n = self.dep.settings.tools.workers
-        index = (zlib.crc32(call_key.encode()) + attempt) % n
-        return ray.get_actor(
-            self.dep.tool_worker_name(pool_name(spec.resources), index), namespace=RAY_NAMESPACE
-        )
+        index = (zlib.crc32(key.encode()) + attempt) % n
+        return ray.get_actor(self.dep.tool_worker_name(pool, index), namespace=RAY_NAMESPACE)
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
@@ -105,11 +159,13 @@ class RayToolRunner:
                     )
                     continue
                 except RayError as exc:
-                    if not isinstance(getattr(exc, "cause", None), StoreError):
+                    cause = getattr(exc, "cause", None)
+                    if not isinstance(cause, StoreError | ToolExecutorLost):
                         return tool_result(call, "error", _last_line(exc))  # the tool's own failure
-                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                    log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt,
+                                exc)  # fmt: skip
                     if not spec.idempotent:
-                        return lost_call(call, "lost its store mid-call")
+                        return lost_call(call, lost_why(cause))
                     await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
         if spec.idempotent:
             return tool_result(

@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
+from actors.engine.mcp import mcp_registry
+from actors.turn.agent import Agent
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
-from bus.errors import StoreError, UnknownTool
+from bus.errors import StoreError, ToolExecutorLost, UnknownTool
 from store.codec import pack_model
 from store.ledger import Change, ToolLedger, call_key
-from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus
+from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,11 @@ log = logging.getLogger(__name__)
 class ToolRunner(Protocol):
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         """Execute one call; never raise for a tool's own failure, return its result instead."""
+        ...
+
+    async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
+        """The tools of a turn of ``agent``: its own, and its MCP servers' as listed where the
+        calls run (:class:`ConfigError` for a name given twice)."""
         ...
 
 
@@ -82,17 +89,30 @@ class LocalToolRunner:
                     return tool_result(call, "ok", output)
                 except TimeoutError:
                     return timed_out(call, spec)
-                except StoreError as exc:
-                    log.warning("tool %s lost its store (attempt %d): %s", call.name, attempt, exc)
+                except (StoreError, ToolExecutorLost) as exc:
+                    log.warning(
+                        "tool %s lost its executor (attempt %d): %s", call.name, attempt, exc
+                    )
                     if not spec.idempotent:
-                        return lost_call(call, "lost its store mid-call")
+                        return lost_call(call, lost_why(exc))
                     await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
                 except Exception as exc:  # a tool's bug is the model's problem, not the turn's
                     log.info("tool %s failed: %r", call.name, exc)
                     return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
         return tool_result(
-            call, "error", f"{call.name}: its store kept failing ({attempts} attempts)"
+            call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
         )
+
+    async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
+        base = agent.registry(turn_input)
+        return await mcp_registry(agent_path, base, agent.mcp) if agent.mcp else base
+
+
+def lost_why(exc: Exception) -> str:
+    """How a non-idempotent call's ``outcome_unknown`` result says what failed under it."""
+    if isinstance(exc, ToolExecutorLost):
+        return "lost its MCP server mid-call"
+    return "lost its store mid-call"
 
 
 def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:

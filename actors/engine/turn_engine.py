@@ -307,7 +307,7 @@ class TurnEngine:
                 left.append(o.turn_id)  # unreadable now: certainly not known to be final
         return left
 
-    def build_loop(
+    async def build_loop(
         self,
         record: CheckpointRecord,
         spec: TurnSpec,
@@ -320,7 +320,7 @@ class TurnEngine:
         """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
         replace TurnDeps members."""
         agent = load_agent(spec.agent)
-        registry = agent.registry(spec.input)
+        registry = await self.runner.registry(spec.agent, agent, spec.input)
         wired = TurnDeps(
             llm=agent.client(ModelContext(record.turn_id, spec.input, record.baseline)),
             tools=BatchExecutor(registry, self.runner, self.ledger, self.effects, agent=spec.agent),
@@ -362,7 +362,7 @@ class TurnEngine:
         """Run ``record`` (``loop_kw`` go to :meth:`build_loop`). An agent that does not load
         here leaves the turn in progress for a host where it does."""
         try:
-            loop = self.build_loop(record, spec, **loop_kw)
+            loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
             log.error("turn %s cannot run here: %s", record.turn_id, exc)
             return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)

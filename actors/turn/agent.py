@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from actors.turn.llm import LLMClient
+from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolRegistry
 from store.records import TurnInput
 
@@ -71,6 +72,17 @@ class Agent:
     """Per-agent limits."""
     model_name: str = ""
     """The model's name, for logs and reports (the factory knows what it calls)."""
+    mcp: tuple[MCPServer, ...] = ()
+    """MCP servers whose tools the model may call too (as ``<server>__<tool>``)."""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.mcp]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MCP server names must differ: {names}")
+
+    def resource_shapes(self) -> list[Mapping[str, float]]:
+        """The Ray resources of its tools' calls, one entry per tool or MCP server."""
+        return [spec.resources for spec in self.tools] + [s.resources for s in self.mcp]
 
     def check_input(self, turn_input: TurnInput) -> None:
         """Refuse, with a :class:`~bus.errors.ConfigError`, input this agent cannot run (called at

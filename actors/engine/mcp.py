@@ -1,0 +1,289 @@
+"""MCP client sessions of this process, and the tool specs of an agent's MCP servers.
+
+Each process that runs tool calls (a ToolWorker on Ray, or the engine of ``phaseline run
+--in-process``) holds one session per (agent, server) in :data:`HUB`, started on first use in
+a task of its own (the SDK's transports live in anyio task groups, which must be left by the
+task that entered them). A session whose server process died or whose connection dropped is
+noticed by its task ending, or by a call failing with ``CONNECTION_CLOSED``, and replaced on the
+next call; a server that cannot start is retried with backoff (0.5 s doubling to 30 s) and
+meanwhile fails its calls with a clear error (:class:`~bus.errors.ToolUnavailable`: the call
+never started). A call that was in flight on a dead session
+raises :class:`~bus.errors.ToolExecutorLost`, which the runners treat like a dead worker: an
+idempotent tool is re-run, any other is ``outcome_unknown``.
+
+The call key travels in the request's ``_meta`` as ``phaseline/call_key``, for the server to
+deduplicate with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import httpx2
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED, CallToolResult, RequestParamsMeta, TextContent
+
+from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from bus.errors import ConfigError, ToolExecutorLost, ToolUnavailable
+
+__all__ = ["CALL_KEY_META", "HUB", "MCPHub", "mcp_registry"]
+
+log = logging.getLogger(__name__)
+
+#: The ``_meta`` field a call's idempotency key travels in.
+CALL_KEY_META = "phaseline/call_key"
+
+#: Backoff between attempts to start a server that would not start.
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+def _transport(server: MCPServer) -> StdioServerParameters | Any:
+    if server.command is not None:
+        command = shutil.which(server.command) or server.command
+        return StdioServerParameters(
+            command=command, args=list(server.args), env=dict(server.env) or None, cwd=server.cwd
+        )
+    assert server.url is not None
+    http = httpx2.AsyncClient(headers=dict(server.headers), timeout=server.timeout_s)
+    return streamable_http_client(server.url, http_client=http)
+
+
+class _Session:
+    """One server's client session, kept open by a task of its own."""
+
+    def __init__(self, server: MCPServer) -> None:
+        self.server = server
+        self.client: Client | None = None
+        self.starts = 0
+        self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[Client] | None = None
+        self._closing = asyncio.Event()
+        self._not_before = 0.0
+        self._lock = asyncio.Lock()
+
+    @property
+    def state(self) -> str:
+        if self.client is not None:
+            return "connected"
+        return "backing off" if self.failures else "idle"
+
+    async def get(self) -> Client:
+        async with self._lock:
+            if self.client is not None and self._task is not None and not self._task.done():
+                return self.client
+            wait = self._not_before - time.monotonic()
+            if wait > 0:
+                raise ToolUnavailable(
+                    f"MCP server {self.server.name} is not running (next start in {wait:.1f} s)"
+                )
+            self._ready = asyncio.get_running_loop().create_future()
+            self._closing = asyncio.Event()
+            self._task = asyncio.ensure_future(self._hold(self._ready, self._closing))
+            try:
+                self.client = await asyncio.wait_for(
+                    asyncio.shield(self._ready), self.server.timeout_s
+                )
+            except Exception as exc:
+                self._closing.set()
+                self.failures += 1
+                delay = BACKOFF_S[min(self.failures, len(BACKOFF_S)) - 1]
+                self._not_before = time.monotonic() + delay
+                raise ToolUnavailable(
+                    f"MCP server {self.server.name} did not start: {type(exc).__name__}: {exc}"
+                ) from None
+            self.failures = 0
+            self.starts += 1
+            return self.client
+
+    async def _hold(self, ready: asyncio.Future[Client], closing: asyncio.Event) -> None:
+        try:
+            async with Client(_transport(self.server), read_timeout_seconds=None) as client:
+                ready.set_result(client)
+                await closing.wait()
+        except Exception as exc:  # a start that failed, or a transport that died
+            if not ready.done():
+                ready.set_exception(exc)
+            log.info("MCP server %s: session ended: %r", self.server.name, exc)
+        finally:
+            if self._ready is ready:
+                self.client = None
+
+    def drop(self) -> None:
+        """Forget a session whose connection failed: the next call starts a new one."""
+        self.client = None
+        self._closing.set()
+
+    async def close(self) -> None:
+        self._closing.set()
+        if self._task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, 5)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    """How one MCP session of this process is doing (``phaseline status``, ``hello``)."""
+
+    agent: str
+    """Import path of the agent it serves."""
+    server: str
+    """Server name."""
+    state: str
+    """``connected``, ``idle`` (not started yet, or ended) or ``backing off``."""
+    starts: int
+    """Sessions started so far."""
+
+
+class MCPHub:
+    """The MCP sessions of this process, one per (agent path, server name)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple[str, str], _Session] = {}
+        self._listed: dict[tuple[str, str], tuple[MCPToolInfo, ...]] = {}
+
+    def _session(self, agent: str, server: MCPServer) -> _Session:
+        key = (agent, server.name)
+        if key not in self._sessions:
+            self._sessions[key] = _Session(server)
+        return self._sessions[key]
+
+    def states(self) -> list[ServerState]:
+        return [
+            ServerState(agent, name, s.state, s.starts)
+            for (agent, name), s in sorted(self._sessions.items())
+        ]
+
+    async def list_tools(self, agent: str, server: MCPServer) -> tuple[MCPToolInfo, ...]:
+        """The server's tools (listed once per process; cached after the first success)."""
+        key = (agent, server.name)
+        if key in self._listed:
+            return self._listed[key]
+        session = self._session(agent, server)
+        client = await session.get()
+        try:
+            listing = await asyncio.wait_for(client.list_tools(), server.timeout_s)
+        except (MCPError, OSError, TimeoutError) as exc:
+            session.drop()
+            raise ToolUnavailable(f"MCP server {server.name}: list_tools failed: {exc}") from exc
+        infos = tuple(_info(server.name, t) for t in listing.tools)
+        self._listed[key] = infos
+        return infos
+
+    async def call(
+        self, agent: str, server: MCPServer, tool: str, args: Mapping[str, Any], call_key: str
+    ) -> str:
+        """Run one tool call; its result text. An ``isError`` result raises
+        :class:`MCPToolFailed` (the model reads it as an error); a dead session raises
+        :class:`ToolExecutorLost`."""
+        session = self._session(agent, server)
+        client = await session.get()
+        try:
+            meta = cast(RequestParamsMeta, {CALL_KEY_META: call_key})
+            result = await client.call_tool(tool, dict(args), meta=meta)
+        except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED:
+                session.drop()
+                raise ToolExecutorLost(
+                    f"MCP server {server.name} went away during {tool}"
+                ) from None
+            raise MCPToolFailed(f"{server.name}: {exc}") from None
+        except (OSError, EOFError) as exc:
+            session.drop()
+            raise ToolExecutorLost(f"MCP server {server.name}: {exc}") from None
+        text = _text_of(result)
+        if result.is_error:
+            raise MCPToolFailed(text or f"{tool} failed")
+        return text
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+
+
+class MCPToolFailed(Exception):
+    """An MCP tool answered ``isError`` (or the server refused the call): the model reads it."""
+
+
+#: The sessions of this process.
+HUB = MCPHub()
+
+
+def _info(server: str, tool: Any) -> MCPToolInfo:
+    notes = tool.annotations
+    return MCPToolInfo(
+        server=server,
+        name=tool.name,
+        description=tool.description or "",
+        parameters=dict(tool.input_schema),
+        read_only=None if notes is None else notes.read_only_hint,
+        idempotent_hint=None if notes is None else notes.idempotent_hint,
+        destructive=None if notes is None else notes.destructive_hint,
+    )
+
+
+def _text_of(result: CallToolResult) -> str:
+    """What the model reads: the text blocks, else the structured content as JSON."""
+    texts = [c.text for c in result.content if isinstance(c, TextContent)]
+    if texts:
+        return "\n".join(texts)
+    if result.structured_content is not None:
+        return json.dumps(result.structured_content, sort_keys=True)
+    kinds = sorted({type(c).__name__ for c in result.content})
+    return f"[{', '.join(kinds) or 'no content'}]"
+
+
+def mcp_spec(agent: str, server: MCPServer, info: MCPToolInfo, hub: MCPHub = HUB) -> ToolSpec:
+    """The tool spec of one MCP tool; its calls run through ``hub`` in this process."""
+
+    async def call(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        return await hub.call(agent, server, info.name, args, ctx.call_key)
+
+    return ToolSpec(
+        name=server.tool_name(info.name),
+        fn=call,
+        idempotent=mcp_idempotent(info, server.idempotent),
+        timeout_s=server.timeout_s,
+        max_concurrency=server.max_concurrency,
+        resources=dict(server.resources),
+        description=info.description,
+        parameters=info.parameters,
+    )
+
+
+def merged(agent: str, base: ToolRegistry, specs: list[ToolSpec]) -> ToolRegistry:
+    """The agent's Python tools and its MCP tools; a name clash is a :class:`ConfigError`."""
+    names = [s.name for s in base] + [s.name for s in specs]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ConfigError(f"agent {agent}: tool names {clash} are given twice")
+    return ToolRegistry([*base, *specs])
+
+
+async def mcp_registry(
+    agent: str, base: ToolRegistry, servers: tuple[MCPServer, ...], hub: MCPHub = HUB
+) -> ToolRegistry:
+    """The agent's tools with its MCP servers' tools listed through ``hub``. A server that
+    cannot be listed now contributes nothing (its calls fail as unknown tools) and is asked
+    again next time."""
+    specs: list[ToolSpec] = []
+    for server in servers:
+        try:
+            infos = await hub.list_tools(agent, server)
+        except (ToolExecutorLost, ToolUnavailable) as exc:
+            log.error("agent %s: %s; its tools are left out for now", agent, exc)
+            continue
+        specs.extend(mcp_spec(agent, server, info, hub) for info in infos)
+    return merged(agent, base, specs)
