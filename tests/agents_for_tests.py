@@ -178,3 +178,17 @@ mcp_clash = Agent(
     tools=ToolRegistry([dataclasses.replace(add, name="tools__echo")]),
     mcp=(COUNTER,),
 )
+
+#: The tests' MCP server over streamable HTTP (the ``mcp_http_server`` fixture), with a key.
+MCP_HTTP_SECRET = "sk-mcp-secret-0123456789"
+mcp_http = Agent(
+    model=MCPPlanModel,
+    mcp=(
+        MCPServer(
+            name="remote",
+            url=f"http://127.0.0.1:{os.environ.get('PHASELINE_MCP_HTTP_PORT', '9')}/mcp",
+            headers={"Authorization": f"Bearer {MCP_HTTP_SECRET}"},
+            timeout_s=20,
+        ),
+    ),
+)

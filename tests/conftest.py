@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +30,31 @@ RAY_TEST_KEY = "sk-ray-test-key"
 os.environ.setdefault(
     "PHASELINE_MCP_LOG", os.path.join(tempfile.mkdtemp(prefix="phaseline-mcp-"), "runs.log")
 )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# The port of the tests' MCP server over streamable HTTP (the ``mcp_http_server`` fixture).
+os.environ.setdefault("PHASELINE_MCP_HTTP_PORT", str(_free_port()))
+
+
+def _wait_until_listening(proc: subprocess.Popen[bytes], url: str, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (with an error for a GET it does not serve): it listens
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)  # polling its port until it listens
 
 
 @pytest.fixture(scope="session")
@@ -99,22 +125,25 @@ def ray_cluster(openai_server: str) -> Iterator[None]:
 def openai_server() -> Iterator[str]:
     """The local OpenAI-compatible server (``tests/openai_server.py``) in its own process; its
     base URL (``http://127.0.0.1:PORT/v1``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=root)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/_stats", timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the test OpenAI server did not start") from None
-            time.sleep(0.05)  # polling its port until it listens
+    _wait_until_listening(proc, f"{base}/_stats", "the test OpenAI server")
     yield f"{base}/v1"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def mcp_http_server() -> Iterator[str]:
+    """The tests' MCP server over streamable HTTP in its own process; its endpoint URL."""
+    port = os.environ["PHASELINE_MCP_HTTP_PORT"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_counter_server", "http", port],
+                            cwd=root)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/mcp"
+    _wait_until_listening(proc, url, "the test MCP server")
+    yield url
     proc.terminate()
     proc.wait(timeout=10)

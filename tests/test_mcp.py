@@ -23,7 +23,7 @@ from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
 from bus.errors import ConfigError
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
-from tests.agents_for_tests import MCP_LOG
+from tests.agents_for_tests import MCP_HTTP_SECRET, MCP_LOG
 from tests.polling import eventually
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
@@ -38,9 +38,13 @@ def plan(*calls: tuple[str, dict[str, Any]], quote: bool = True) -> TurnInput:
     return TurnInput(message="go", context={"calls": [list(c) for c in calls], "quote": quote})
 
 
+def log_text() -> str:
+    return Path(MCP_LOG).read_text() if Path(MCP_LOG).exists() else ""
+
+
 def runs() -> Counter[str]:
     """Call key -> how many times the counter server ran ``bump`` for it."""
-    lines = Path(MCP_LOG).read_text().splitlines() if Path(MCP_LOG).exists() else []
+    lines = log_text().splitlines()
     return Counter(line.split()[1] for line in lines if line.startswith("bump "))
 
 
@@ -153,8 +157,7 @@ async def test_a_server_that_does_not_start_fails_its_calls_not_the_process(
 
 
 def _pids() -> list[int]:
-    return [int(line.split()[2]) for line in Path(MCP_LOG).read_text().splitlines()
-            if line.startswith("start ")]  # fmt: skip
+    return [int(line.split()[2]) for line in log_text().splitlines() if line.startswith("start ")]
 
 
 async def test_a_killed_server_is_restarted_and_a_call_in_flight_follows_the_ledger_rule(
@@ -184,3 +187,18 @@ async def test_a_killed_server_is_restarted_and_a_call_in_flight_follows_the_led
     assert runs()[bump_key] <= 1  # never run twice
     after = next(s.starts for s in HUB.states() if s.agent == agent)
     assert after == before + 1
+
+
+@pytest.mark.usefixtures("mcp_http_server")
+async def test_a_streamable_http_server_with_a_secret_header(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    eng = engine(real_client, keys)
+    work = plan(("remote__bump", {"n": 2}), ("remote__echo", {"text": "over http"}))
+    await eng.run_new("tests.agents_for_tests:mcp_http", work, ["h1"])
+    record = await eng.store.load("h1")
+    assert results(record) == [("ok", "bumped 2"), ("ok", "over http")]
+    assert f"auth Bearer_{MCP_HTTP_SECRET}" in log_text()
+    async for key in real_client.scan_iter(f"{keys.namespace}:*"):  # the key is never stored
+        dump = await real_client.dump(key)
+        assert dump is not None and MCP_HTTP_SECRET.encode() not in dump, key
