@@ -29,6 +29,7 @@ _EXPORTS = {
     "AgentSettings": "actors.turn.agent",
     "ModelContext": "actors.turn.agent",
     "tool": "actors.turn.tools",
+    "MCPServer": "actors.turn.mcp",
     "LLMReply": "actors.turn.llm",
     "TurnInput": "store.records",
     "Usage": "store.records",
@@ -90,6 +91,7 @@ __all__ = [
     "LLMError",
     "LLMReply",
     "LLMRequest",
+    "MCPServer",
     "Message",
     "MessageMeta",
     "ModelContext",
@@ -144,6 +146,7 @@ if TYPE_CHECKING:
     from actors.engine.turn_engine import RunStats, TurnEngine
     from actors.turn.agent import Agent, AgentSettings, ModelContext
     from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+    from actors.turn.mcp import MCPServer
     from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, tool
     from bus.errors import (
         ConfigError,
