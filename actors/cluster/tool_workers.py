@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayError, TaskCancelledError
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
 from actors.cluster.info import ServiceInfo
 from actors.engine.agents import load_agent
-from actors.engine.mcp import HUB, mcp_registry, mcp_spec, merged
+from actors.engine.mcp import HUB, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
     lost_call,
@@ -62,13 +62,18 @@ class ToolWorker:
         self.calls = 0
 
     async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
-        """Run ``agent``'s tool ``name`` (an MCP tool through this worker's session with its
-        server). Arguments travel as JSON, never as pickles; a tool's exception (an agent
-        that does not load here included) is its error."""
+        """Run ``agent``'s tool ``name``: a Python tool, or an MCP server's through this
+        worker's session with it (started now if need be; no listing needed, the host decided
+        the ledger rule). Arguments travel as JSON, never as pickles; a tool's exception (an
+        agent that does not load here included) is its error."""
         self.calls += 1
+        loaded = load_agent(agent)
+        args = json.loads(args_json)
+        if name not in loaded.tools and (target := mcp_target(loaded.mcp, name)) is not None:
+            server, tool = target
+            return await HUB.call(agent, server, tool, args, call_key)
         ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-        spec = (await self._registry(agent)).get(name)
-        return await spec.fn(json.loads(args_json), ctx)
+        return await loaded.tools.get(name).fn(args, ctx)
 
     async def list_mcp(self, agent: str, server: str) -> str:
         """The tools of ``agent``'s MCP server ``server`` as this worker's session lists them
@@ -78,12 +83,6 @@ class ToolWorker:
             raise ConfigError(f"agent {agent} has no MCP server {server!r}")
         infos = await HUB.list_tools(agent, spec)
         return json.dumps([dataclasses.asdict(i) for i in infos])
-
-    async def _registry(self, agent: str) -> ToolRegistry:
-        loaded = load_agent(agent)
-        if not loaded.mcp:
-            return loaded.tools
-        return await mcp_registry(agent, loaded.tools, loaded.mcp)
 
     async def hello(self) -> dict[str, Any]:
         counts = {"calls": self.calls}

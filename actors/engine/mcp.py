@@ -34,11 +34,11 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, CallToolResult, RequestParamsMeta, TextContent
 
-from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
+from actors.turn.mcp import MCP_SEPARATOR, MCPServer, MCPToolInfo, mcp_idempotent
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import ConfigError, ToolExecutorLost, ToolUnavailable
 
-__all__ = ["CALL_KEY_META", "HUB", "MCPHub", "mcp_registry"]
+__all__ = ["CALL_KEY_META", "HUB", "MCPHub", "mcp_registry", "mcp_spec", "mcp_target", "merged"]
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,15 @@ def mcp_spec(agent: str, server: MCPServer, info: MCPToolInfo, hub: MCPHub = HUB
         description=info.description,
         parameters=info.parameters,
     )
+
+
+def mcp_target(servers: tuple[MCPServer, ...], name: str) -> tuple[MCPServer, str] | None:
+    """The server and server-side tool name a model-facing tool name stands for, if any."""
+    prefix, sep, tool = name.partition(MCP_SEPARATOR)
+    if not sep or not tool:
+        return None
+    server = next((s for s in servers if s.name == prefix), None)
+    return None if server is None else (server, tool)
 
 
 def merged(agent: str, base: ToolRegistry, specs: list[ToolSpec]) -> ToolRegistry:
