@@ -59,6 +59,11 @@ class HostInfo(_Info):
     """Batches it sent to the CheckpointActor."""
     events_dropped: int
     """Bus events its bounded publisher dropped."""
+    tool_queue: dict[str, int] = {}
+    """Per tool: calls of its turns waiting for a free slot of the tool's worker pool (the
+    host sends at most ``max_concurrency`` x pool size at once)."""
+    tool_inflight: dict[str, int] = {}
+    """Per tool: calls of its turns running on the pool now."""
 
 
 class SupervisorInfo(_Info):

@@ -6,8 +6,11 @@ host may have thousands of calls in flight. Plain tasks need one worker process 
 processes (docs/ARCHITECTURE.md). A ToolWorker runs hundreds of calls concurrently in one
 process and the pool spreads over the cluster (and grows with ``[tools] workers``).
 
-Per call: the host enforces the tool's concurrency limit and timeout (cancelling the actor
-task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, or the
+Per call: each worker runs at most the tool's ``max_concurrency`` calls of it at once, and a
+host sends at most ``max_concurrency`` x pool size calls of a tool at once (the rest wait on
+the host, counted as its queue depth: ``HostInfo.tool_queue``), so calls queue in a bounded
+place and not as an unbounded list of Ray calls. The host enforces the timeout (cancelling the
+actor task); the pool is chosen by the tool's Ray resources. If the worker dies mid-call, or the
 tool's store fails under it, an idempotent tool is retried (on another worker), a
 non-idempotent one is reported ``outcome_unknown`` and never re-run.
 """
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import zlib
+from collections import Counter
 from typing import Any
 
 import ray
@@ -59,6 +63,7 @@ class ToolWorker:
             retry_s=dep.settings.redis.retry_s,
         )
         self._effects = EffectCounters(self._client, dep.keys)
+        self._limits: dict[tuple[str, str], asyncio.Semaphore] = {}
         self.calls = 0
 
     async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
@@ -69,11 +74,15 @@ class ToolWorker:
         self.calls += 1
         loaded = load_agent(agent)
         args = json.loads(args_json)
-        if name not in loaded.tools and (target := mcp_target(loaded.mcp, name)) is not None:
-            server, tool = target
-            return await HUB.call(agent, server, tool, args, call_key)
-        ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-        return await loaded.tools.get(name).fn(args, ctx)
+        target = None if name in loaded.tools else mcp_target(loaded.mcp, name)
+        limit = (
+            loaded.tools.get(name).max_concurrency if target is None else target[0].max_concurrency
+        )
+        async with self._limits.setdefault((agent, name), asyncio.Semaphore(limit)):
+            if target is not None:
+                return await HUB.call(agent, target[0], target[1], args, call_key)
+            ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
+            return await loaded.tools.get(name).fn(args, ctx)
 
     async def list_mcp(self, agent: str, server: str) -> str:
         """The tools of ``agent``'s MCP server ``server`` as this worker's session lists them
@@ -99,6 +108,11 @@ class RayToolRunner:
         self.dep = dep
         self._limits: dict[str, asyncio.Semaphore] = {}
         self._listed: dict[tuple[str, str], list[MCPToolInfo]] = {}
+        self.waiting: Counter[str] = Counter()
+        """Per tool: calls waiting on this host for a free slot of the pool."""
+        self.inflight: Counter[str] = Counter()
+        """Per tool: calls this host has running on the pool."""
+        self._turns: Counter[str] = Counter()
 
     async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
         """The agent's tools, with its MCP servers' tools as a ToolWorker of each server's pool
@@ -121,51 +135,66 @@ class RayToolRunner:
             specs.extend(mcp_spec(agent_path, server, info) for info in self._listed[key])
         return merged(agent_path, base, specs)
 
-    def _worker(self, spec: ToolSpec, call_key: str, attempt: int) -> Any:
-        return self._pick(pool_name(spec.resources), call_key, attempt)
+    def _worker(self, spec: ToolSpec, attempt: int) -> Any:
+        """The next worker of the tool's pool, round robin (a retry goes to another one)."""
+        pool = pool_name(spec.resources)
+        if attempt == 0:
+            self._turns[pool] += 1
+        return self._pick(pool, "", self._turns[pool] + attempt)
 
-    def _pick(self, pool: str, key: str, attempt: int) -> Any:
+    def _pick(self, pool: str, key: str, offset: int) -> Any:
         n = self.dep.settings.tools.workers
-        index = (zlib.crc32(key.encode()) + attempt) % n
+        index = (zlib.crc32(key.encode()) + offset) % n
         return ray.get_actor(self.dep.tool_worker_name(pool, index), namespace=RAY_NAMESPACE)
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
+        bound = spec.max_concurrency * self.dep.settings.tools.workers
+        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(bound))
+        self.waiting[spec.name] += 1
+        try:
+            await limit.acquire()
+        finally:
+            self.waiting[spec.name] -= 1
+        self.inflight[spec.name] += 1
+        try:
+            return await self._send(spec, call, ctx)
+        finally:
+            self.inflight[spec.name] -= 1
+            limit.release()
+
+    async def _send(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         args = json.dumps(call.args)
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
-        async with limit:
-            for attempt in range(attempts):
-                try:
-                    worker = self._worker(spec, ctx.call_key, attempt)
-                except ValueError:  # the pool is being (re)created
-                    await asyncio.sleep(0.2)  # backoff before the next attempt
-                    continue
-                ref = worker.call.remote(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
-                try:
-                    output = await ask(ref, spec.timeout_s)
-                    return tool_result(call, "ok", str(output))
-                except TimeoutError:
-                    ray.cancel(ref)
-                    return timed_out(call, spec)
-                except asyncio.CancelledError:
-                    ray.cancel(ref)
-                    raise
-                except TaskCancelledError:
-                    return tool_result(call, "error", f"{call.name} was cancelled")
-                except RayActorError as exc:
-                    log.warning(
-                        "tool worker died during %s (attempt %d): %s", call.name, attempt, exc
-                    )
-                    continue
-                except RayError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if not isinstance(cause, StoreError | ToolExecutorLost):
-                        return tool_result(call, "error", _last_line(exc))  # the tool's own failure
-                    log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt,
-                                exc)  # fmt: skip
-                    if not spec.idempotent:
-                        return lost_call(call, lost_why(cause))
-                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
+        for attempt in range(attempts):
+            try:
+                worker = self._worker(spec, attempt)
+            except ValueError:  # the pool is being (re)created
+                await asyncio.sleep(0.2)  # backoff before the next attempt
+                continue
+            ref = worker.call.remote(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
+            try:
+                output = await ask(ref, spec.timeout_s)
+                return tool_result(call, "ok", str(output))
+            except TimeoutError:
+                ray.cancel(ref)
+                return timed_out(call, spec)
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            except TaskCancelledError:
+                return tool_result(call, "error", f"{call.name} was cancelled")
+            except RayActorError as exc:
+                log.warning("tool worker died during %s (attempt %d): %s", call.name, attempt, exc)
+                continue
+            except RayError as exc:
+                cause = getattr(exc, "cause", None)
+                if not isinstance(cause, StoreError | ToolExecutorLost):
+                    return tool_result(call, "error", _last_line(exc))  # the tool's own failure
+                log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt,
+                            exc)  # fmt: skip
+                if not spec.idempotent:
+                    return lost_call(call, lost_why(cause))
+                await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
         if spec.idempotent:
             return tool_result(
                 call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"

@@ -62,6 +62,7 @@ class TurnActor:
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
+        self.tools = RayToolRunner(self.dep)
         self.checkpoints = CheckpointClient(
             actor_sender(self._checkpoint_actor),
             max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
@@ -71,7 +72,7 @@ class TurnActor:
             self.dep.settings,
             watchdog=None,
             checkpoints=self.checkpoints,
-            runner=RayToolRunner(self.dep),
+            runner=self.tools,
             on_transition=self.publisher.add,
             on_event=self.publisher.add,
             on_isolate=self._isolation_wanted,
@@ -101,6 +102,8 @@ class TurnActor:
             rss_bytes=psutil.Process().memory_info().rss,
             checkpoint_batches=self.checkpoints.batches,
             events_dropped=self.publisher.dropped,
+            tool_queue={k: v for k, v in self.tools.waiting.items() if v},
+            tool_inflight={k: v for k, v in self.tools.inflight.items() if v},
         ).wire()
 
     async def run_turns(self, turn_ids: list[str]) -> int:

@@ -28,6 +28,7 @@ from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.probe import BenchProbe
 from actors.harness.bench.recovery import host_kill_recovery, ray_restart_ms
 from actors.harness.bench.sizes import checkpoint_sizes
+from actors.harness.bench.tool_scaling import tool_scaling
 from actors.harness.bench.workload import deployed, durability_overhead, host_capacity, host_scaling
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError, PhaselineError
@@ -39,7 +40,7 @@ SCENARIOS = configs_dir() / "scenarios"
 
 FIGURES = (
     "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
-    "recovery",
+    "recovery", "tool_scaling",
 )  # fmt: skip
 
 
@@ -75,6 +76,14 @@ class BenchConfig:
     """Seconds each durability mode runs per round of the durability-modes figure."""
     size_lengths: tuple[int, ...] = (10, 50, 100, 250, 500)
     """Transcript lengths of the size figure."""
+    tool_turns: int = 64
+    """Turns of the tool-scaling figure (each makes ``tool_rounds`` calls, one at a time)."""
+    tool_rounds: int = 5
+    """Tool calls per turn of the tool-scaling figure."""
+    tool_latency_ms: int = 200
+    """What one call of the tool-scaling figure's tool waits."""
+    worker_counts: tuple[int, ...] = (1, 2, 4, 8)
+    """ToolWorker pool sizes of the tool-scaling figure."""
 
 
 QUICK = BenchConfig(
@@ -88,6 +97,8 @@ QUICK = BenchConfig(
     ray_restarts=3,
 )
 FULL = BenchConfig(
+    tool_turns=128,
+    tool_rounds=10,
     latency_saves=1000,
     throughput_s=5.0,
     durability_turns=1000,
@@ -209,6 +220,9 @@ async def run_bench(
         ("capacity", "host_capacity",
          lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder)),
         ("recovery", "recovery", recovery),
+        ("tool_scaling", "tool_scaling",
+         lambda: tool_scaling(base, url, turns=cfg.tool_turns, rounds=cfg.tool_rounds,
+                              latency_ms=cfg.tool_latency_ms, worker_counts=cfg.worker_counts)),
     ]  # fmt: skip
     for figure, name, measure in plan:
         wanted = {"latency", "throughput"} if figure == "probe" else {figure}
