@@ -26,6 +26,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             before (unix ms); see store.isolation
     {ns}:{global}:probation         hash    the turn running alone right now: turn_id, epoch,
                                             step it started (phase@position), at
+    {ns}:{global}:pools             hash    tool worker pool -> its current size (the
+                                            supervisor's; hosts route calls by it)
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one save script can touch them all. The turns of a
@@ -149,6 +151,9 @@ class KeyLayout:
 
     def probation(self) -> str:
         return f"{self.namespace}:{{global}}:probation"
+
+    def pools(self) -> str:
+        return f"{self.namespace}:{{global}}:pools"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

@@ -60,10 +60,10 @@ class HostInfo(_Info):
     events_dropped: int
     """Bus events its bounded publisher dropped."""
     tool_queue: dict[str, int] = {}
-    """Per tool: calls of its turns waiting for a free slot of the tool's worker pool (the
-    host sends at most ``max_concurrency`` x pool size at once)."""
+    """Per tool worker pool: calls of its turns waiting for a free slot (the host sends at
+    most a tool's ``max_concurrency`` x pool size calls of it at once)."""
     tool_inflight: dict[str, int] = {}
-    """Per tool: calls of its turns running on the pool now."""
+    """Per tool worker pool: calls of its turns running on it now."""
 
 
 class SupervisorInfo(_Info):

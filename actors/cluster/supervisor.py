@@ -34,13 +34,15 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointActor
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
-from actors.cluster.info import HostInfo, SupervisorInfo
+from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
+from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from bus.errors import PhaselineError
 from store.connection import connect, translated
+from store.pools import PoolSizes
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,11 @@ class Supervisor:
         self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.pools = PoolSizes(self.client, self.dep.keys, ttl_s=0)
+        self._load: dict[int, HostInfo] = {}
+        """The latest ``hello`` of each slot's host (its tool queue and calls in flight)."""
+        self._resized: dict[str, float] = defaultdict(float)
+        self._busy_at: dict[str, float] = defaultdict(time.monotonic)
         # Boot itself, also after Ray restarted it: nobody else may be around to ask.
         ray.get_runtime_context().current_actor.ensure.remote()
 
@@ -96,8 +103,9 @@ class Supervisor:
             _kill(self.dep.host_name(slot, gen + 1))  # the standby
         for role in SERVICES:
             _kill(self.dep.name(role))
+        _lo, hi = self.dep.settings.tools.bounds()
         for pool in self.dep.tool_pools():
-            for i in range(self.dep.settings.tools.workers):
+            for i in range(hi):
                 _kill(self.dep.tool_worker_name(pool, i))
 
     # -- the watch ----------------------------------------------------------------------------
@@ -121,20 +129,51 @@ class Supervisor:
             ).remote(self.dep.to_wire())
             for role, cls in SERVICES.items()
         ]
-        for pool, resources in self.dep.tool_pools().items():
-            for i in range(self.dep.settings.tools.workers):
-                ToolWorker.options(  # type: ignore[attr-defined]
-                    name=self.dep.tool_worker_name(pool, i),
-                    namespace=RAY_NAMESPACE,
-                    lifetime="detached",
-                    get_if_exists=True,
-                    max_concurrency=10_000,
-                    resources=resources or None,
-                ).remote(self.dep.to_wire())
+        await self._scale_pools()
         await asyncio.gather(
             *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
             *(self._check_slot(slot) for slot in self.dep.slots()),
         )
+
+    async def _scale_pools(self) -> None:
+        """Each pool: resize it by the hosts' reported load (``actors.turn.autoscale``), make
+        sure its workers run, and drain then kill the ones past its size."""
+        tools = self.dep.settings.tools
+        lo, hi = tools.bounds()
+        rule = ScaleRule(lo, hi, tools.scale_interval_s, tools.idle_s)
+        sizes = await self.pools.all(fresh=True)
+        now = time.monotonic()
+        for pool, resources in self.dep.tool_pools().items():
+            size = sizes.get(pool, tools.workers)
+            load = PoolLoad(
+                queued=sum(h.tool_queue.get(pool, 0) for h in self._load.values()),
+                running=sum(h.tool_inflight.get(pool, 0) for h in self._load.values()),
+            )
+            if load.queued or load.running:
+                self._busy_at[pool] = now
+            new = next_size(
+                size, load, rule,
+                since_resize_s=now - self._resized[pool], idle_for_s=now - self._busy_at[pool],
+            )  # fmt: skip
+            for i in range(new):  # started before hosts may route to them
+                self._tool_worker(pool, i, resources)
+            if new != size or pool not in sizes:
+                log.info("tool pool %s: %d -> %d workers (%s)", pool, size, new, load)
+                await self.pools.set(pool, new)
+                self._resized[pool] = now
+            if now - self._resized[pool] > 2.5:  # hosts have read the size (1 s cache)
+                for i in range(new, hi):
+                    await _retire(self.dep.tool_worker_name(pool, i))
+
+    def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> Any:
+        return ToolWorker.options(  # type: ignore[attr-defined]
+            name=self.dep.tool_worker_name(pool, index),
+            namespace=RAY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_concurrency=10_000,
+            resources=resources or None,
+        ).remote(self.dep.to_wire())
 
     async def _check_slot(self, slot: int) -> None:
         """One check at a time per slot (the watch loop and a death notice may both ask)."""
@@ -160,6 +199,7 @@ class Supervisor:
         self._park(slot, gen, handle)
         now = time.monotonic()
         info = HostInfo.of(reply)
+        self._load[slot] = info
         fresh = info.incarnation not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
@@ -234,6 +274,16 @@ async def _alive(handle: Any) -> bool:
     except TimeoutError:
         return True
     return True
+
+
+async def _retire(name: str) -> None:
+    """Kill a tool worker past its pool's size once it runs no call (if it exists)."""
+    try:
+        worker = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        if ServiceInfo.of(await ask(worker.hello.remote(), 2)).counts.get("active", 0) == 0:
+            ray.kill(worker, no_restart=True)
+    except (ValueError, TimeoutError, RayActorError):
+        return  # not there, or busy: looked at again next tick
 
 
 def _kill(name: str) -> None:

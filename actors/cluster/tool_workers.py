@@ -18,6 +18,7 @@ non-idempotent one is reported ``outcome_unknown`` and never re-run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,6 +47,7 @@ from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import ConfigError, StoreError, ToolExecutorLost
 from store.connection import connect
 from store.effects import EffectCounters
+from store.pools import PoolSizes
 from store.records import ToolCall, ToolResult, TurnInput
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class ToolWorker:
         self._effects = EffectCounters(self._client, dep.keys)
         self._limits: dict[tuple[str, str], asyncio.Semaphore] = {}
         self.calls = 0
+        self.active = 0
 
     async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
         """Run ``agent``'s tool ``name``: a Python tool, or an MCP server's through this
@@ -72,6 +75,15 @@ class ToolWorker:
         the ledger rule). Arguments travel as JSON, never as pickles; a tool's exception (an
         agent that does not load here included) is its error."""
         self.calls += 1
+        self.active += 1
+        try:
+            return await self._call(agent, name, args_json, turn_id, call_key)
+        finally:
+            self.active -= 1
+
+    async def _call(
+        self, agent: str, name: str, args_json: str, turn_id: str, call_key: str
+    ) -> str:
         loaded = load_agent(agent)
         args = json.loads(args_json)
         target = None if name in loaded.tools else mcp_target(loaded.mcp, name)
@@ -94,7 +106,7 @@ class ToolWorker:
         return json.dumps([dataclasses.asdict(i) for i in infos])
 
     async def hello(self) -> dict[str, Any]:
-        counts = {"calls": self.calls}
+        counts = {"calls": self.calls, "active": self.active}
         for state in HUB.states():
             counts[f"mcp:{state.server}:starts"] = state.starts
             counts[f"mcp:{state.server}:connected"] = int(state.state == "connected")
@@ -104,15 +116,21 @@ class ToolWorker:
 class RayToolRunner:
     """A :class:`~actors.engine.toolrun.ToolRunner` that sends each call to a ToolWorker."""
 
-    def __init__(self, dep: Deployment) -> None:
+    def __init__(self, dep: Deployment, sizes: PoolSizes) -> None:
         self.dep = dep
-        self._limits: dict[str, asyncio.Semaphore] = {}
+        self.sizes = sizes
         self._listed: dict[tuple[str, str], list[MCPToolInfo]] = {}
+        self._running: Counter[str] = Counter()
+        self._freed: dict[str, asyncio.Condition] = {}
         self.waiting: Counter[str] = Counter()
-        """Per tool: calls waiting on this host for a free slot of the pool."""
+        """Per pool: calls waiting on this host for a free slot of the pool."""
         self.inflight: Counter[str] = Counter()
-        """Per tool: calls this host has running on the pool."""
+        """Per pool: calls this host has running on the pool."""
         self._turns: Counter[str] = Counter()
+
+    async def size(self, pool: str) -> int:
+        """The pool's current size (the Supervisor's, read at most once a second)."""
+        return await self.sizes.get(pool, self.dep.settings.tools.workers)
 
     async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
         """The agent's tools, with its MCP servers' tools as a ToolWorker of each server's pool
@@ -124,7 +142,8 @@ class RayToolRunner:
         for server in agent.mcp:
             key = (agent_path, server.name)
             if key not in self._listed:
-                worker = self._pick(pool_name(server.resources), server.name, 0)
+                pool = pool_name(server.resources)
+                worker = self._pick(pool, server.name, 0, await self.size(pool))
                 try:
                     raw = await ask(worker.list_mcp.remote(agent_path, server.name), 60)
                 except (TimeoutError, RayError) as exc:
@@ -135,42 +154,58 @@ class RayToolRunner:
             specs.extend(mcp_spec(agent_path, server, info) for info in self._listed[key])
         return merged(agent_path, base, specs)
 
-    def _worker(self, spec: ToolSpec, attempt: int) -> Any:
-        """The next worker of the tool's pool, round robin (a retry goes to another one)."""
-        pool = pool_name(spec.resources)
+    async def _worker(self, pool: str, attempt: int) -> Any | None:
+        """The next worker of the pool, round robin over its current size (a retry goes to
+        another one); None if none could be found for 10 s (the pool is being recreated)."""
         if attempt == 0:
             self._turns[pool] += 1
-        return self._pick(pool, "", self._turns[pool] + attempt)
+        for _ in range(50):
+            try:
+                return self._pick(pool, "", self._turns[pool] + attempt, await self.size(pool))
+            except ValueError:  # being (re)started by the Supervisor
+                await asyncio.sleep(0.2)  # backoff before looking again
+        return None
 
-    def _pick(self, pool: str, key: str, offset: int) -> Any:
-        n = self.dep.settings.tools.workers
-        index = (zlib.crc32(key.encode()) + offset) % n
+    def _pick(self, pool: str, key: str, offset: int, size: int) -> Any:
+        index = (zlib.crc32(key.encode()) + offset) % size
         return ray.get_actor(self.dep.tool_worker_name(pool, index), namespace=RAY_NAMESPACE)
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        bound = spec.max_concurrency * self.dep.settings.tools.workers
-        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(bound))
-        self.waiting[spec.name] += 1
+        pool = pool_name(spec.resources)
+        await self._admit(spec, pool)
         try:
-            await limit.acquire()
+            return await self._send(spec, pool, call, ctx)
         finally:
-            self.waiting[spec.name] -= 1
-        self.inflight[spec.name] += 1
-        try:
-            return await self._send(spec, call, ctx)
-        finally:
-            self.inflight[spec.name] -= 1
-            limit.release()
+            self._running[spec.name] -= 1
+            self.inflight[pool] -= 1
+            freed = self._freed[spec.name]
+            async with freed:
+                freed.notify()
 
-    async def _send(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+    async def _admit(self, spec: ToolSpec, pool: str) -> None:
+        """Wait until fewer than the tool's limit x pool size of its calls run from here (the
+        bound is re-read while waiting: a pool that grows admits more)."""
+        freed = self._freed.setdefault(spec.name, asyncio.Condition())
+        self.waiting[pool] += 1
+        try:
+            while self._running[spec.name] >= spec.max_concurrency * await self.size(pool):
+                async with freed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(freed.wait(), 1.0)  # or the pool grew: re-read
+        finally:
+            self.waiting[pool] -= 1
+        self._running[spec.name] += 1
+        self.inflight[pool] += 1
+
+    async def _send(
+        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext
+    ) -> ToolResult:
         args = json.dumps(call.args)
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
         for attempt in range(attempts):
-            try:
-                worker = self._worker(spec, attempt)
-            except ValueError:  # the pool is being (re)created
-                await asyncio.sleep(0.2)  # backoff before the next attempt
-                continue
+            worker = await self._worker(pool, attempt)
+            if worker is None:  # never sent: nothing can have happened
+                return tool_result(call, "error", f"{call.name}: no worker of pool {pool} is up")
             ref = worker.call.remote(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
             try:
                 output = await ask(ref, spec.timeout_s)

@@ -42,6 +42,7 @@ from actors.turn.loop import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import encode_event
 from store.connection import connect
+from store.pools import PoolSizes
 from store.records import SaveReason
 from store.streams import BufferedPublisher, RedisBus
 
@@ -62,7 +63,7 @@ class TurnActor:
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
-        self.tools = RayToolRunner(self.dep)
+        self.tools = RayToolRunner(self.dep, PoolSizes(self.client, self.dep.keys))
         self.checkpoints = CheckpointClient(
             actor_sender(self._checkpoint_actor),
             max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,

@@ -116,7 +116,27 @@ class SupervisorSettings(_Section):
 
 class ToolSettings(_Section):
     workers: int = Field(default=2, ge=1, le=1024)
-    """ToolWorker actors per resource pool (each runs many calls concurrently)."""
+    """ToolWorker actors each resource pool starts with (each runs many calls at once)."""
+    min_workers: int | None = Field(default=None, ge=1, le=1024)
+    """Fewest workers a pool shrinks to when idle (default: ``workers``)."""
+    max_workers: int | None = Field(default=None, ge=1, le=1024)
+    """Most workers a pool grows to while calls wait for it (default: ``workers``)."""
+    scale_interval_s: float = Field(default=1.0, gt=0)
+    """Least time between two resizes of one pool."""
+    idle_s: float = Field(default=10.0, gt=0)
+    """A pool with no call waiting or running for this long gives back one worker."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ToolSettings:
+        lo, hi = self.bounds()
+        if not lo <= self.workers <= hi:
+            raise ValueError(f"need min_workers <= workers <= max_workers, got {lo}, "
+                             f"{self.workers}, {hi}")  # fmt: skip
+        return self
+
+    def bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers), defaults filled in."""
+        return (self.min_workers or self.workers, self.max_workers or self.workers)
 
 
 class EventSettings(_Section):

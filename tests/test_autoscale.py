@@ -1,0 +1,85 @@
+"""Tool worker pools that grow while calls wait and shrink when idle: the pure rule, the
+settings, and a pool resized under load on the real Ray runtime."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import redis.asyncio as aioredis
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.runtime import Runtime
+from actors.engine.config import Settings, ToolSettings
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
+from store.pools import PoolSizes
+from tests.polling import eventually
+
+RULE = ScaleRule(min_workers=1, max_workers=4, interval_s=1.0, idle_s=10.0)
+
+
+def test_a_pool_grows_while_calls_wait_and_shrinks_when_idle() -> None:
+    busy, idle = PoolLoad(queued=5, running=8), PoolLoad(queued=0, running=0)
+    assert next_size(1, busy, RULE, since_resize_s=2, idle_for_s=0) == 2
+    assert next_size(4, busy, RULE, since_resize_s=2, idle_for_s=0) == 4  # at the cap
+    assert next_size(2, busy, RULE, since_resize_s=0.5, idle_for_s=0) == 2  # too soon
+    running = PoolLoad(queued=0, running=3)
+    assert next_size(3, running, RULE, since_resize_s=60, idle_for_s=0) == 3  # in use: kept
+    assert next_size(3, idle, RULE, since_resize_s=60, idle_for_s=9) == 3  # not idle long
+    assert next_size(3, idle, RULE, since_resize_s=60, idle_for_s=10) == 2
+    assert next_size(1, idle, RULE, since_resize_s=60, idle_for_s=99) == 1  # at the floor
+    assert next_size(9, idle, RULE, since_resize_s=0, idle_for_s=0) == 4  # out of bounds
+
+
+def test_pool_bounds_are_checked() -> None:
+    assert ToolSettings(workers=2).bounds() == (2, 2)
+    assert ToolSettings(workers=1, max_workers=8).bounds() == (1, 8)
+    with pytest.raises(ValueError, match="min_workers <= workers <= max_workers"):
+        ToolSettings(workers=4, max_workers=2)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_a_pool_is_resized_under_load_on_ray(
+    redis_url: str, namespace: str, real_client: aioredis.Redis
+) -> None:
+    settings = Settings.model_validate({
+        "redis": {"namespace": namespace},
+        "tools": {"workers": 1, "min_workers": 1, "max_workers": 3, "scale_interval_s": 0.5,
+                  "idle_s": 1.0},
+    })  # fmt: skip
+    scenario = parse_scenario({"name": "naps", "rounds": 4, "tools": ["sleep"],
+                               "llm_latency_ms": 0, "tool_latency_ms": 300})  # fmt: skip
+    _, turn_input = scripted_turn(scenario)
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=1)
+    sizes = PoolSizes(real_client, rt.dep.keys, ttl_s=0)
+    try:
+        ids = [f"nap{i:02d}" for i in range(40)]  # 40 calls at once, 4 per worker
+        await rt.submit("actors.harness.bench.napping:agent", turn_input, ids)
+
+        async def grown() -> int | None:
+            size = await sizes.get("default", 1)
+            return size if size >= 2 else None
+
+        await eventually(grown, timeout=30, what="the pool to grow")
+        finals = await rt.wait(ids, timeout=180)
+        assert {str(r.counters.outcome) for r in finals.values()} == {"answered"}
+
+        async def shrunk() -> bool:
+            return await sizes.get("default", 0) == 1
+
+        await eventually(shrunk, timeout=30, what="the idle pool to shrink back")
+
+        def retired() -> bool:
+            try:
+                ray.get_actor(rt.dep.tool_worker_name("default", 1), namespace=RAY_NAMESPACE)
+            except ValueError:
+                return True
+            return False
+
+        async def gone() -> bool:
+            return retired()
+
+        await eventually(gone, timeout=30, what="the drained worker to be killed")
+    finally:
+        await rt.shutdown()
