@@ -28,12 +28,14 @@ import click
 import ray
 import redis.asyncio as aioredis
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from actors.cluster.runtime import Runtime, ensure_ray
+from actors.cluster.status import deployment_status
 from actors.engine.agents import check_agent, load_agent
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
@@ -46,6 +48,7 @@ from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targ
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.live import LiveView
+from actors.harness.status_view import render
 from actors.harness.work import Work
 from actors.turn.poison import evidence
 from bus.errors import ConfigError, PhaselineError, RecordNotFound, TurnExists
@@ -865,6 +868,43 @@ def serve(
 
     with contextlib.suppress(KeyboardInterrupt):
         _run_with_url(go, settings)
+
+
+@main.command()
+@_common
+@click.option("--ray-address", default="auto", show_default=True,
+              help="The Ray cluster the deployment runs on.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON (for scripts).")
+@click.option("--watch", "every", type=click.FloatRange(0.5, 3600), default=None,
+              help="Refresh every this many seconds until Ctrl-C.")  # fmt: skip
+def status(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    ray_address: str, as_json: bool, every: float | None,
+) -> None:  # fmt: skip
+    """One screen of a running deployment (phaseline serve): hosts with generation and turns
+    held, turns per phase, tool worker pools with queue depth and calls/s, MCP servers,
+    checkpoints/s. Rates are measured over one second."""
+    settings = _settings(config_path, redis_url, namespace)
+    if as_json and every is not None:
+        raise BadInput("--json prints one sample; drop --watch")
+
+    async def go() -> None:
+        rt = await Runtime.attach(settings, ray_address=ray_address)
+        try:
+            if as_json:
+                out.print_json(json.dumps((await deployment_status(rt)).as_dict()))
+                return
+            if every is None:
+                out.print(render(await deployment_status(rt)))
+                return
+            with Live(render(await deployment_status(rt)), console=out) as live:
+                while True:
+                    live.update(render(await deployment_status(rt, sample_s=every)))
+        finally:
+            await rt.detach()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(go())
 
 
 class _Lines:

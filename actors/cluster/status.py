@@ -1,0 +1,192 @@
+"""What ``phaseline status`` shows of a live deployment, gathered from Ray and Redis.
+
+Rates (checkpoints/s, tool calls/s) are the difference of two samples of the actors' counters
+``sample_s`` apart, so one call takes that long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from actors.cluster.deployment import RAY_NAMESPACE, ask
+from actors.cluster.info import HostInfo, ServiceInfo
+from actors.cluster.runtime import Runtime
+from bus.events import decode_event
+from bus.phase import Transition
+from store.pools import PoolSizes
+
+
+@dataclass(frozen=True, slots=True)
+class HostRow:
+    """One TurnActor."""
+
+    label: str
+    """``host<N>`` or ``isolation``."""
+    generation: int
+    """Its generation in the slot (how often the slot was replaced)."""
+    running: int
+    """Turns it holds now."""
+    finished: int
+    """Turns it ended."""
+    rss_mib: float
+    """Its resident memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRow:
+    """One tool worker pool (one Ray resource shape)."""
+
+    pool: str
+    """Pool name (``default``, or the resource shape)."""
+    resources: dict[str, float]
+    """The Ray resources each of its workers holds."""
+    size: int
+    """Workers it has now."""
+    queued: int
+    """Calls waiting for it on the hosts."""
+    running: int
+    """Calls the hosts have running on it."""
+    calls_per_s: float
+    """Calls its workers finished per second over the sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class MCPRow:
+    """One MCP server as the workers of a pool hold it."""
+
+    pool: str
+    """The pool whose workers hold sessions with it."""
+    server: str
+    """Server name."""
+    connected: int
+    """Workers with an open session now."""
+    starts: int
+    """Sessions started so far, over the workers (more than the workers: restarts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentStatus:
+    """One screen of a deployment."""
+
+    namespace: str
+    """Its key namespace."""
+    hosts: list[HostRow]
+    """Its TurnActors."""
+    phases: dict[str, int]
+    """Running turns per phase."""
+    in_progress: int
+    """Turns in progress in Redis (also those no host runs right now)."""
+    pools: list[PoolRow]
+    """Its tool worker pools."""
+    mcp: list[MCPRow] = field(default_factory=list)
+    """MCP servers the workers hold sessions with."""
+    checkpoints_per_s: float = 0.0
+    """Saves the CheckpointActor wrote per second over the sample."""
+    respawns: int = 0
+    """Hosts the Supervisor replaced so far."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _hello(handle: Any) -> ServiceInfo | None:
+    try:
+        return ServiceInfo.of(await ask(handle.hello.remote(), 5))
+    except (TimeoutError, RayActorError):
+        return None
+
+
+def _actor(name: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> DeploymentStatus:
+    """Sample the deployment twice, ``sample_s`` apart."""
+    dep = rt.dep
+    sizes = await PoolSizes(rt.client, dep.keys, ttl_s=0).all()
+    pools = dep.tool_pools()
+    workers = {
+        (pool, i): handle
+        for pool in pools
+        for i in range(sizes.get(pool, dep.settings.tools.workers))
+        if (handle := _actor(dep.tool_worker_name(pool, i))) is not None
+    }
+    checkpoint = _actor(dep.name("checkpoint"))
+
+    async def sample() -> tuple[float, dict[tuple[str, int], ServiceInfo | None], int]:
+        infos = await asyncio.gather(*(_hello(h) for h in workers.values()))
+        saved = await _hello(checkpoint) if checkpoint is not None else None
+        return (
+            time.monotonic(),
+            dict(zip(workers, infos, strict=True)),
+            (saved.counts.get("saves", 0) if saved else 0),
+        )
+
+    t0, before, saves0 = await sample()
+    await asyncio.sleep(sample_s)  # the rate window
+    t1, after, saves1 = await sample()
+    span = max(t1 - t0, 1e-6)
+    hosts = await rt.host_info(isolation=True)
+    phases: Counter[str] = Counter()
+    for handle in (await rt.hosts.handles()).values():
+        try:
+            for fields in await ask(handle.phases.remote(), 5):
+                event = decode_event(fields)
+                if isinstance(event, Transition):
+                    phases[event.dst.value] += 1
+        except (TimeoutError, RayActorError):
+            continue
+    pool_rows = []
+    mcp: dict[tuple[str, str], list[int]] = {}
+    for pool, resources in pools.items():
+        done = 0
+        for (p, i), info in after.items():
+            if p != pool or info is None:
+                continue
+            prev = before.get((p, i))
+            done += info.counts.get("calls", 0) - (prev.counts.get("calls", 0) if prev else 0)
+            for name, value in info.counts.items():
+                if name.startswith("mcp:"):
+                    _, server, what = name.split(":", 2)
+                    row = mcp.setdefault((pool, server), [0, 0])
+                    row[0 if what == "connected" else 1] += value
+        pool_rows.append(
+            PoolRow(
+                pool=pool,
+                resources=resources,
+                size=sizes.get(pool, dep.settings.tools.workers),
+                queued=sum(h.tool_queue.get(pool, 0) for h in hosts),
+                running=sum(h.tool_inflight.get(pool, 0) for h in hosts),
+                calls_per_s=round(done / span, 1),
+            )
+        )
+    return DeploymentStatus(
+        namespace=dep.keys.namespace,
+        hosts=[_host_row(dep.host_label(h.slot), h) for h in hosts],
+        phases=dict(sorted(phases.items())),
+        in_progress=len(await rt.store.list_in_progress()),
+        pools=pool_rows,
+        mcp=[MCPRow(p, s, c, n) for (p, s), (c, n) in sorted(mcp.items())],
+        checkpoints_per_s=round((saves1 - saves0) / span, 1),
+        respawns=await rt.respawns(),
+    )
+
+
+def _host_row(label: str, info: HostInfo) -> HostRow:
+    return HostRow(
+        label=label,
+        generation=info.generation,
+        running=info.running,
+        finished=info.finished,
+        rss_mib=round(info.rss_bytes / 2**20, 1),
+    )
