@@ -192,3 +192,9 @@ mcp_http = Agent(
         ),
     ),
 )
+
+#: A tool whose calls need half a CPU: its ToolWorker pool holds ``num_cpus = 0.5`` each.
+heavy = Agent(
+    model=MCPPlanModel,
+    tools=ToolRegistry([dataclasses.replace(add, name="add_heavy", resources={"num_cpus": 0.5})]),
+)

@@ -7,13 +7,15 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.deployment import RAY_NAMESPACE, worker_options
+from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings, ToolSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from store.pools import PoolSizes
+from store.records import TurnInput
 from tests.polling import eventually
 
 RULE = ScaleRule(min_workers=1, max_workers=4, interval_s=1.0, idle_s=10.0)
@@ -81,5 +83,33 @@ async def test_a_pool_is_resized_under_load_on_ray(
             return retired()
 
         await eventually(gone, timeout=30, what="the drained worker to be killed")
+    finally:
+        await rt.shutdown()
+
+
+def test_worker_options_split_ray_and_custom_resources() -> None:
+    assert worker_options({}) == {
+        "num_cpus": 0, "num_gpus": 0, "resources": None, "scheduling_strategy": "SPREAD",
+    }  # fmt: skip
+    opts = worker_options({"num_cpus": 0.5, "GPU": 1, "gpu_box": 1})
+    assert (opts["num_cpus"], opts["num_gpus"], opts["resources"]) == (0.5, 1, {"gpu_box": 1})
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_a_tool_with_ray_resources_runs_on_its_own_pool(
+    redis_url: str, namespace: str
+) -> None:
+    agent = "tests.agents_for_tests:heavy"
+    settings = Settings.model_validate({"redis": {"namespace": namespace}, "tools": {"workers": 1}})
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=1, agents=[agent])
+    try:
+        assert set(rt.dep.tool_pools()) == {"default", "num_cpus=0.5"}
+        work = TurnInput(message="go", context={"calls": [["add_heavy", {"a": 2, "b": 3}]],
+                                                "quote": True})  # fmt: skip
+        await rt.submit(agent, work, ["heavy1"])
+        final = (await rt.wait(["heavy1"], timeout=120))["heavy1"]
+        assert final.answer == "ok: 5"
+        worker = ray.get_actor(rt.dep.tool_worker_name("num_cpus=0.5", 0), namespace=RAY_NAMESPACE)
+        assert ServiceInfo.of(await worker.hello.remote()).counts["calls"] == 1
     finally:
         await rt.shutdown()

@@ -37,6 +37,24 @@ def pool_name(resources: Mapping[str, float]) -> str:
     return "+".join(f"{k}={v:g}" for k, v in sorted(resources.items()))
 
 
+#: Keys of a tool's ``resources`` that are Ray's own ``num_cpus`` / ``num_gpus`` options.
+_CPU_KEYS, _GPU_KEYS = ("num_cpus", "CPU"), ("num_gpus", "GPU")
+
+
+def worker_options(resources: Mapping[str, float]) -> dict[str, Any]:
+    """Ray actor options of a ToolWorker holding ``resources``: ``num_cpus``/``CPU`` and
+    ``num_gpus``/``GPU`` become Ray's own options, anything else a custom resource (a node
+    must offer it: Ray places the worker on one that does). Workers of a pool are spread over
+    the nodes that qualify."""
+    custom = {k: v for k, v in resources.items() if k not in _CPU_KEYS + _GPU_KEYS}
+    return {
+        "num_cpus": sum(v for k, v in resources.items() if k in _CPU_KEYS),
+        "num_gpus": sum(v for k, v in resources.items() if k in _GPU_KEYS),
+        "resources": custom or None,
+        "scheduling_strategy": "SPREAD",
+    }
+
+
 class Deployment(BaseModel):
     """Everything an actor needs to find Redis, its settings and its peers."""
 

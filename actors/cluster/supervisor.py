@@ -33,7 +33,13 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointActor
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory, ask
+from actors.cluster.deployment import (
+    RAY_NAMESPACE,
+    Deployment,
+    HostDirectory,
+    ask,
+    worker_options,
+)
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.tool_workers import ToolWorker
@@ -172,7 +178,7 @@ class Supervisor:
             lifetime="detached",
             get_if_exists=True,
             max_concurrency=10_000,
-            resources=resources or None,
+            **worker_options(resources),
         ).remote(self.dep.to_wire())
 
     async def _check_slot(self, slot: int) -> None:
