@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import load_agent
-from actors.engine.mcp import HUB, MCPHub, mcp_registry
+from actors.engine.mcp import MCPHub, hub, mcp_registry
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
@@ -150,10 +150,10 @@ async def test_a_server_that_does_not_start_fails_its_calls_not_the_process(
     assert results(record) == [("error", "unknown tool 'gone__x'")]  # its tools are left out
     assert record.counters.outcome == "answered"
     # Listed directly, the failure is a clear error that names the server.
-    hub = MCPHub()
+    fresh = MCPHub()
     server = load_agent("tests.agents_for_tests:mcp_broken").mcp[0]
     with pytest.raises(Exception, match="MCP server gone did not start"):
-        await hub.list_tools("x", server)
+        await fresh.list_tools("x", server)
 
 
 def _pids() -> list[int]:
@@ -166,7 +166,7 @@ async def test_a_killed_server_is_restarted_and_a_call_in_flight_follows_the_led
     agent = "tests.agents_for_tests:mcp_counter"
     eng = engine(real_client, keys)
     await eng.run_new(agent, plan(("tools__echo", {"text": "warm"})), ["k0"])  # session up
-    before = next(s.starts for s in HUB.states() if s.agent == agent)
+    before = next(s.starts for s in hub().states() if s.agent == agent)
 
     async def kill_when_bumping() -> None:
         started = len(_pids())
@@ -185,7 +185,7 @@ async def test_a_killed_server_is_restarted_and_a_call_in_flight_follows_the_led
     assert got[1] == ("ok", "slept 1")  # the next call started a new server process
     bump_key = sorted(k.decode() for k in await real_client.hkeys(keys.tools("k1")))[0]
     assert runs()[bump_key] <= 1  # never run twice
-    after = next(s.starts for s in HUB.states() if s.agent == agent)
+    after = next(s.starts for s in hub().states() if s.agent == agent)
     assert after == before + 1
 
 

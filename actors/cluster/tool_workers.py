@@ -33,7 +33,7 @@ from ray.exceptions import RayActorError, RayError, TaskCancelledError
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
 from actors.cluster.info import ServiceInfo
 from actors.engine.agents import load_agent
-from actors.engine.mcp import HUB, mcp_spec, mcp_target, merged
+from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
     lost_call,
@@ -92,7 +92,7 @@ class ToolWorker:
         )
         async with self._limits.setdefault((agent, name), asyncio.Semaphore(limit)):
             if target is not None:
-                return await HUB.call(agent, target[0], target[1], args, call_key)
+                return await hub().call(agent, target[0], target[1], args, call_key)
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
             return await loaded.tools.get(name).fn(args, ctx)
 
@@ -102,12 +102,12 @@ class ToolWorker:
         spec = next((s for s in load_agent(agent).mcp if s.name == server), None)
         if spec is None:
             raise ConfigError(f"agent {agent} has no MCP server {server!r}")
-        infos = await HUB.list_tools(agent, spec)
+        infos = await hub().list_tools(agent, spec)
         return json.dumps([dataclasses.asdict(i) for i in infos])
 
     async def hello(self) -> dict[str, Any]:
         counts = {"calls": self.calls, "active": self.active}
-        for state in HUB.states():
+        for state in hub().states():
             counts[f"mcp:{state.server}:starts"] = state.starts
             counts[f"mcp:{state.server}:connected"] = int(state.state == "connected")
         return ServiceInfo(pid=os.getpid(), counts=counts).wire()

@@ -1,13 +1,14 @@
 """MCP client sessions of this process, and the tool specs of an agent's MCP servers.
 
 Each process that runs tool calls (a ToolWorker on Ray, or the engine of ``phaseline run
---in-process``) holds one session per (agent, server) in :data:`HUB`, started on first use in
+--in-process``) holds one session per (agent, server) in its :func:`hub`, started on first use in
 a task of its own (the SDK's transports live in anyio task groups, which must be left by the
 task that entered them). A session whose server process died or whose connection dropped is
 noticed by its task ending, or by a call failing with ``CONNECTION_CLOSED``, and replaced on the
-next call; a server that cannot start is retried with backoff (0.5 s doubling to 30 s) and
-meanwhile fails its calls with a clear error (:class:`~bus.errors.ToolUnavailable`: the call
-never started). A call that was in flight on a dead session
+next call; a start that fails is retried with backoff (0.5 s doubling to 30 s), the call
+waiting for it, and a server whose last 3 starts failed is *down*: its calls fail at once with a
+clear error (:class:`~bus.errors.ToolUnavailable`: the call never started) until its next start
+is due. A call that was in flight on a dead session
 raises :class:`~bus.errors.ToolExecutorLost`, which the runners treat like a dead worker: an
 idempotent tool is re-run, any other is ``outcome_unknown``.
 
@@ -38,7 +39,7 @@ from actors.turn.mcp import MCP_SEPARATOR, MCPServer, MCPToolInfo, mcp_idempoten
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import ConfigError, ToolExecutorLost, ToolUnavailable
 
-__all__ = ["CALL_KEY_META", "HUB", "MCPHub", "mcp_registry", "mcp_spec", "mcp_target", "merged"]
+__all__ = ["CALL_KEY_META", "MCPHub", "hub", "mcp_registry", "mcp_spec", "mcp_target", "merged"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ def _transport(server: MCPServer) -> StdioServerParameters | Any:
     assert server.url is not None
     http = httpx2.AsyncClient(headers=dict(server.headers), timeout=server.timeout_s)
     return streamable_http_client(server.url, http_client=http)
+
+
+class _StartAgain(Exception):
+    """A start failed but the server is not known to be down yet: wait, then try again."""
+
+
+#: Consecutive failed starts after which a server is *down*: calls fail at once until its
+#: next start is due, instead of waiting for it.
+DOWN_AFTER = 3
 
 
 class _Session:
@@ -81,32 +91,48 @@ class _Session:
         return "backing off" if self.failures else "idle"
 
     async def get(self) -> Client:
-        async with self._lock:
-            if self.client is not None and self._task is not None and not self._task.done():
-                return self.client
-            wait = self._not_before - time.monotonic()
-            if wait > 0:
-                raise ToolUnavailable(
-                    f"MCP server {self.server.name} is not running (next start in {wait:.1f} s)"
-                )
-            self._ready = asyncio.get_running_loop().create_future()
-            self._closing = asyncio.Event()
-            self._task = asyncio.ensure_future(self._hold(self._ready, self._closing))
-            try:
-                self.client = await asyncio.wait_for(
-                    asyncio.shield(self._ready), self.server.timeout_s
-                )
-            except Exception as exc:
-                self._closing.set()
-                self.failures += 1
-                delay = BACKOFF_S[min(self.failures, len(BACKOFF_S)) - 1]
-                self._not_before = time.monotonic() + delay
+        """The open session, or a new one. While the server is known to be down (its last
+        :data:`DOWN_AFTER` starts failed) a call fails at once with
+        :class:`~bus.errors.ToolUnavailable` until its next start is due; before that, a call
+        waits out the backoff and tries again (a crashed server is simply restarted)."""
+        while True:
+            async with self._lock:
+                if self.client is not None and self._task is not None and not self._task.done():
+                    return self.client
+                wait = self._not_before - time.monotonic()
+                if wait <= 0:
+                    try:
+                        return await self._start()
+                    except _StartAgain:
+                        continue
+                if self.failures >= DOWN_AFTER:
+                    raise ToolUnavailable(
+                        f"MCP server {self.server.name} is down (next start in {wait:.1f} s)"
+                    )
+            await asyncio.sleep(wait)  # the backoff before the next start
+
+    async def _start(self) -> Client:
+        ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+        closing = asyncio.Event()
+        self._ready, self._closing = ready, closing
+        self._task = asyncio.ensure_future(self._hold(ready, closing))
+        try:
+            client = await asyncio.wait_for(asyncio.shield(ready), self.server.timeout_s)
+        except Exception as exc:
+            closing.set()
+            self.failures += 1
+            delay = BACKOFF_S[min(self.failures, len(BACKOFF_S)) - 1]
+            self._not_before = time.monotonic() + delay
+            if self.failures >= DOWN_AFTER:
                 raise ToolUnavailable(
                     f"MCP server {self.server.name} did not start: {type(exc).__name__}: {exc}"
                 ) from None
-            self.failures = 0
-            self.starts += 1
-            return self.client
+            log.warning("MCP server %s did not start (%r); retrying", self.server.name, exc)
+            raise _StartAgain() from None
+        self.client = client
+        self.failures = 0
+        self.starts += 1
+        return client
 
     async def _hold(self, ready: asyncio.Future[Client], closing: asyncio.Event) -> None:
         try:
@@ -121,10 +147,12 @@ class _Session:
             if self._ready is ready:
                 self.client = None
 
-    def drop(self) -> None:
-        """Forget a session whose connection failed: the next call starts a new one."""
-        self.client = None
-        self._closing.set()
+    def drop(self, client: Client) -> None:
+        """Forget the session ``client`` belongs to, if it is still the current one (a late
+        failure on an old session must not close its successor): the next call starts anew."""
+        if self.client is client:
+            self.client = None
+            self._closing.set()
 
     async def close(self) -> None:
         self._closing.set()
@@ -176,7 +204,7 @@ class MCPHub:
         try:
             listing = await asyncio.wait_for(client.list_tools(), server.timeout_s)
         except (MCPError, OSError, TimeoutError) as exc:
-            session.drop()
+            session.drop(client)
             raise ToolUnavailable(f"MCP server {server.name}: list_tools failed: {exc}") from exc
         infos = tuple(_info(server.name, t) for t in listing.tools)
         self._listed[key] = infos
@@ -195,13 +223,13 @@ class MCPHub:
             result = await client.call_tool(tool, dict(args), meta=meta)
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
-                session.drop()
+                session.drop(client)
                 raise ToolExecutorLost(
                     f"MCP server {server.name} went away during {tool}"
                 ) from None
             raise MCPToolFailed(f"{server.name}: {exc}") from None
         except (OSError, EOFError) as exc:
-            session.drop()
+            session.drop(client)
             raise ToolExecutorLost(f"MCP server {server.name}: {exc}") from None
         text = _text_of(result)
         if result.is_error:
@@ -217,8 +245,17 @@ class MCPToolFailed(Exception):
     """An MCP tool answered ``isError`` (or the server refused the call): the model reads it."""
 
 
-#: The sessions of this process.
-HUB = MCPHub()
+_HUB: MCPHub | None = None
+
+
+def hub() -> MCPHub:
+    """The MCP sessions of this process. A function, not a module global that other modules
+    import: Ray pickles an actor class's methods by value, and a live hub (tasks, sessions)
+    in their globals cannot be pickled."""
+    global _HUB
+    if _HUB is None:
+        _HUB = MCPHub()
+    return _HUB
 
 
 def _info(server: str, tool: Any) -> MCPToolInfo:
@@ -245,11 +282,11 @@ def _text_of(result: CallToolResult) -> str:
     return f"[{', '.join(kinds) or 'no content'}]"
 
 
-def mcp_spec(agent: str, server: MCPServer, info: MCPToolInfo, hub: MCPHub = HUB) -> ToolSpec:
-    """The tool spec of one MCP tool; its calls run through ``hub`` in this process."""
+def mcp_spec(agent: str, server: MCPServer, info: MCPToolInfo) -> ToolSpec:
+    """The tool spec of one MCP tool; its calls run through this process's :func:`hub`."""
 
     async def call(args: Mapping[str, Any], ctx: ToolContext) -> str:
-        return await hub.call(agent, server, info.name, args, ctx.call_key)
+        return await hub().call(agent, server, info.name, args, ctx.call_key)
 
     return ToolSpec(
         name=server.tool_name(info.name),
@@ -282,17 +319,17 @@ def merged(agent: str, base: ToolRegistry, specs: list[ToolSpec]) -> ToolRegistr
 
 
 async def mcp_registry(
-    agent: str, base: ToolRegistry, servers: tuple[MCPServer, ...], hub: MCPHub = HUB
+    agent: str, base: ToolRegistry, servers: tuple[MCPServer, ...]
 ) -> ToolRegistry:
-    """The agent's tools with its MCP servers' tools listed through ``hub``. A server that
+    """The agent's tools with its MCP servers' tools listed through :func:`hub`. A server that
     cannot be listed now contributes nothing (its calls fail as unknown tools) and is asked
     again next time."""
     specs: list[ToolSpec] = []
     for server in servers:
         try:
-            infos = await hub.list_tools(agent, server)
+            infos = await hub().list_tools(agent, server)
         except (ToolExecutorLost, ToolUnavailable) as exc:
             log.error("agent %s: %s; its tools are left out for now", agent, exc)
             continue
-        specs.extend(mcp_spec(agent, server, info, hub) for info in infos)
+        specs.extend(mcp_spec(agent, server, info) for info in infos)
     return merged(agent, base, specs)
