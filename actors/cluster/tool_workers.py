@@ -188,8 +188,8 @@ class RayToolRunner:
         freed = self._freed.setdefault(spec.name, asyncio.Condition())
         self.waiting[pool] += 1
         try:
-            while self._running[spec.name] >= spec.max_concurrency * await self.size(pool):
-                async with freed:
+            async with freed:  # checked and waited under its lock: no release is missed
+                while self._running[spec.name] >= spec.max_concurrency * await self.size(pool):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(freed.wait(), 1.0)  # or the pool grew: re-read
         finally:
