@@ -8,7 +8,7 @@ Streams are capped (``XADD MAXLEN ~``). :class:`MemoryBus` has the same interfac
 
 A turn's live stream (``KeyLayout.live``) gets a copy of its transitions and status events
 plus what only a watcher wants (text deltas, tool calls and results, restart markers, the
-final answer); :func:`follow` reads it. It is capped and expires a day after its last entry:
+final answer); ``store.watch`` reads it. It is capped and expires a day after its last entry:
 it is advisory, the checkpoint record is the truth.
 """
 
@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -41,8 +40,6 @@ from bus.events import (
 from bus.phase import Transition
 from store.connection import raw, read_streams, text, translated
 from store.keys import KeyLayout
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
