@@ -753,7 +753,8 @@ def watch(
     _exit_for(view)
 
 
-def _turn_source(session: str | None, turn_id: str | None) -> None:
+def _check_naming(session: str | None, turn_id: str | None) -> None:
+    """A turn is named by its session (``<session>/<n>``) or by an id, not both."""
     if session is not None and turn_id is not None:
         raise BadInput("give --session (its turns are named <session>/<n>) or --turn-id")
     if session is not None:
@@ -784,7 +785,7 @@ def submit(
     """Submit one turn of an agent and print its id (on stdout, for scripts)."""
     settings = _settings(config_path, redis_url, namespace)
     keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
-    _turn_source(session, turn_id)
+    _check_naming(session, turn_id)
     if not input_text.strip():
         raise BadInput("--input is empty")
     turn_input = TurnInput(message=input_text)
@@ -949,7 +950,7 @@ def chat(
     that outlives this command (or resumes from its checkpoint when you come back), and the
     command to reattach is printed."""
     settings = _settings(config_path, redis_url, namespace)
-    _turn_source(session, None)
+    _check_naming(session, None)
     load_agent(agent_path)
     sid = session or f"chat-{new_run_id()}"
     again = f"phaseline chat --agent {agent_path} --session {sid}" + (
