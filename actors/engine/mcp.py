@@ -19,7 +19,6 @@ deduplicate with.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import shutil
@@ -37,7 +36,7 @@ from mcp_types import CONNECTION_CLOSED, CallToolResult, RequestParamsMeta, Text
 
 from actors.turn.mcp import MCP_SEPARATOR, MCPServer, MCPToolInfo, mcp_idempotent
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
-from bus.errors import ConfigError, ToolExecutorLost, ToolUnavailable
+from bus.errors import ConfigError, ToolError, ToolExecutorLost, ToolUnavailable
 
 __all__ = ["CALL_KEY_META", "MCPHub", "hub", "mcp_registry", "mcp_spec", "mcp_target", "merged"]
 
@@ -154,12 +153,6 @@ class _Session:
             self.client = None
             self._closing.set()
 
-    async def close(self) -> None:
-        self._closing.set()
-        if self._task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, 5)
-
 
 @dataclass(frozen=True, slots=True)
 class ServerState:
@@ -236,12 +229,8 @@ class MCPHub:
             raise MCPToolFailed(text or f"{tool} failed")
         return text
 
-    async def close(self) -> None:
-        for session in self._sessions.values():
-            await session.close()
 
-
-class MCPToolFailed(Exception):
+class MCPToolFailed(ToolError):
     """An MCP tool answered ``isError`` (or the server refused the call): the model reads it."""
 
 
