@@ -24,7 +24,7 @@ class _HiredisConnection(aioredis.Connection):
     13-field HSET). Replies are parsed by hiredis either way.
     """
 
-    _serializer = HiredisRespSerializer()
+    _serializer = HiredisRespSerializer()  # type: ignore[no-untyped-call,unused-ignore]
 
     def pack_command(self, *args: Any) -> list[bytes]:
         packed: list[bytes] = self._serializer.pack(*args)
