@@ -101,10 +101,15 @@ def connect(
     share a few dozen connections, and a busy Redis only slows them down). A Redis that is
     gone is retried for about ``retry_s`` seconds (:func:`retry_policy`), then fails.
     """
+    # Only plain TCP gets the hiredis packer: unix:// and rediss:// keep redis-py's own classes
+    # (redis-py 8.2 no longer swaps a given class out for them).
+    own: dict[str, Any] = {}
+    if urlsplit(url).scheme == "redis":
+        own["connection_class"] = _HiredisConnection
     try:
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
-            connection_class=_HiredisConnection,  # unix:// and rediss:// URLs choose their own
+            **own,
             max_connections=max_connections,
             timeout=None,
             socket_connect_timeout=5,
