@@ -172,14 +172,8 @@ class Supervisor:
                     await _retire(self.dep.tool_worker_name(pool, i))
 
     def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> Any:
-        return ToolWorker.options(  # type: ignore[attr-defined]
-            name=self.dep.tool_worker_name(pool, index),
-            namespace=RAY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=10_000,
-            **worker_options(resources),
-        ).remote(self.dep.to_wire())
+        name = self.dep.tool_worker_name(pool, index)
+        return _named(ToolWorker, name, **worker_options(resources)).remote(self.dep.to_wire())
 
     async def _check_slot(self, slot: int) -> None:
         """One check at a time per slot (the watch loop and a death notice may both ask)."""
@@ -230,13 +224,8 @@ class Supervisor:
         return handle
 
     def _host(self, slot: int, generation: int) -> Any:
-        return TurnActor.options(  # type: ignore[attr-defined]
-            name=self.dep.host_name(slot, generation),
-            namespace=RAY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=10_000,
-        ).remote(self.dep.to_wire(), slot, generation)
+        name = self.dep.host_name(slot, generation)
+        return _named(TurnActor, name).remote(self.dep.to_wire(), slot, generation)
 
     def _park(self, slot: int, generation: int, handle: Any) -> None:
         """Keep a call parked on the slot's host; its failure is the death notice."""
@@ -280,6 +269,19 @@ async def _alive(handle: Any) -> bool:
     except TimeoutError:
         return True
     return True
+
+
+def _named(actor_class: Any, name: str, **options: Any) -> Any:
+    """A detached, named, highly concurrent actor of the deployment: the one that exists under
+    ``name``, or a new one."""
+    return actor_class.options(
+        name=name,
+        namespace=RAY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_concurrency=10_000,
+        **options,
+    )
 
 
 async def _retire(name: str) -> None:
