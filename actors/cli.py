@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +27,6 @@ from typing import Any, TypeVar
 
 import click
 import ray
-import redis.asyncio as aioredis
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime, ensure_ray
 from actors.cluster.status import deployment_status
 from actors.engine.agents import check_agent, load_agent
@@ -44,7 +45,14 @@ from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.submission import new_turns, session_turn
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.harness.chaos import TARGETS, ChaosReport, ChaosSettings, parse_targets, run_chaos
+from actors.harness.chaos import (
+    TARGETS,
+    WITNESSED,
+    ChaosReport,
+    ChaosSettings,
+    parse_targets,
+    run_chaos,
+)
 from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.live import LiveView
@@ -56,8 +64,9 @@ from bus.events import WatchEvent
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
-from store.connection import connect, redact_url, translated
+from store.connection import StoreClient, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
+from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout, check_session_id, check_turn_id
 from store.records import CheckpointRecord, Outcome, TurnInput
 from store.sessions import Sessions
@@ -141,6 +150,32 @@ def _redis(settings: Settings) -> Iterator[str]:
             server.stop()
 
 
+@contextmanager
+def _scratch_store(
+    settings: Settings, label: str, *, redis_cluster: bool
+) -> Iterator[tuple[EmbeddedRedis | None, EmbeddedCluster | None, Settings]]:
+    """What a run stores into: :func:`_scratch_redis`, or with ``redis_cluster`` a throw-away
+    local Redis Cluster (3 primaries with a replica each); the settings point at it."""
+    if not redis_cluster:
+        with _scratch_redis(settings, label) as (server, url):
+            yield server, None, settings.with_overrides(url=url)
+        return
+    if settings.redis.url:
+        raise BadInput("--redis-cluster starts a local cluster; drop --redis-url (and [redis] url)")
+    console.print("[dim]starting a local Redis Cluster (3 primaries, 1 replica each) ...")
+    with (
+        tempfile.TemporaryDirectory(prefix=f"phaseline-{label}-cluster-") as tmp,
+        EmbeddedCluster(data_dir=tmp, appendfsync=_appendfsync(settings)) as cluster,
+    ):
+        yield None, cluster, settings.with_overrides(url=cluster.seeds_url, cluster=True)
+
+
+_redis_cluster_option = click.option(
+    "--redis-cluster", is_flag=True, default=False,
+    help="Run on a local Redis Cluster of 3 primaries with a replica each, started for the run.",
+)  # fmt: skip
+
+
 def _appendfsync(settings: Settings) -> str:
     """How an embedded server this command starts fsyncs, for the configured durability."""
     return appendfsync_for(settings.redis.durability_policy())
@@ -159,21 +194,21 @@ def _scratch_redis(settings: Settings, label: str) -> Iterator[tuple[EmbeddedRed
         yield server, server.url
 
 
-def _run(coro_fn: Callable[[aioredis.Redis], Awaitable[T]], settings: Settings) -> T:
+def _run(coro_fn: Callable[[StoreClient], Awaitable[T]], settings: Settings) -> T:
     """Run ``coro_fn(client)`` on a fresh event loop against the configured Redis."""
     return _run_with_url(lambda client, _url: coro_fn(client), settings)
 
 
-def _run_with_url(coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], settings: Settings) -> T:
+def _run_with_url(coro_fn: Callable[[StoreClient, str], Awaitable[T]], settings: Settings) -> T:
     """Run ``coro_fn(client, url)`` on a fresh event loop against the configured Redis."""
     with _redis(settings) as url:
-        return asyncio.run(_with_client(coro_fn, url, settings.redis.retry_s))
+        return asyncio.run(_with_client(coro_fn, url, settings))
 
 
 async def _with_client(
-    coro_fn: Callable[[aioredis.Redis, str], Awaitable[T]], url: str, retry_s: float
+    coro_fn: Callable[[StoreClient, str], Awaitable[T]], url: str, settings: Settings
 ) -> T:
-    client = connect(url, retry_s=retry_s)
+    client = settings.redis.connect(url)
     try:
         with translated(f"cannot reach Redis at {redact_url(url)}"):
             await client.ping()
@@ -286,12 +321,37 @@ def _report_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+_nodes_option = click.option(
+    "--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
+    help="Start a local Ray cluster of this many nodes (raylets) and run on it.",
+)  # fmt: skip
+
+
+@contextmanager
+def _ray_nodes(
+    nodes: int, ray_address: str | None
+) -> Iterator[tuple[str | None, LocalNodes | None]]:
+    """The Ray address to run on, and the local multi-node cluster started for ``--nodes``
+    (stopped on the way out); with one node, Ray starts as usual (or ``--ray-address``)."""
+    if nodes <= 1:
+        yield ray_address, None
+        return
+    if ray_address is not None:
+        raise BadInput("--nodes starts a local cluster; it cannot be used with --ray-address")
+    console.print(f"[dim]starting a local Ray cluster of {nodes} nodes ...")
+    with LocalNodes(nodes) as local:
+        try:
+            yield local.address, local
+        finally:
+            ray.shutdown()  # the driver leaves before the raylets stop
+
+
 def _run_on_ray(
     settings: Settings, hosts: int, ray_address: str | None, work: Callable[[Runtime], Awaitable[T]]
 ) -> T:
     """Start (or join) the Ray runtime on the configured Redis, run ``work``, shut it down."""
 
-    async def go(_client: aioredis.Redis, url: str) -> T:
+    async def go(_client: StoreClient, url: str) -> T:
         console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
         rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
         try:
@@ -304,7 +364,7 @@ def _run_on_ray(
 
 def _either(
     in_process: bool,
-    in_proc: Callable[[aioredis.Redis], Awaitable[T]],
+    in_proc: Callable[[StoreClient], Awaitable[T]],
     on_ray: Callable[[Runtime], Awaitable[T]],
     settings: Settings,
     hosts: int,
@@ -381,7 +441,7 @@ def run(
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
 
-    async def in_proc(client: aioredis.Redis) -> RunStats:
+    async def in_proc(client: StoreClient) -> RunStats:
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
         with bar.progress:
             return await engine.run_new(agent, turn_input, ids)
@@ -436,7 +496,7 @@ def resume(
                 console.print(f"turn {tid} is final already ({record.counters.outcome})")
         return ids
 
-    async def in_proc(client: aioredis.Redis) -> RunStats:
+    async def in_proc(client: StoreClient) -> RunStats:
         store = RedisCheckpointStore(client, keys)
         ids = await chosen(store) if named else None
         bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
@@ -478,6 +538,7 @@ def resume(
 @_work_options
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
+@_nodes_option
 @click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
               help="SIGKILL host 0 once this fraction of the turns has finished "
                    "(0: as soon as they are submitted).")  # fmt: skip
@@ -486,7 +547,7 @@ def resume(
 def demo(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, kill_at: float, ray_address: str | None, report: str | None,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, report: str | None,
 ) -> None:  # fmt: skip
     """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis
     against a fault-free run in this process: of a scenario (default tool_loop), or of an
@@ -503,7 +564,8 @@ def demo(
         with bar.progress:
             return await run_demo(rt, work, ids, kill_at=kill_at, on_done=bar.advance)
 
-    result = _run_on_ray(settings, hosts, ray_address, go)
+    with _ray_nodes(nodes, ray_address) as (address, _local):
+        result = _run_on_ray(settings, hosts, address, go)
     data = result.as_dict()
     title = f"demo {rid}: {turns} turns of {work.label} on {hosts} hosts"
     table = Table(title=title, show_header=False)
@@ -538,6 +600,8 @@ def demo(
               help="Turns that run a poison variant of the scenario (a model call that "
               "SIGKILLs its process); each must end suspended:poison.")  # fmt: skip
 @click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True)
+@_nodes_option
+@_redis_cluster_option
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
 @click.option("--report", type=click.Path(dir_okay=False), required=True,
               help="Write the JSON report here.")  # fmt: skip
@@ -547,43 +611,60 @@ def chaos(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
     duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
-    ray_address: str | None, report: str, plot: str | None,
+    nodes: int, redis_cluster: bool, ray_address: str | None, report: str, plot: str | None,
 ) -> None:  # fmt: skip
     """Kill runtime processes at random under load, running a scenario or an agent on one
     input; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
     work = _work(scenario_path, agent_path, input_text)
-    chosen = parse_targets(targets, embedded=settings.redis.url is None)
+    chosen = parse_targets(
+        targets,
+        embedded=settings.redis.url is None and not redis_cluster,
+        nodes=nodes > 1 and ray_address is None,
+        cluster=redis_cluster,
+    )
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
     cfg = ChaosSettings(work, turns, duration, kill_interval, chosen, seed, poison)
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
-    async def go(server: EmbeddedRedis | None, url: str) -> ChaosReport:
+    async def go(
+        server: EmbeddedRedis | None,
+        cluster: EmbeddedCluster | None,
+        settings: Settings,
+        local: LocalNodes | None,
+    ) -> ChaosReport:
         # Orphaned turns (cut off by a Redis restart) are re-adopted every 2 s, not 10.
         sup = settings.supervisor.model_copy(update={"adopt_interval_s": 2.0})
         tuned = settings.model_copy(update={"supervisor": sup})
-        # power_loss: side effects are counted on a witness outside the Redis under test.
+        # Faults that can lose Redis writes: side effects are counted on a witness outside
+        # the Redis under test, so a lost counter cannot hide a duplicate.
         witness_cm = (
             EmbeddedRedis(appendfsync="always")
-            if "power_loss" in chosen
+            if any(t in WITNESSED for t in chosen)
             else contextlib.nullcontext()
         )
+        assert settings.redis.url is not None
         with witness_cm as witness:
             rt = await Runtime.start(
-                tuned, redis_url=url, hosts=hosts, ray_address=ray_address,
+                tuned, redis_url=settings.redis.url, hosts=hosts,
+                ray_address=local.address if local else ray_address,
                 effects_url=None if witness is None else witness.url,
             )  # fmt: skip
             try:
                 with bar.progress:
                     return await run_chaos(
-                        rt, server, cfg, on_submitted=lambda n: None, on_done=bar.advance
-                    )
+                        rt, server, cfg, nodes=local, cluster=cluster,
+                        on_submitted=lambda n: None, on_done=bar.advance,
+                    )  # fmt: skip
             finally:
                 await rt.shutdown()
 
-    with _scratch_redis(settings, "chaos") as (server, url):
-        result = asyncio.run(go(server, url))
+    with (
+        _scratch_store(settings, "chaos", redis_cluster=redis_cluster) as (server, rc, store),
+        _ray_nodes(nodes, ray_address) as (_address, local),
+    ):
+        result = asyncio.run(go(server, rc, store, local))
     data = result.as_dict()
     Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if plot:
@@ -672,7 +753,7 @@ def inspect(
     settings = _settings(config_path, redis_url, namespace)
     check_turn_id(turn_id)
 
-    async def go(client: aioredis.Redis) -> Any:
+    async def go(client: StoreClient) -> Any:
         keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
         return await RedisCheckpointStore(client, keys).load(turn_id)
 
@@ -739,7 +820,7 @@ def watch(
     check_turn_id(turn_id)
     view = LiveView(out, phases=phases)
 
-    async def go(client: aioredis.Redis) -> None:
+    async def go(client: StoreClient) -> None:
         try:
             await _render(watch_turn(client, keys, turn_id, from_start=not from_now), view)
         except RecordNotFound:
@@ -792,7 +873,7 @@ def submit(
     check_agent(agent_path, turn_input)
     view = LiveView(out)
 
-    async def write(client: aioredis.Redis) -> str:
+    async def write(client: StoreClient) -> str:
         store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
         if session is not None:
             build = session_turn(agent_path, turn_input, session)
@@ -802,7 +883,7 @@ def submit(
         await store.submit(*new_turns(agent_path, turn_input, [tid])[0])
         return tid
 
-    async def go(client: aioredis.Redis) -> str:
+    async def go(client: StoreClient) -> str:
         if ray_address is None:
             tid = await write(client)
             console.print(
@@ -853,7 +934,7 @@ def serve(
     --ray-address auto, follow turns with phaseline watch."""
     settings = _settings(config_path, redis_url, namespace)
 
-    async def go(_client: aioredis.Redis, url: str) -> None:
+    async def go(_client: StoreClient, url: str) -> None:
         rt = await Runtime.start(
             settings, redis_url=url, hosts=hosts, ray_address=ray_address, agents=agents
         )
@@ -979,7 +1060,7 @@ def chat(
             current[:] = [tid]
             await _render(rt.watch(tid), LiveView(out))
 
-    async def go(_client: aioredis.Redis, url: str) -> None:
+    async def go(_client: StoreClient, url: str) -> None:
         try:
             rt = await Runtime.attach(settings, ray_address=ray_address)
             started = False
@@ -1035,7 +1116,13 @@ def redis_cmd(
             "commands without --redis-url find it there"
         )
         assert server.process is not None
-        server.process.wait()
+        # Never one blocking wait: a signal that lands just before the waitpid call would
+        # only run its handler once the call returns (never, the server runs on). A wait
+        # with a timeout polls, and each poll lets a pending handler run.
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(timeout=1.0)
+                break
     except KeyboardInterrupt:
         pass
     finally:

@@ -7,9 +7,8 @@ One hash per turn: call key -> ``pending`` | ``approve`` | ``deny``. A decision 
 from __future__ import annotations
 
 import redis
-import redis.asyncio as aioredis
 
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
 
 PENDING = b"pending"
@@ -18,7 +17,7 @@ DENY = b"deny"
 
 
 class Approvals:
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
 

@@ -2,18 +2,26 @@
 
 A save is one server-side script (``store/lua/checkpoint_save.lua``) that reads the stored
 ``epoch`` and ``seq``, refuses an older epoch (a zombie owner) or a seq that is not newer (a
-replayed or racing save) with :class:`StaleOwner`, and otherwise does ``HSET`` of every field,
-``XADD`` of the checkpoint event and the in-progress index update. Redis runs a script to the
-end before any other command, so the check and the writes are one atomic step, exactly what
-DESIGN's ``WATCH`` + ``MULTI/EXEC`` gives, in one round trip instead of three and with no retry
-when another writer races (docs/ARCHITECTURE.md says why the script, with the measurement).
+replayed or racing save) with :class:`StaleOwner`, and otherwise writes the bodies the record
+adds (content-addressed, :mod:`store.transcript`), drops the ones it stopped naming, rewrites
+every field of the record hash, and does the ``XADD`` of the checkpoint event and the
+in-progress index update. Redis runs a script to the end before any other command, so the check
+and the writes are one atomic step, exactly what DESIGN's ``WATCH`` + ``MULTI/EXEC`` gives, in
+one round trip instead of three and with no retry when another writer races
+(docs/ARCHITECTURE.md says why the script, with the measurement).
+
+``[checkpoint] atomic = "multi_exec"`` makes the same saves with ``WATCH`` and ``MULTI/EXEC``
+per shard instead (:mod:`store.transaction`); the two answer alike.
+
+A load is one script too (``checkpoint_load.lua``): the record and every body it names.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -27,6 +35,7 @@ from bus.errors import (
     RecordTooLarge,
     StaleOwner,
     StoreError,
+    StoreUnavailable,
     TurnExists,
 )
 from store.codec import (
@@ -37,16 +46,29 @@ from store.codec import (
     pack_model,
     unpack_model,
 )
+from store.connection import (
+    StoreClient,
+    is_redirect,
+    node_connection,
+    reading,
+    refresh_topology,
+    roundtrip,
+    slot_of,
+    text,
+    translated,
+)
 from store.connection import raw as raw_bytes
-from store.connection import reading, text, translated
 from store.durability import Durability, DurabilityKind
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord, SaveAck, TurnSpec
+from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
+from store.transcript import KnownBodies
 
 log = logging.getLogger(__name__)
 
 _SAVE_LUA = lua_script("checkpoint_save.lua")
+_LOAD_LUA = lua_script("checkpoint_load.lua")
 
 #: ``SaveAck.event_id`` of a save that had already landed (its event id is not re-read).
 REPLAYED = "replayed"
@@ -74,20 +96,26 @@ class RedisCheckpointStore:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StoreClient,
         keys: KeyLayout,
         *,
         events_maxlen: int = 100_000,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
+        atomic: AtomicSave = AtomicSave.SCRIPT,
     ) -> None:
         self.client = client
+        self.atomic = atomic
         self.keys = keys
         self.events_maxlen = events_maxlen
         self.max_record_bytes = max_record_bytes
         self.durability = durability
         self._has_waitaof: bool | None = None
         self._save_script = client.register_script(_SAVE_LUA)
+        self._load_script = client.register_script(_LOAD_LUA)
+        self.known = KnownBodies()
+        """What this store's own saves (of :class:`CheckpointRecord`) left in Redis, so the
+        next save of a turn sends only new bodies. Saves handed in encoded carry their own."""
 
     async def submit(self, spec: TurnSpec, record: CheckpointRecord) -> SaveAck:
         """Create one turn (see :meth:`submit_many`); raises :class:`TurnExists`."""
@@ -124,7 +152,17 @@ class RedisCheckpointStore:
         order: an ack, :class:`StaleOwner` (:class:`AlreadySaved` for a replay of a save
         that already landed), or another :class:`StoreError`. A refused record never holds
         back the others."""
-        return await self._commit([_Write(_encoded(r)) for r in records])
+        writes = [
+            _Write(r if isinstance(r, EncodedRecord) else EncodedRecord.of(r, self.known))
+            for r in records
+        ]
+        answers = await self._commit(writes)
+        for r, w, a in zip(records, writes, answers, strict=True):
+            if not isinstance(r, EncodedRecord):
+                self.known.settle(
+                    w.record.turn_id, w.record.seq, landed=landed(a), in_progress=r.in_progress
+                )
+        return answers
 
     async def _commit(self, writes: Sequence[_Write]) -> list[SaveAck | StoreError]:
         answers: list[SaveAck | StoreError | None] = [None] * len(writes)
@@ -138,22 +176,10 @@ class RedisCheckpointStore:
         if sent:
             try:
                 wait = await self.wait_command()
-                with translated(f"save {len(sent)} records"):
-                    async with self.client.pipeline(transaction=False) as pipe:
-                        for i in sent:
-                            await self.queue_save(pipe, writes[i].record, spec=writes[i].spec)
-                        if wait:
-                            pipe.execute_command(*wait)  # same connection as the saves
-                        replies = await pipe.execute(raise_on_error=False)
-                if wait:
-                    problem = self.not_durable(replies.pop())
-                    if problem:
-                        replies = [
-                            NotDurable(f"save of {writes[i].record.turn_id}: {problem}")
-                            if isinstance(r, list) and r and text(r[0]) == "ok"
-                            else r
-                            for i, r in zip(sent, replies, strict=True)
-                        ]
+                if self.atomic is AtomicSave.SCRIPT:
+                    replies = await self._pipelined(writes, sent, wait)
+                else:
+                    replies = await self._transactions(writes, sent, wait)
             except StoreError as exc:
                 replies = [exc] * len(sent)
             for i, reply in zip(sent, replies, strict=True):
@@ -161,6 +187,124 @@ class RedisCheckpointStore:
                     reply if isinstance(reply, StoreError) else self.answer(writes[i].record, reply)
                 )
         return [a if a is not None else StoreError("not answered") for a in answers]
+
+    async def _pipelined(
+        self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
+    ) -> list[object]:
+        """Every save's script in one pipeline (one round trip), the durability wait last.
+
+        The scripts go by ``EVALSHA`` alone: redis-py's pipeline would first ask ``SCRIPT
+        EXISTS``, one more round trip per batch (``phaseline bench`` profiled it). A server
+        that lost its script cache (restart, failover) answers NOSCRIPT: such a save did
+        nothing, so it is sent again after ``SCRIPT LOAD``.
+        """
+        if isinstance(self.client, aioredis.RedisCluster):
+            return await self._pipelined_by_slot(writes, sent, wait)
+        out: dict[int, object] = {}
+        todo = sent
+        for _ in range(2):
+            with translated(f"save {len(todo)} records"):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for i in todo:
+                        keys, args = self._save_call(writes[i].record, writes[i].spec)
+                        pipe.evalsha(self._save_script.sha, len(keys), *keys, *args)
+                    if wait:
+                        pipe.execute_command(*wait)  # same connection as the saves
+                    replies: list[object] = await pipe.execute(raise_on_error=False)
+            if wait:
+                replies = self._unless_durable([writes[i] for i in todo], replies[:-1], replies[-1])
+            out.update(zip(todo, replies, strict=True))
+            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)]
+            if not todo:
+                break
+            with translated("load the save script"):
+                await self.client.script_load(_SAVE_LUA)
+        return [out[i] for i in sent]
+
+    async def _pipelined_by_slot(
+        self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
+    ) -> list[object]:
+        """On a Redis Cluster: the scripts of each slot in one round trip to its primary, with
+        that primary's own durability wait after them (a ``WAIT`` covers the writes of its
+        connection only), the slots at once."""
+        return await _per_group(
+            sent,
+            lambda i: slot_of(self.client, self.keys.turn(writes[i].record.turn_id)),
+            lambda group: self._scripts_on_node(writes, group, wait),
+        )
+
+    async def _scripts_on_node(
+        self, writes: Sequence[_Write], group: list[int], wait: tuple[str | int, ...] | None
+    ) -> list[object]:
+        """One slot's saves on a raw connection to its primary. A reply that says nothing ran
+        (``NOSCRIPT`` after a restart or failover, a redirect after the slot moved) sends that
+        save again: with ``SCRIPT LOAD`` first, or to the new primary."""
+        out: dict[int, object] = {}
+        todo, load = group, False
+        slot_key = self.keys.turn(writes[group[0]].record.turn_id)
+        for _ in range(REDIRECT_ATTEMPTS):
+            with translated(f"save {len(todo)} records"):
+                commands: list[tuple[object, ...]] = [("SCRIPT", "LOAD", _SAVE_LUA)] * load
+                for i in todo:
+                    keys, args = self._save_call(writes[i].record, writes[i].spec)
+                    commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
+                if wait:
+                    commands.append(wait)
+                async with node_connection(self.client, slot_key) as conn:
+                    replies = await roundtrip(conn, commands)
+            replies = replies[1:] if load else replies
+            if wait:
+                replies = self._unless_durable([writes[i] for i in todo], replies[:-1], replies[-1])
+            out.update(zip(todo, replies, strict=True))
+            load = any(isinstance(out[i], redis.exceptions.NoScriptError) for i in todo)
+            moved = any(is_redirect(out[i]) for i in todo)
+            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)
+                    or is_redirect(out[i])]  # fmt: skip
+            if not todo:
+                break
+            if moved:
+                await refresh_topology(self.client)
+        return [
+            StoreUnavailable(f"save of {writes[i].record.turn_id}: {r}") if is_redirect(r) else r
+            for i in group
+            for r in (out[i],)
+        ]
+
+    async def _transactions(
+        self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
+    ) -> list[object]:
+        """One WATCH/MULTI/EXEC per shard (:mod:`store.transaction`), the shards at once."""
+
+        async def commit(group: list[int]) -> list[object]:
+            batch = ShardBatch(
+                self.keys,
+                [writes[i].record for i in group],
+                [writes[i].spec for i in group],
+                self.events_maxlen,
+                wait,
+            )
+            replies, wait_reply = await batch.commit(self.client)
+            if wait and wait_reply is not None:
+                replies = self._unless_durable([writes[i] for i in group], replies, wait_reply)
+            return replies
+
+        return await _per_group(
+            sent, lambda i: self.keys.shard_of(writes[i].record.turn_id), commit
+        )
+
+    def _unless_durable(
+        self, writes: Sequence[_Write], replies: list[object], wait_reply: object
+    ) -> list[object]:
+        """Saves that landed but whose durability wait fell short become NotDurable."""
+        problem = self.not_durable(wait_reply)
+        if not problem:
+            return replies
+        return [
+            NotDurable(f"save of {w.record.turn_id}: {problem}")
+            if isinstance(r, list) and r and text(r[0]) == "ok"
+            else r
+            for w, r in zip(writes, replies, strict=True)
+        ]
 
     async def wait_command(self) -> tuple[str | int, ...] | None:
         """The command that ends a batch under the configured durability (None: none)."""
@@ -178,7 +322,7 @@ class RedisCheckpointStore:
         (``appendfsync always``: what the embedded Redis 6.2 fallback runs with); otherwise
         ``fsync`` cannot be promised and saves fail as :class:`NotDurable`."""
         try:
-            await self.client.execute_command("WAITAOF", 0, 0, 0)  # type: ignore[no-untyped-call]
+            await self.client.execute_command("WAITAOF", 0, 0, 0)
             return True
         except redis.ResponseError as exc:
             if "unknown command" not in str(exc).lower():
@@ -207,24 +351,37 @@ class RedisCheckpointStore:
             return ""
         return f"local AOF not fsynced within {d.timeout_ms} ms ({reply!r})"
 
-    async def queue_save(
+    def queue_save(
         self,
-        pipe: aioredis.client.Pipeline,
+        pipe: aioredis.client.Pipeline | aioredis.cluster.ClusterPipeline,
         record: EncodedRecord,
         *,
         spec: tuple[str, bytes] | None = None,
     ) -> None:
-        """Queue one fenced save (and, for a submission, its spec) on ``pipe``."""
+        """Queue one fenced save (and, for a submission, its spec) on ``pipe``: an ``EVAL`` of
+        the script's text, which needs no ``SCRIPT LOAD`` beforehand on whichever node the
+        pipeline reaches (opening a session's turn is rare; the text is 3 KB)."""
+        keys, args = self._save_call(record, spec)
+        pipe.eval(_SAVE_LUA, len(keys), *keys, *args)
+
+    def _save_call(
+        self, record: EncodedRecord, spec: tuple[str, bytes] | None
+    ) -> tuple[list[str], list[bytes | str | int]]:
+        """KEYS and ARGV of the save script (its contract is on top of the script)."""
         turn_id = record.turn_id
-        keys = [self.keys.turn(turn_id), self.keys.events_of(turn_id)]
+        keys = [self.keys.turn(turn_id), self.keys.bodies(turn_id), self.keys.events_of(turn_id)]
         keys += [self.keys.in_progress_of(turn_id)] + ([spec[0]] if spec else [])
         args: list[bytes | str | int] = [
             record.epoch, record.seq, turn_id, record.phase, record.reason,
             int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
+            int(record.replace), len(record.puts), len(record.drops),
         ]  # fmt: skip
+        for address, body in record.puts.items():
+            args += (address, body)
+        args += record.drops
         for name, value in record.fields.items():
             args += (name, value)
-        await self._save_script(keys=keys, args=args, client=pipe)
+        return keys, args
 
     def answer(self, record: EncodedRecord, reply: object) -> SaveAck | StoreError:
         """Turn the script's reply for one save into an ack or the typed refusal."""
@@ -254,10 +411,10 @@ class RedisCheckpointStore:
         key = self.keys.turn(turn_id)
         try:
             with reading(key, f"load {turn_id}"):
-                raw = await self.client.hgetall(key)
-            if not raw:
+                reply = await self._load_script(keys=[key, self.keys.bodies(turn_id)])
+            if not reply:
                 raise RecordNotFound(f"no record for turn {turn_id}")
-            record = decode_record(key, {raw_bytes(k): raw_bytes(v) for k, v in raw.items()})
+            record = decode_record(key, *_pairs(key, reply))
             if record.turn_id != turn_id:
                 raise RecordError(key, f"holds turn {record.turn_id!r}, not {turn_id!r}")
             return record
@@ -302,7 +459,8 @@ class RedisCheckpointStore:
         return InProgressScan(tuple(good), tuple(bad))
 
     async def quarantine(self, turn_id: str, reason: str) -> None:
-        """Move a bad record aside (same slot) and out of the in-progress index."""
+        """Move a bad record aside (same slot) and out of the in-progress index. Its bodies
+        stay where they are: the record moved aside still names them."""
         key, dest = self.keys.turn(turn_id), self.keys.quarantined(turn_id)
         log.error("quarantining %s: %s", key, reason)
         with translated(f"quarantine {turn_id}"):
@@ -311,7 +469,7 @@ class RedisCheckpointStore:
                     self.keys.quarantine_of(turn_id), turn_id, f"{int(time.time())}: {reason}"
                 )
                 pipe.srem(self.keys.in_progress_of(turn_id), turn_id)
-                pipe.rename(key, dest)
+                pipe.execute_command("RENAME", key, dest)  # redis-py blocks .rename on a cluster
                 await pipe.execute(raise_on_error=False)
 
     async def quarantined(self) -> dict[str, str]:
@@ -324,5 +482,40 @@ class RedisCheckpointStore:
         return out
 
 
-def _encoded(record: CheckpointRecord | EncodedRecord) -> EncodedRecord:
-    return record if isinstance(record, EncodedRecord) else EncodedRecord.of(record)
+async def _per_group(
+    sent: list[int],
+    group_of: Callable[[int], int],
+    run: Callable[[list[int]], Awaitable[list[object]]],
+) -> list[object]:
+    """Run each group of ``sent`` (by ``group_of``: a shard, a slot) at once; the replies in
+    the order of ``sent``."""
+    groups: dict[int, list[int]] = {}
+    for i in sent:
+        groups.setdefault(group_of(i), []).append(i)
+    results = await asyncio.gather(*(run(g) for g in groups.values()))
+    out: dict[int, object] = {}
+    for group, replies in zip(groups.values(), results, strict=True):
+        out.update(zip(group, replies, strict=True))
+    return [out[i] for i in sent]
+
+
+def landed(answer: SaveAck | StoreError) -> bool | None:
+    """Whether a save is in Redis: True (acked, or found already stored), False (refused by
+    its fence or never sent), None (it may or may not have landed)."""
+    if isinstance(answer, SaveAck | AlreadySaved):
+        return True
+    if isinstance(answer, StaleOwner | RecordTooLarge | TurnExists | RecordError):
+        return False
+    return None
+
+
+def _pairs(key: str, reply: object) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+    """The load script's ``{record, bodies}`` as two mappings (RecordError if malformed)."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        raise RecordError(key, f"load script answered {reply!r:.80}")
+    out: list[dict[bytes, bytes]] = []
+    for flat in reply:
+        if not isinstance(flat, list) or len(flat) % 2:
+            raise RecordError(key, "load script answered an odd list")
+        out.append({raw_bytes(flat[i]): raw_bytes(flat[i + 1]) for i in range(0, len(flat), 2)})
+    return out[0], out[1]

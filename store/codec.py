@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from bus.errors import RecordError, RecordTooLarge, UnknownSchema
 from bus.phase import TurnPhase
@@ -21,17 +20,27 @@ from store.records import (
     MessageMeta,
     SaveReason,
 )
+from store.transcript import (
+    DIGEST_BYTES,
+    MESSAGES,
+    METAS,
+    KnownBodies,
+    Plan,
+    Transcript,
+    digest,
+    split_digests,
+    unpack_entries,
+)
 
 M = TypeVar("M", bound=BaseModel)
-Item = TypeVar("Item", bound=BaseModel)
 
-# Whole lists in one pydantic-core call each: per-message model calls were a third of a save's
-# CPU in ``phaseline bench``.
-_MESSAGES = TypeAdapter(tuple[Message, ...])
-_METAS = TypeAdapter(tuple[MessageMeta, ...])
-
-#: The hash fields of a checkpoint record; every save writes all of them.
+#: The hash fields of a checkpoint record; every save writes all of them (and nothing else).
 RECORD_FIELDS = (
+    "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
+    "chunks", "tail", "length", "baseline", "counters", "updated_at",
+)  # fmt: skip
+#: The fields of a schema-1 record (the whole transcript inline), still read.
+SCHEMA1_FIELDS = (
     "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
     "messages", "meta", "baseline", "counters", "updated_at",
 )  # fmt: skip
@@ -43,7 +52,7 @@ def pack(value: Any) -> bytes:
 
 
 def unpack(data: bytes) -> Any:
-    """Strict msgpack decode: str keys only, no ext types, no surprises."""
+    """Strict msgpack decode: str or bytes keys only, no ext types, no surprises."""
     return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
@@ -64,10 +73,14 @@ def unpack_model(cls: type[M], data: bytes, *, key: str) -> M:
         raise RecordError(key, f"invalid {cls.__name__}: {exc}") from exc
 
 
-def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
-    """The full hash mapping of a record (all fields, always)."""
+def encode_record(
+    record: CheckpointRecord, transcript: Transcript | None = None
+) -> dict[str, bytes | str | int]:
+    """The full hash mapping of a record (all fields, always); the bodies it names are
+    ``transcript.bodies``."""
+    t = transcript or Transcript.of(record.messages, record.meta)
     return {
-        "schema": record.schema_version,
+        "schema": SCHEMA_VERSION,
         "turn_id": record.turn_id,
         "session_id": record.session_id,
         "epoch": record.epoch,
@@ -75,62 +88,13 @@ def encode_record(record: CheckpointRecord) -> dict[str, bytes | str | int]:
         "phase": record.phase.value,
         "in_progress": 1 if record.in_progress else 0,
         "reason": record.reason.value,
-        "messages": _PACKED_MESSAGES.pack(record.messages),
-        "meta": _PACKED_METAS.pack(record.meta),
+        "chunks": t.chunks,
+        "tail": t.tail,
+        "length": t.length,
         "baseline": record.baseline,
         "counters": pack_model(record.counters),
         "updated_at": record.updated_at,
     }
-
-
-class _PackMemo(Generic[Item]):
-    """msgpack bytes of transcript entries, remembered per live object.
-
-    Every save packs the turn's whole transcript (never a diff), but between two saves of a turn
-    only the new entries differ, and entries are frozen. So each entry is packed once and its
-    bytes reused while the object lives: a msgpack array is its header followed by its packed
-    elements, so the result is byte for byte what packing the whole list gives. Keyed by
-    identity with a weak reference (entries hold dicts, so they are not hashable, and equality
-    would compare whole payloads); an entry's bytes leave the memo when the entry is collected.
-    Re-packing every transcript was most of a host's CPU per save (``phaseline bench``).
-    """
-
-    def __init__(self, adapter: TypeAdapter[tuple[Item, ...]]) -> None:
-        self._adapter = adapter
-        self._packed: dict[int, tuple[weakref.ref[Item], bytes]] = {}
-
-    def pack(self, items: Sequence[Item]) -> bytes:
-        parts: list[bytes | None] = []
-        missing: list[Item] = []
-        for item in items:
-            hit = self._packed.get(id(item))
-            if hit is not None and hit[0]() is item:
-                parts.append(hit[1])
-            else:
-                parts.append(None)
-                missing.append(item)
-        if missing:
-            dumped = self._adapter.dump_python(
-                tuple(missing), mode="json", by_alias=True, exclude_defaults=True
-            )
-            fresh = iter(zip(missing, dumped, strict=True))
-            for i, part in enumerate(parts):
-                if part is None:
-                    item, value = next(fresh)
-                    parts[i] = self._remember(item, pack(value))
-        header: bytes = _HEADERS.pack_array_header(len(parts))
-        return header + b"".join(p for p in parts if p is not None)
-
-    def _remember(self, item: Item, data: bytes) -> bytes:
-        key = id(item)
-        self._packed[key] = (weakref.ref(item, lambda _ref: self._packed.pop(key, None)), data)
-        return data
-
-
-_HEADERS = msgpack.Packer()
-"""Writes bare array headers (``pack_array_header`` returns the bytes)."""
-_PACKED_MESSAGES: _PackMemo[Message] = _PackMemo(_MESSAGES)
-_PACKED_METAS: _PackMemo[MessageMeta] = _PackMemo(_METAS)
 
 
 #: Default cap on one record's encoded size. Redis refuses a bulk string past
@@ -150,14 +114,15 @@ def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:
         )
 
 
-_INT_FIELDS = ("schema", "epoch", "seq", "baseline", "updated_at")
+_INT_FIELDS = ("schema", "epoch", "seq", "length", "baseline", "updated_at")
 _STR_FIELDS = ("turn_id", "session_id", "phase", "reason")
-_BLOB_FIELDS = ("messages", "meta", "counters")
+_BLOB_FIELDS = ("chunks", "tail", "counters")
+_WIRE_PARTS = {"fields", "puts", "drops", "replace", "nbytes"}
 
 
 @dataclass(frozen=True, slots=True)
 class EncodedRecord:
-    """A checkpoint record in its Redis hash form, with the fields a save and its fence read.
+    """One save in its Redis form: the record's hash and what it does to the turn's bodies.
 
     Hosts encode their records once and ship this form to the CheckpointActor, which checks
     its framing (:meth:`from_wire`) instead of rebuilding pydantic models: the content was
@@ -179,29 +144,57 @@ class EncodedRecord:
     """Whether the turn is still running."""
     fields: dict[str, bytes | str | int]
     """Every hash field (:data:`RECORD_FIELDS`), ready for HSET."""
+    puts: dict[bytes, bytes]
+    """Bodies to write, by digest (only those the writer does not know the store has)."""
+    drops: tuple[bytes, ...]
+    """Digests of bodies the record stopped referencing."""
+    replace: bool
+    """Empty the bodies hash before the puts (then ``puts`` holds every body)."""
+    nbytes: int
+    """The whole record's size: its fields and every body it references (the size cap)."""
 
     @classmethod
-    def of(cls, record: CheckpointRecord) -> EncodedRecord:
+    def of(cls, record: CheckpointRecord, known: KnownBodies | None = None) -> EncodedRecord:
+        """Encode a save; ``known`` (the writer's memory of the turn) turns it into a delta."""
+        transcript = Transcript.of(record.messages, record.meta)
+        fields = encode_record(record, transcript)
+        if known is None:
+            plan = Plan(dict(transcript.bodies), (), replace=True)
+        else:
+            plan = known.plan(record.turn_id, record.epoch, record.seq, transcript)
         return cls(
             record.turn_id, record.epoch, record.seq, record.phase.value, record.reason.value,
-            record.in_progress, encode_record(record),
+            record.in_progress, fields, plan.puts, plan.drops, plan.replace,
+            _field_bytes(fields) + transcript.nbytes,
         )  # fmt: skip
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the hash's values, about what the save sends."""
-        return sum(len(v) if isinstance(v, bytes | str) else 8 for v in self.fields.values())
+    def sent_bytes(self) -> int:
+        """Bytes this save writes: the record's fields and the new bodies."""
+        return _field_bytes(self.fields) + sum(len(k) + len(v) for k, v in self.puts.items())
 
     def to_wire(self) -> bytes:
-        return pack(self.fields)
+        return pack(
+            {
+                "fields": self.fields,
+                "puts": self.puts,
+                "drops": list(self.drops),
+                "replace": self.replace,
+                "nbytes": self.nbytes,
+            }
+        )
 
     @classmethod
     def from_wire(cls, blob: bytes) -> EncodedRecord:
-        """Check the framing of a shipped hash; ``ValueError`` says what is wrong."""
+        """Check the framing of a shipped save; ``ValueError`` says what is wrong."""
         try:
-            fields = unpack(blob)
+            parts = unpack(blob)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ValueError(f"not msgpack: {exc}") from exc
+        if not isinstance(parts, dict) or set(parts) != _WIRE_PARTS:
+            got = sorted(parts) if isinstance(parts, dict) else type(parts).__name__
+            raise ValueError(f"a save must have parts {sorted(_WIRE_PARTS)}, got {got}")
+        fields, puts, drops = parts["fields"], parts["puts"], parts["drops"]
         if not isinstance(fields, dict) or set(fields) != set(RECORD_FIELDS):
             got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
             raise ValueError(f"hash fields must be {list(RECORD_FIELDS)}, got {got}")
@@ -223,34 +216,63 @@ class EncodedRecord:
             or not 0 <= fields["seq"] <= MAX_FENCE
         ):
             raise ValueError("in_progress must be 0 or 1, epoch in 1..2^53-1, seq in 0..2^53-1")
+        for name in ("chunks", "tail"):
+            split_digests(fields[name])
+        if not isinstance(puts, dict) or not all(
+            isinstance(v, bytes) and digest(v) == k for k, v in puts.items()
+        ):
+            raise ValueError("puts must map each body's digest to the body")
+        if not isinstance(drops, list) or not all(
+            isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in drops
+        ):
+            raise ValueError(f"drops must be a list of {DIGEST_BYTES}-byte digests")
+        if not isinstance(parts["replace"], bool):
+            raise ValueError("replace must be a bool")
+        nbytes = parts["nbytes"]
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError("nbytes must be a byte count")
         return cls(
             fields["turn_id"], fields["epoch"], fields["seq"], fields["phase"], fields["reason"],
-            fields["in_progress"] == 1, fields,
+            fields["in_progress"] == 1, fields, puts, tuple(drops), parts["replace"],
+            # A host cannot make a save pass the size cap by under-reporting what it sends.
+            max(nbytes, sum(len(v) for v in puts.values())),
         )  # fmt: skip
 
 
-def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
-    """Validate a hash read with HGETALL. Raises :class:`RecordError` / :class:`UnknownSchema`."""
+def _field_bytes(fields: Mapping[str, bytes | str | int]) -> int:
+    return sum(len(v) if isinstance(v, bytes | str) else 8 for v in fields.values())
+
+
+def decode_record(
+    key: str, raw: Mapping[bytes, bytes], bodies: Mapping[bytes, bytes] | None = None
+) -> CheckpointRecord:
+    """Validate a record's hash and the bodies it names (what ``checkpoint_load.lua`` reads).
+    Raises :class:`RecordError` / :class:`UnknownSchema`; schema-1 records are read too."""
     fields = {k.decode("utf-8", "replace"): v for k, v in raw.items()}
-    missing = [f for f in RECORD_FIELDS if f not in fields]
+    try:
+        schema = int(fields["schema"])
+    except KeyError:
+        raise RecordError(key, "missing fields ['schema']") from None
+    except ValueError as exc:
+        raise RecordError(key, f"schema is not an integer: {fields['schema']!r}") from exc
+    if schema not in (1, SCHEMA_VERSION):
+        raise UnknownSchema(key, f"unknown schema {schema} (this build reads 1..{SCHEMA_VERSION})")
+    expected = SCHEMA1_FIELDS if schema == 1 else RECORD_FIELDS
+    missing = [f for f in expected if f not in fields]
     if missing:
         raise RecordError(key, f"missing fields {missing}")
-    extra = sorted(set(fields) - set(RECORD_FIELDS))
+    extra = sorted(set(fields) - set(expected))
     if extra:
         raise RecordError(key, f"unexpected fields {extra}")
     try:
-        schema = int(fields["schema"])
-    except ValueError as exc:
-        raise RecordError(key, f"schema is not an integer: {fields['schema']!r}") from exc
-    if schema != SCHEMA_VERSION:
-        raise UnknownSchema(key, f"unknown schema {schema} (this build reads {SCHEMA_VERSION})")
-    try:
         text = {f: fields[f].decode() for f in ("turn_id", "session_id", "phase", "reason")}
-        messages = unpack(fields["messages"])
-        meta = unpack(fields["meta"])
+        if schema == 1:
+            messages, meta = _schema1_transcript(fields)
+        else:
+            messages, meta = unpack_entries(
+                fields["chunks"], fields["tail"], int(fields["length"]), dict(bodies or {})
+            )
         counters = unpack(fields["counters"])
-        if not isinstance(messages, list) or not isinstance(meta, list):
-            raise ValueError("messages and meta must be msgpack lists")
         return CheckpointRecord(
             schema_version=schema,
             turn_id=text["turn_id"],
@@ -260,8 +282,8 @@ def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
             phase=TurnPhase(text["phase"]),
             in_progress=_flag(fields["in_progress"]),
             reason=SaveReason(text["reason"]),
-            messages=_MESSAGES.validate_python(messages),
-            meta=_METAS.validate_python(meta),
+            messages=messages,
+            meta=meta,
             baseline=int(fields["baseline"]),
             counters=Counters.model_validate(counters),
             updated_at=int(fields["updated_at"]),
@@ -269,6 +291,16 @@ def decode_record(key: str, raw: Mapping[bytes, bytes]) -> CheckpointRecord:
     except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as exc:
         # pydantic.ValidationError is a ValueError.
         raise RecordError(key, f"undecodable record: {exc}") from exc
+
+
+def _schema1_transcript(
+    fields: Mapping[str, bytes],
+) -> tuple[tuple[Message, ...], tuple[MessageMeta, ...]]:
+    """A schema-1 record carries its whole transcript inline, as two msgpack lists."""
+    messages, meta = unpack(fields["messages"]), unpack(fields["meta"])
+    if not isinstance(messages, list) or not isinstance(meta, list):
+        raise ValueError("messages and meta must be msgpack lists")
+    return MESSAGES.validate_python(messages), METAS.validate_python(meta)
 
 
 def _flag(value: bytes) -> bool:

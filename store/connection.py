@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -14,6 +15,11 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
 
 from bus.errors import RecordError, StoreError, StoreUnavailable
+
+StoreClient: TypeAlias = aioredis.Redis | aioredis.RedisCluster
+"""What every store class talks through: one server's client, or a Redis Cluster's
+(``[redis] cluster = true``). Both speak the same commands; where they differ (a raw
+connection, a read across slots) :mod:`store.connection` hides it."""
 
 
 class _HiredisConnection(aioredis.Connection):
@@ -34,9 +40,35 @@ class _HiredisConnection(aioredis.Connection):
 _SCHEMES = ("redis", "rediss", "unix")
 
 
+def seed_urls(url: str) -> list[str]:
+    """The nodes a URL names. A Redis Cluster URL may name several seeds, as in
+    ``redis://:pw@h1:7000,h2:7001``: a client starting while one of them is down (a failed
+    primary) reaches the cluster through another. Each seed gets the shared user, password,
+    path and query; a URL of one host is returned as it is."""
+    scheme, sep, rest = url.partition("://")
+    ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    end = min(ends, default=len(rest))
+    user, at, hosts = rest[:end].rpartition("@")
+    if not sep or "," not in hosts:
+        return [url]
+    return [f"{scheme}://{user}{at}{host}{rest[end:]}" for host in hosts.split(",")]
+
+
+def _join_seeds(urls: list[str]) -> str:
+    """The inverse of :func:`seed_urls` for URLs that differ only in host and port."""
+    first = urlsplit(urls[0])
+    hosts = [urlsplit(u).netloc.rpartition("@")[2] for u in urls]
+    user = first.netloc.rpartition("@")[0]
+    netloc = ",".join(hosts) if not user else f"{user}@{','.join(hosts)}"
+    return urlunsplit(first._replace(netloc=netloc))
+
+
 def redact_url(url: str) -> str:
     """``url`` with its password (and a lone username-as-password) replaced by ``***``: what
     every message, log line and report prints instead of the URL itself."""
+    seeds = seed_urls(url)
+    if len(seeds) > 1:
+        return _join_seeds([redact_url(seed) for seed in seeds])
     try:
         parts = urlsplit(url)
         if parts.password is None and not (parts.username and parts.scheme in _SCHEMES):
@@ -53,7 +85,12 @@ def redact_url(url: str) -> str:
 
 def check_redis_url(url: str) -> str:
     """Refuse a URL redis-py would misread (``redis://h/abc`` silently meant db 0); the
-    error names the problem, never the password."""
+    error names the problem, never the password. Every seed of a cluster URL is checked."""
+    seeds = seed_urls(url)
+    if len(seeds) > 1:
+        for seed in seeds:
+            check_redis_url(seed)
+        return url
     shown = redact_url(url)
     try:
         parts = urlsplit(url)
@@ -92,15 +129,47 @@ def retry_policy(retry_s: float) -> Retry:
     return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries)
 
 
+#: A cluster client's connections per node, as a multiple of ``max_connections``: redis-py's
+#: cluster client cannot queue for a free connection (past its cap a command fails with
+#: MaxConnectionsError), so the cap is set where the server, not the client, pushes back.
+CLUSTER_CONNECTION_FACTOR = 16
+
+
 def connect(
-    url: str, *, max_connections: int = 64, retry_s: float = DEFAULT_RETRY_S
-) -> aioredis.Redis:
+    url: str,
+    *,
+    cluster: bool = False,
+    max_connections: int = 64,
+    retry_s: float = DEFAULT_RETRY_S,
+) -> StoreClient:
     """An asyncio client on a bounded pool; bytes in, bytes out (records are binary).
 
     When every connection is busy a caller waits for one (backpressure: thousands of turns
     share a few dozen connections, and a busy Redis only slows them down). A Redis that is
     gone is retried for about ``retry_s`` seconds (:func:`retry_policy`), then fails.
+    ``cluster``: ``url`` names one or more nodes of a Redis Cluster (:func:`seed_urls`); the
+    client learns the others and routes each command by its key's slot.
     """
+    seeds = seed_urls(url)
+    if cluster:
+        try:
+            more = [urlsplit(seed) for seed in seeds[1:]]
+            return aioredis.RedisCluster.from_url(
+                seeds[0],
+                startup_nodes=[
+                    aioredis.cluster.ClusterNode(p.hostname or "", p.port or 6379) for p in more
+                ],
+                max_connections=max_connections * CLUSTER_CONNECTION_FACTOR,
+                socket_connect_timeout=5,
+                socket_timeout=30,
+                retry=retry_policy(retry_s),
+                decode_responses=False,
+            )
+        except ValueError as exc:
+            raise StoreError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+    if len(seeds) > 1:
+        shown = redact_url(url)
+        raise StoreError(f"{shown} names several nodes: that needs [redis] cluster = true")
     # Only plain TCP gets the hiredis packer: unix:// and rediss:// keep redis-py's own classes
     # (redis-py 8.2 no longer swaps a given class out for them).
     own: dict[str, Any] = {}
@@ -121,6 +190,87 @@ def connect(
         return aioredis.Redis(connection_pool=pool, decode_responses=False)
     except ValueError as exc:
         raise StoreError(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+
+
+@asynccontextmanager
+async def node_connection(client: StoreClient, key: str) -> AsyncIterator[Any]:
+    """A raw connection to the server holding ``key`` (on a cluster: its slot's primary), for
+    commands that must share one connection: ``WATCH`` … ``EXEC``, or writes followed by the
+    ``WAIT`` that covers them. On any exception the connection is dropped, not pooled: replies
+    may be unread."""
+    if not isinstance(client, aioredis.RedisCluster):
+        pool = client.connection_pool
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            yield conn
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+        return
+    with translated(f"find the node of {key}"):
+        if client._initialize_due():  # no topology yet, or a refresh was asked for
+            await client.initialize()
+        node = client.get_node_from_key(key)
+    if node is None:
+        raise StoreUnavailable(f"no node serves the slot of {key}")
+    conn = node.acquire_connection()
+    try:
+        yield conn
+    except BaseException as exc:
+        await conn.disconnect()
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
+            await refresh_topology(client)  # the node may be dead: learn who serves it now
+        raise
+    finally:
+        node.release(conn)
+
+
+async def roundtrip(conn: Any, commands: list[tuple[Any, ...]]) -> list[object]:
+    """Send ``commands`` on a raw connection in one write and read every reply; an error reply
+    is returned as its exception so the connection stays in step."""
+    await conn.send_packed_command(conn.pack_commands(commands))
+    out: list[object] = []
+    for _ in commands:
+        try:
+            out.append(await conn.read_response())
+        except redis.ResponseError as exc:
+            out.append(exc)
+    return out
+
+
+#: Error replies of a cluster whose slot map changed under the client (a failover, a
+#: resharding): the command did not run; ask again after the client refreshes its map.
+_REDIRECTS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+
+
+#: The classes redis-py parses those replies into: their text loses the code (a MovedError
+#: reads "4494 127.0.0.1:30319"), so the class is what tells.
+_REDIRECT_ERRORS = (
+    redis.exceptions.AskError,  # MovedError is a subclass
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+
+
+def is_redirect(reply: object) -> bool:
+    """Whether a reply says the command ran nowhere because the slot is elsewhere now."""
+    if isinstance(reply, _REDIRECT_ERRORS):
+        return True
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith(_REDIRECTS)
+
+
+async def refresh_topology(client: StoreClient) -> None:
+    """After a redirect or a lost node: make a cluster client read the slot map again."""
+    if isinstance(client, aioredis.RedisCluster):
+        with translated("refresh the cluster's slot map"):
+            await client.nodes_manager.initialize()
+
+
+def slot_of(client: StoreClient, key: str) -> int:
+    """The cluster slot of ``key`` (0 for a single server: one slot holds everything)."""
+    return client.keyslot(key) if isinstance(client, aioredis.RedisCluster) else 0
 
 
 @contextmanager
@@ -166,14 +316,44 @@ StreamEntries = list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]
 
 
 async def read_streams(
-    client: aioredis.Redis,
+    client: StoreClient,
     cursors: dict[str, str],
     *,
     count: int,
     block_ms: int,
     group: tuple[str, str] | None = None,
 ) -> StreamEntries:
-    """XREAD (or XREADGROUP for ``group = (group, consumer)``), typed and translated."""
+    """XREAD (or XREADGROUP for ``group = (group, consumer)``), typed and translated.
+
+    On a cluster one XREAD may only name streams of one slot, so there is one read per slot,
+    all at once: first without blocking, and only if none had entries, blocking. A blocking
+    pass returns when every slot's read has (an entry that lands in one slot while the
+    others still block waits up to ``block_ms``: the latency of a reader woken from idle)."""
+    if not isinstance(client, aioredis.RedisCluster):
+        return await _xread(client, cursors, count=count, block_ms=block_ms, group=group)
+    by_slot: dict[int, dict[str, str]] = {}
+    for stream, cursor in cursors.items():
+        by_slot.setdefault(client.keyslot(stream), {})[stream] = cursor
+    if len(by_slot) == 1:
+        return await _xread(client, cursors, count=count, block_ms=block_ms, group=group)
+    for block in (None, block_ms):
+        parts = await asyncio.gather(
+            *(_xread(client, p, count=count, block_ms=block, group=group) for p in by_slot.values())
+        )
+        found = [entry for part in parts for entry in part]
+        if found:
+            return found
+    return []
+
+
+async def _xread(
+    client: StoreClient,
+    cursors: dict[str, str],
+    *,
+    count: int,
+    block_ms: int | None,
+    group: tuple[str, str] | None,
+) -> StreamEntries:
     streams: dict[Any, Any] = dict(cursors)
     with translated("read streams"):
         if group is None:
@@ -188,7 +368,7 @@ async def read_streams(
     ]
 
 
-async def read_range(client: aioredis.Redis, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+async def read_range(client: StoreClient, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
     """Every entry of a stream (XRANGE - +), typed and translated."""
     with translated(f"read stream {stream}"):
         reply: Any = await client.xrange(stream)

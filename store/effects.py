@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import uuid
 
-import redis.asyncio as aioredis
-
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 
 
 class EffectCounters:
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
         self._increment = client.register_script(lua_script("effect_increment.lua"))

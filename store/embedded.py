@@ -148,8 +148,11 @@ class EmbeddedRedis:
         appendfsync: str = "everysec",
         startup_timeout: float = 10.0,
         extra_config: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
-        """``extra_config``: more ``redis.conf`` lines (tests start a replica with them)."""
+        """``extra_config``: more ``redis.conf`` lines (tests start a replica with them).
+        ``password``: the one to require (the nodes of a cluster share one); None: the data
+        directory's own, generated at its first use."""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="phaseline-redis-")
@@ -162,6 +165,7 @@ class EmbeddedRedis:
         self.process: subprocess.Popen[bytes] | None = None
         self._lock: int | None = None
         self.password = ""
+        self._given_password = password
 
     @property
     def url(self) -> str:
@@ -173,6 +177,9 @@ class EmbeddedRedis:
     def _password(self) -> str:
         """The data directory's password: generated at its first use, then kept."""
         path = self.data_dir / "password"
+        if self._given_password is not None:
+            _private_file(path, self._given_password + "\n")
+            return self._given_password
         if path.exists():
             path.chmod(0o600)
             return path.read_text().strip()
@@ -215,6 +222,19 @@ class EmbeddedRedis:
         down = time.monotonic()
         self._relaunch(None)
         return time.monotonic() - down
+
+    def kill(self) -> None:
+        """SIGKILL the server and leave it down, its data directory still locked (a cluster
+        node that failed); :meth:`revive` starts it again on the same port and data."""
+        if self.process is None or self._lock is None:
+            raise StoreError("embedded Redis is not running")
+        self._reap()
+
+    def revive(self) -> str:
+        """Start a server stopped by :meth:`kill` again; its URL."""
+        if self._lock is None or self.process is not None:
+            raise StoreError("embedded Redis is not killed")
+        return self._launch()
 
     def aof_tail(self) -> tuple[Path, int] | None:
         """The AOF file the server appends to now, and its size (None: no AOF yet).

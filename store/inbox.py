@@ -10,17 +10,15 @@ from __future__ import annotations
 import time
 import uuid
 
-import redis.asyncio as aioredis
-
 from store.codec import pack_model, unpack_model
+from store.connection import StoreClient, translated
 from store.connection import raw as raw_bytes
-from store.connection import translated
 from store.keys import KeyLayout
 from store.records import InboxItem
 
 
 class Inbox:
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
 

@@ -15,10 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import cast
 
-import redis.asyncio as aioredis
-
 from bus.errors import ConfigError
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout, check_turn_id
 from store.lua import lua_script
 from store.records import MAX_FENCE
@@ -43,7 +41,7 @@ def _now_ms() -> int:
 
 
 class Isolation:
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
         self._mark = client.register_script(lua_script("probation_mark.lua"))

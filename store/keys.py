@@ -3,6 +3,8 @@
 Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
 
     {ns}:{s<N>}:turn:<turn_id>      hash    the checkpoint record (records.CheckpointRecord)
+    {ns}:{s<N>}:bodies:<turn_id>    hash    digest -> transcript entry or chunk of digests,
+                                            each stored once (store.transcript)
     {ns}:{s<N>}:spec:<turn_id>      string  msgpack TurnSpec, written once at submission
     {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry
     {ns}:{s<N>}:effects:<turn_id>   hash    side-effect counters of non-idempotent tools: call
@@ -28,6 +30,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             step it started (phase@position), at
     {ns}:{global}:pools             hash    tool worker pool -> its current size (the
                                             supervisor's; hosts route calls by it)
+    {ns}:{global}:lease:<slot>:<gen> string a host generation's lease, renewed by the host,
+                                            expiring when it stops (store.leases)
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one save script can touch them all. The turns of a
@@ -100,6 +104,9 @@ class KeyLayout:
     def turn(self, turn_id: str) -> str:
         return self._turn_key("turn", turn_id)
 
+    def bodies(self, turn_id: str) -> str:
+        return self._turn_key("bodies", turn_id)
+
     def spec(self, turn_id: str) -> str:
         return self._turn_key("spec", turn_id)
 
@@ -154,6 +161,9 @@ class KeyLayout:
 
     def pools(self) -> str:
         return f"{self.namespace}:{{global}}:pools"
+
+    def lease(self, slot: int, generation: int) -> str:
+        return f"{self.namespace}:{{global}}:lease:{slot}:{generation}"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

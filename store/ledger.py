@@ -13,14 +13,12 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import redis.asyncio as aioredis
+from typing import Any, Protocol
 
 from bus.errors import RecordError, StaleOwner, StoreError
 from store.codec import pack_model, unpack_model
+from store.connection import StoreClient, reading, text, translated
 from store.connection import raw as raw_bytes
-from store.connection import reading, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import LedgerEntry, canonical_json
@@ -57,6 +55,19 @@ class Change:
     """What it becomes."""
 
 
+class Ledger(Protocol):
+    """What a tool batch needs of a ledger (:class:`ToolLedger`; ``store.memory`` has the
+    Redis-free one the bench compares against)."""
+
+    async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]: ...
+    async def prepare(
+        self, turn_id: str, calls: list[tuple[str, str]]
+    ) -> dict[str, LedgerRead]: ...
+    async def transition(
+        self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
+    ) -> dict[str, bool]: ...
+
+
 class ToolLedger:
     """Ledger entries of all turns, one Redis hash per turn.
 
@@ -66,7 +77,7 @@ class ToolLedger:
     dispatch nothing and two racing owners can never both dispatch one call.
     """
 
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
         self.client = client
         self.keys = keys
         self._cas = client.register_script(lua_script("ledger_cas.lua"))

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import time
 
-import redis.asyncio as aioredis
-
 from bus.errors import RecordError
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
 
 
 class PoolSizes:
     """Read (cached) and write pool sizes."""
 
-    def __init__(self, client: aioredis.Redis, keys: KeyLayout, *, ttl_s: float = 1.0) -> None:
+    def __init__(self, client: StoreClient, keys: KeyLayout, *, ttl_s: float = 1.0) -> None:
         self.client = client
         self.key = keys.pools()
         self.ttl_s = ttl_s

@@ -17,8 +17,9 @@ from bus.events import Finished
 from bus.phase import TurnPhase
 
 #: Version of the checkpoint record layout. Bump on any incompatible change; readers
-#: quarantine records whose schema they do not know.
-SCHEMA_VERSION = 1
+#: quarantine records whose schema they do not know. 2: the transcript is content-addressed
+#: (store.transcript); 1 (the whole transcript inline) is still read.
+SCHEMA_VERSION = 2
 
 #: Largest epoch and seq a record may carry: the save script compares them as Lua numbers
 #: (doubles), exact only up to 2^53. A record past it is quarantined on read.
@@ -201,7 +202,7 @@ class CheckpointRecord(_Frozen):
     """The checkpoint hash of DESIGN §3, one per turn; every field is written on every save."""
 
     schema_version: int = Field(default=SCHEMA_VERSION, alias="schema")
-    """Record layout version (:data:`SCHEMA_VERSION`)."""
+    """Layout the record was read from (a save always writes :data:`SCHEMA_VERSION`)."""
     turn_id: str
     """The turn."""
     session_id: str

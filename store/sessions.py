@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import redis
-import redis.asyncio as aioredis
 
 from bus.errors import ConfigError, RecordError, SessionBusy, StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, check_record_size, pack_model
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import check_turn_id, session_turn_id
 from store.records import CheckpointRecord, Outcome, SaveAck, TurnSpec
 
@@ -41,7 +40,7 @@ class Sessions:
     def __init__(self, store: RedisCheckpointStore) -> None:
         self.store = store
         self.keys = store.keys
-        self.client: aioredis.Redis = store.client
+        self.client: StoreClient = store.client
 
     async def latest(self, session_id: str) -> str | None:
         """Id of the session's newest turn (None for a session that has none)."""
@@ -72,7 +71,7 @@ class Sessions:
                         wait = await self.store.wait_command()
                         pipe.multi()  # type: ignore[no-untyped-call]
                         pipe.hset(key, mapping={"turns": n, "latest": spec.turn_id})
-                        await self.store.queue_save(
+                        self.store.queue_save(
                             pipe, encoded, spec=(self.keys.spec(spec.turn_id), pack_model(spec))
                         )
                         if wait:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis
-import redis.asyncio as aioredis
 
 from bus.errors import PhaselineError
 from bus.events import (
@@ -38,7 +37,7 @@ from bus.events import (
     encode_event,
 )
 from bus.phase import Transition
-from store.connection import raw, read_streams, text, translated
+from store.connection import StoreClient, raw, read_streams, text, translated
 from store.keys import KeyLayout
 
 
@@ -81,7 +80,7 @@ class RedisBus:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StoreClient,
         keys: KeyLayout,
         *,
         maxlen: int = 100_000,

@@ -13,18 +13,16 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
-
 from bus.events import BadBusEntry, Finished, WatchEvent, decode_event
 from store.checkpoint import RedisCheckpointStore
-from store.connection import read_streams, text, translated
+from store.connection import StoreClient, read_streams, text, translated
 from store.keys import KeyLayout, check_turn_id
 
 log = logging.getLogger(__name__)
 
 
 async def watch_turn(
-    client: aioredis.Redis,
+    client: StoreClient,
     keys: KeyLayout,
     turn_id: str,
     *,

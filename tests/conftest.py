@@ -13,14 +13,19 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from store.connection import connect
+from store.connection import StoreClient, connect
 from store.embedded import EmbeddedRedis
+from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 #: The API key the Ray workers' HTTP agents send to the test endpoint.
 RAY_TEST_KEY = "sk-ray-test-key"
@@ -87,21 +92,38 @@ async def real_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-@pytest.fixture(params=["fakeredis", "real"])
-async def any_client(
-    request: pytest.FixtureRequest, redis_url: str
-) -> AsyncIterator[aioredis.Redis]:
-    """The same assertions on fakeredis and on the real server (the store contract)."""
-    client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    """A real local Redis Cluster for the session: three primaries with a replica each."""
+    cluster = EmbeddedCluster(data_dir=tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["fakeredis", "real", "cluster"])
+async def any_client(request: pytest.FixtureRequest) -> AsyncIterator[StoreClient]:
+    """The same assertions on fakeredis, on the real server and on a real Redis Cluster (the
+    store contract)."""
+    client: StoreClient
+    if request.param == "fakeredis":
+        client = fakeredis.FakeAsyncRedis()
+    elif request.param == "real":
+        client = connect(request.getfixturevalue("redis_url"))
+    else:
+        client = connect(request.getfixturevalue("redis_cluster").url, cluster=True)
     yield client
     await client.aclose()
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(openai_server: str) -> Iterator[None]:
-    """One real local Ray cluster for the whole session. Its workers inherit this process's
-    environment as it is now: the test OpenAI endpoint and its key are set first."""
+def ray_cluster(openai_server: str) -> Iterator[Cluster]:
+    """One real local Ray cluster for the whole session, of two nodes (Ray's own
+    ``ray.cluster_utils.Cluster``: a head and a worker node, each its own raylet), reached by
+    its address as a real cluster is. Its workers inherit this process's environment as it is
+    now: the test OpenAI endpoint and its key are set first."""
     import ray
+    from ray.cluster_utils import Cluster
 
     from actors.cluster.deployment import RAY_NAMESPACE
     from tests.agents_for_tests import TEST_KEY_ENV
@@ -110,15 +132,24 @@ def ray_cluster(openai_server: str) -> Iterator[None]:
     os.environ[TEST_KEY_ENV] = RAY_TEST_KEY
     os.environ["OPENAI_API_KEY"] = RAY_TEST_KEY  # what the example agent reads
 
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "object_store_memory": 512 * 1024 * 1024,
+        },
+    )
+    cluster.add_node(num_cpus=1, include_dashboard=False)
     ray.init(
-        num_cpus=2,
+        address=cluster.address,
         namespace=RAY_NAMESPACE,
-        include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
     )
-    yield
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from bus.phase import TurnPhase
-from store.codec import pack_model
+from store.codec import encode_record, pack_model
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Counters, LedgerEntry, Message, MessageMeta
+from store.transcript import Transcript
 
 
 def record(
@@ -49,3 +50,11 @@ async def put_ledger(
     """Leave ledger entries as a host that died would have (a plain HSET, no fence)."""
     mapping = {k: pack_model(e) for k, e in entries.items()}
     await client.hset(keys.tools(turn_id), mapping=mapping)  # type: ignore[arg-type]
+
+
+async def put_record(client: aioredis.Redis, keys: KeyLayout, rec: CheckpointRecord) -> None:
+    """Write a record and its bodies as a forger would: plain HSETs, no fence, no event."""
+    transcript = Transcript.of(rec.messages, rec.meta)
+    await client.hset(keys.bodies(rec.turn_id), mapping=transcript.bodies)  # type: ignore[arg-type]
+    await client.delete(keys.turn(rec.turn_id))
+    await client.hset(keys.turn(rec.turn_id), mapping=encode_record(rec, transcript))  # type: ignore[arg-type]

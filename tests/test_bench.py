@@ -10,12 +10,14 @@ import redis.asyncio as aioredis
 from actors.engine.config import Settings
 from actors.engine.scenario import load_scenario
 from actors.harness.bench.durability_modes import durability_modes
+from actors.harness.bench.durable_loop import durable_loop
 from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
-from actors.harness.bench.sizes import bench_record, checkpoint_sizes, hash_bytes, transcript_bytes
+from actors.harness.bench.sizes import bench_record, checkpoint_sizes, transcript_bytes
 from actors.harness.bench.workload import durability_overhead
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError
 from store.checkpoint import RedisCheckpointStore
+from store.codec import EncodedRecord
 from store.keys import KeyLayout
 
 
@@ -35,9 +37,22 @@ def test_summary_is_nearest_rank() -> None:
 
 def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
     fig = {
+        "bytes_per_checkpoint": [
+            {"messages": 10, "ratio_to_first_length": 1.0, "ratio_memory_to_transcript": 1.6},
+            {"messages": 500, "ratio_to_first_length": 1.3, "ratio_memory_to_transcript": 1.4},
+        ],
         "checkpoint_throughput": {
-            "rows": [{"turns": 1000, "batched_saves_per_s": 12_000, "ratio_to_unbatched": 4.0}]
+            "atomic": "script",
+            "rows": [
+                {
+                    "turns": 1000,
+                    "batched_saves_per_s": 12_000,
+                    "ratio_to_unbatched": 4.0,
+                    "ratio_to_raw": 0.8,
+                }
+            ],
         },
+        "durable_loop": {"sequential": {"ratio": 0.7}, "concurrent": {"ratio": 0.3}},
         "durability_overhead": {"overhead_pct": 8.0, "turns": 1000, "scenario": "bench"},
         "recovery": {"error": "PhaselineError: boom"},
         "host_capacity": {"max_turns_held": 5000, "bytes_per_turn_at_max": 60 * 1024, "rows": []},
@@ -45,6 +60,11 @@ def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
     got = {t["name"]: t for t in targets(fig)}
     assert got["checkpoint_saves_per_s_at_1000_turns"]["met"] is True
     assert got["checkpoint_batched_vs_unbatched_at_1000_turns"]["met"] is False
+    assert got["checkpoint_batched_vs_raw_at_1000_turns"]["met"] is False
+    assert got["bytes_per_checkpoint_500_vs_10"]["met"] is True
+    assert got["redis_bytes_per_transcript_byte_at_500"]["value"] == 1.4
+    assert got["durable_loop_sequential_vs_memory"]["met"] is True
+    assert got["durable_loop_concurrent_vs_memory"]["met"] is False
     assert got["durability_overhead_pct"]["met"] is True
     assert got["recovery_p99_vs_ray_restart"] == {
         "name": "recovery_p99_vs_ray_restart", "value": None, "target": "<= 2", "met": False,
@@ -62,7 +82,7 @@ def test_bench_records_have_the_length_asked_and_weigh_more_than_their_text() ->
         assert len(r.messages) == len(r.meta) == n
     r = bench_record("b", messages=50, payload_bytes=500)
     assert transcript_bytes(r) >= 48 * 500
-    assert hash_bytes(r) > transcript_bytes(r)
+    assert EncodedRecord.of(r).nbytes > transcript_bytes(r)
 
 
 async def test_checkpoint_sizes_grow_with_the_transcript(
@@ -73,15 +93,19 @@ async def test_checkpoint_sizes_grow_with_the_transcript(
     )
     assert [r["messages"] for r in rows] == [10, 100]
     small, big = rows
-    assert big["hash_bytes"] > 5 * small["hash_bytes"]
-    assert big["redis_memory_bytes"] > big["hash_bytes"] > big["transcript_bytes"]
-    assert 1.0 < big["ratio_hash_to_transcript"] < 2.0
+    # A full write grows with the transcript; a save of two new messages does not.
+    assert big["full_record_bytes"] > 5 * small["full_record_bytes"]
+    assert big["bytes_per_checkpoint"] < 2 * small["bytes_per_checkpoint"]
+    assert big["ratio_to_first_length"] < 2
+    assert big["bytes_per_checkpoint"] < big["transcript_bytes"] / 20
+    # One copy of the transcript in Redis, not one per checkpoint.
+    assert big["transcript_bytes"] < big["redis_memory_bytes"] < 2 * big["transcript_bytes"]
 
 
 @pytest.mark.usefixtures("ray_cluster")
 async def test_a_miniature_bench_measures_each_figure_beside_its_baseline(redis_url: str) -> None:
     cfg = dataclasses.replace(
-        QUICK, latency_saves=20, throughput_turns=(1, 20), throughput_s=0.3,
+        QUICK, latency_saves=20, throughput_rows=((1, 12), (20, 50)), throughput_s=0.3,
         recovery_turns=20, ray_restarts=1,
     )  # fmt: skip
     report = await run_bench(
@@ -92,8 +116,11 @@ async def test_a_miniature_bench_measures_each_figure_beside_its_baseline(redis_
     assert lat["actor_ms"]["n"] == lat["baseline_bare_multi_exec_ms"]["n"] == 20
     assert lat["ratio_p50"] > 0
     rows = fig["checkpoint_throughput"]["rows"]
-    assert [r["turns"] for r in rows] == [1, 20]
+    assert [(r["turns"], r["messages"]) for r in rows] == [(1, 12), (20, 50)]
     assert all(r["batched_saves_per_s"] > 0 and r["ratio_to_raw"] > 0 for r in rows)
+    assert all(
+        r["raw_multi_exec_saves_per_s"] > 0 and r["raw_script_saves_per_s"] > 0 for r in rows
+    )
     rec = fig["recovery"]
     assert "error" not in rec
     assert rec["recovered"] == rec["answered"] == rec["in_flight_at_kill"] == 20
@@ -122,3 +149,14 @@ async def test_the_durability_modes_figure_measures_every_mode_against_ack() -> 
     assert set(fig["saves_per_s"]) == {"ack", "fsync", "replicas:1", "ack+replica"}
     assert all(rate > 0 for rate in fig["saves_per_s"].values())
     assert fig["overhead_pct_vs_ack"]["ack"] == 0.0
+
+
+async def test_the_durable_loop_figure_prices_redis_against_the_same_loop_in_memory(
+    redis_url: str,
+) -> None:
+    fig = await durable_loop(redis_url, turns=3, concurrent=4, reps=1, warmup=1)
+    assert fig["saves_per_turn"] == 12
+    seq, many = fig["sequential"], fig["concurrent"]
+    assert seq["durable_ms_per_turn"] > 0 and seq["memory_ms_per_turn"] > 0
+    assert seq["ratio"] == round(seq["memory_ms_per_turn"] / seq["durable_ms_per_turn"], 3)
+    assert many["turns"] == 4 and many["durable_turns_per_s"] > 0 and many["ratio"] > 0

@@ -24,8 +24,12 @@ P = TurnPhase
 
 
 def test_targets_are_validated() -> None:
-    assert parse_targets("all", embedded=True) == TARGETS
+    assert parse_targets("all", embedded=True, nodes=True, cluster=True) == TARGETS
     assert "redis" not in parse_targets("all", embedded=False)  # needs the embedded server
+    assert "node" not in parse_targets("all", embedded=True)  # needs a local multi-node cluster
+    assert parse_targets("node,host", embedded=False, nodes=True) == ("node", "host")
+    with pytest.raises(ConfigError, match="--nodes 2"):
+        parse_targets("node", embedded=True)
     assert parse_targets("host, tool", embedded=False) == ("host", "tool")
     with pytest.raises(ConfigError, match="unknown chaos targets"):
         parse_targets("host,gremlin", embedded=True)
@@ -91,3 +95,12 @@ def test_a_rival_resume_counts_as_a_fault_only_when_it_took_turns_over() -> None
     assert "power_loss" not in parse_targets("all", embedded=False)
     with pytest.raises(ConfigError, match="restart the embedded server"):
         parse_targets("host,power_loss", embedded=False)
+
+
+def test_a_redis_failover_needs_the_local_redis_cluster() -> None:
+    assert "redis_failover" not in parse_targets("all", embedded=True, nodes=True)
+    assert "redis_failover" in parse_targets("all", embedded=False, cluster=True)
+    with pytest.raises(ConfigError, match="--redis-cluster"):
+        parse_targets("host,redis_failover", embedded=True)
+    assert Fault(1.0, "redis_failover", "primary :7000", None).landed
+    assert not Fault(1.0, "redis_failover", "-", None, note="skipped: no live primary").landed

@@ -13,7 +13,7 @@ from actors.cli import main
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from store.connection import connect, redact_url
+from store.connection import check_redis_url, connect, redact_url, seed_urls
 from store.keys import KeyLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +155,8 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         ('[tools]\nworkers = "2"\n', "tools.workers"),
         ('[redis]\nurl = "redis://127.0.0.1:6379/abc"\n', "database 'abc' is not a number"),
         ('[redis]\nurl = "http://127.0.0.1:6379/0"\n', "scheme must be one of"),
+        ('[checkpoint]\natomic = "lua"\n', "checkpoint.atomic: Input should be 'script' or"),
+        ("[checkpoint]\natomic = 1\n", "checkpoint.atomic"),
     ],
 )
 def test_bad_configs_are_refused_with_exit_2(tmp_path: Path, config: str, message: str) -> None:
@@ -185,6 +187,12 @@ def test_redact_url() -> None:
     assert redact_url("rediss://:p@h/2") == "rediss://:***@h/2"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert redact_url("unix:///tmp/r.sock?db=1") == "unix:///tmp/r.sock?db=1"
+    seeds = "redis://:pw@a:1,b:2/0"  # a Redis Cluster's seeds: each node is redacted
+    assert redact_url(seeds) == "redis://:***@a:1,b:2/0"
+    assert seed_urls(seeds) == ["redis://:pw@a:1/0", "redis://:pw@b:2/0"]
+    assert seed_urls("redis://:p,w@h:1") == ["redis://:p,w@h:1"]  # a comma in the password
+    with pytest.raises(ValueError, match="Port could not be cast"):
+        check_redis_url("redis://a:1,b:x")
 
 
 def test_run_an_agent_by_import_path(redis_url: str, namespace: str, tmp_path: Path) -> None:

@@ -26,16 +26,25 @@ from bus.events import (
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
 from store.records import InboxItem, LedgerEntry, TurnSpec
+from store.transcript import Transcript
 from tests.records_helpers import record
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def as_hash(fields: dict[str, bytes | str | int]) -> dict[bytes, bytes]:
+    """A record's fields as HGETALL returns them."""
+    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
+
+
 def raw_hash(n: int = 2) -> dict[bytes, bytes]:
-    return {
-        k.encode(): v if isinstance(v, bytes) else str(v).encode()
-        for k, v in encode_record(record("t1", n_turn_messages=n)).items()
-    }
+    return as_hash(encode_record(record("t1", n_turn_messages=n)))
+
+
+# n = 40: one full chunk of digests and a tail.
+BODIES = Transcript.of(
+    record("t1", n_turn_messages=40).messages, record("t1", n_turn_messages=40).meta
+).bodies
 
 
 junk = st.one_of(
@@ -60,21 +69,33 @@ junk = st.one_of(
 def test_a_record_with_one_field_replaced_decodes_to_itself_or_fails_typed(
     field: str, value: bytes
 ) -> None:
-    raw = raw_hash()
+    raw = raw_hash(40)
     raw[field.encode()] = value
     try:
-        rec = decode_record("k", raw)
+        rec = decode_record("k", raw, BODIES)
     except RecordError:
         return
     # It decoded: then it is exactly what is stored, field for field.
-    again = {
-        k.encode(): v if isinstance(v, bytes) else str(v).encode()
-        for k, v in encode_record(rec).items()
-    }
-    for name in ("epoch", "seq", "baseline", "updated_at", "schema"):
+    again = as_hash(encode_record(rec))
+    for name in ("epoch", "seq", "baseline", "updated_at", "schema", "length"):
         assert int(again[name.encode()]) == int(raw[name.encode()])
-    for name in ("turn_id", "session_id", "phase", "reason", "in_progress"):
+    for name in ("turn_id", "session_id", "phase", "reason", "in_progress", "chunks", "tail"):
         assert again[name.encode()] == raw[name.encode()]
+
+
+@PROPS
+@given(victim=st.integers(min_value=0), value=st.binary(max_size=64) | junk, drop=st.booleans())
+def test_a_record_with_one_body_replaced_or_missing_is_a_record_error(
+    victim: int, value: bytes, drop: bool
+) -> None:
+    bodies = dict(BODIES)
+    address = sorted(bodies)[victim % len(bodies)]
+    if drop:
+        del bodies[address]
+    else:
+        bodies[address] = value
+    with pytest.raises(RecordError, match=r"missing|does not match"):
+        decode_record("k", raw_hash(40), bodies)
 
 
 @PROPS
@@ -90,7 +111,7 @@ def test_missing_or_extra_fields_are_record_errors(
         {k: v for k, v in extra.items() if k.decode("utf-8", "replace") not in RECORD_FIELDS}
     )
     if not drop and len(raw) == len(RECORD_FIELDS):
-        assert decode_record("k", raw).turn_id == "t1"
+        assert decode_record("k", raw, BODIES).turn_id == "t1"
         return
     with pytest.raises(RecordError):
         decode_record("k", raw)

@@ -12,6 +12,7 @@ from store.connection import connect
 from store.durability import Durability, DurabilityKind, parse_durability
 from store.embedded import SERVER_ENV, EmbeddedRedis, appendfsync_for
 from store.keys import KeyLayout
+from store.transaction import AtomicSave
 from tests.records_helpers import record
 
 
@@ -26,36 +27,43 @@ def test_parse_durability() -> None:
     assert appendfsync_for(parse_durability("ack")) == "everysec"
 
 
-async def test_fsync_waits_for_the_aof(tmp_path: Path, keys: KeyLayout) -> None:
+@pytest.mark.parametrize("atomic", list(AtomicSave))
+async def test_fsync_waits_for_the_aof(tmp_path: Path, keys: KeyLayout, atomic: AtomicSave) -> None:
     with EmbeddedRedis(data_dir=tmp_path) as server:  # everysec: WAITAOF does the waiting
         client = connect(server.url)
-        store = RedisCheckpointStore(client, keys, durability=parse_durability("fsync"))
+        store = RedisCheckpointStore(
+            client, keys, durability=parse_durability("fsync"), atomic=atomic
+        )
         (ack,) = await store.save_many([record("t1")])
         assert not isinstance(ack, Exception), ack
         await client.aclose()
 
 
+@pytest.mark.parametrize("atomic", list(AtomicSave))
 async def test_replicas_without_a_replica_is_not_durable_but_written(
-    tmp_path: Path, keys: KeyLayout
+    tmp_path: Path, keys: KeyLayout, atomic: AtomicSave
 ) -> None:
     with EmbeddedRedis(data_dir=tmp_path) as server:
         client = connect(server.url)
         wanted = parse_durability("replicas:1", timeout_ms=100)
-        store = RedisCheckpointStore(client, keys, durability=wanted)
+        store = RedisCheckpointStore(client, keys, durability=wanted, atomic=atomic)
         (answer,) = await store.save_many([record("t1")])
         assert isinstance(answer, NotDurable) and "0 of 1 replicas" in str(answer)
         assert (await store.load("t1")).seq == 1  # written, just not acknowledged as durable
         await client.aclose()
 
 
-async def test_replicas_with_a_real_replica(tmp_path: Path, keys: KeyLayout) -> None:
+@pytest.mark.parametrize("atomic", list(AtomicSave))
+async def test_replicas_with_a_real_replica(
+    tmp_path: Path, keys: KeyLayout, atomic: AtomicSave
+) -> None:
     with EmbeddedRedis(data_dir=tmp_path / "primary") as primary:
         assert primary.port is not None
         replica_of = [f"replicaof 127.0.0.1 {primary.port}", f"masterauth {primary.password}"]
         with EmbeddedRedis(data_dir=tmp_path / "replica", extra_config=replica_of):
             client = connect(primary.url)
             wanted = parse_durability("replicas:1", timeout_ms=10_000)
-            store = RedisCheckpointStore(client, keys, durability=wanted)
+            store = RedisCheckpointStore(client, keys, durability=wanted, atomic=atomic)
             for seq in (1, 2, 3):
                 (ack,) = await store.save_many([record("t1", seq=seq)])
                 assert not isinstance(ack, Exception), ack

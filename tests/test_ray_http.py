@@ -58,7 +58,7 @@ async def test_http_turns_survive_killed_hosts_and_tool_workers(
     settings = Settings.model_validate({
         "redis": {"namespace": namespace},
         "checkpoint": {"min_interval_s": 0},
-        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0, "ping_misses": 3},
+        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0},
     })  # fmt: skip
     rt = await Runtime.start(settings, redis_url=redis_url, hosts=2)
     try:

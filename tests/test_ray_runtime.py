@@ -39,7 +39,7 @@ def settings(namespace: str, **sections: dict[str, Any]) -> Settings:
         "redis": {"namespace": namespace},
         "checkpoint": {"min_interval_s": 0},
         "loop": {"strict": True, "backoff_scale": 0.01},
-        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0, "ping_misses": 3},
+        "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0},
         "approvals": {"poll_s": 0.02},
     }
     for k, v in sections.items():
@@ -285,7 +285,7 @@ async def freeze_a_host(
     """Start 20 turns on 2 hosts that do not kill what they replace, then SIGSTOP the host of
     the first turn: (runtime, turn ids, its slot, its handle, its pid, its turns in progress)."""
     rt = await start_runtime(
-        hosts=2, supervisor={"ping_timeout_s": 0.5, "ping_misses": 2, "kill_replaced": False}
+        hosts=2, supervisor={"ping_timeout_s": 0.5, "lease_ttl_s": 1.0, "kill_replaced": False}
     )
     ids = [f"{prefix}{i:03d}" for i in range(20)]
     await rt.submit(*scripted_turn(sc), ids)

@@ -34,9 +34,12 @@ def test_status_of_a_running_deployment(redis_url: str, namespace: str) -> None:
 
         async def under_way() -> dict[str, Any] | None:
             now = (await deployment_status(rt, sample_s=0.5)).as_dict()
-            return now if now["pools"][0]["running"] > 0 else None
+            # Each turn makes two 1.5 s calls in a row: a sample in either window sees all six
+            # turns' calls on the pool (one taken while the calls were still being sent sees
+            # fewer, so poll).
+            return now if now["pools"][0]["running"] == 6 else None
 
-        looked = await eventually(under_way, timeout=60, what="the turns' calls on the pool")
+        looked = await eventually(under_way, timeout=60, what="all six turns' calls on the pool")
         await rt.wait(ids, timeout=120)
         await rt.detach()
         return looked

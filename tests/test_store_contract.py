@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -19,17 +21,40 @@ from bus.errors import (
     TurnExists,
     UnknownSchema,
 )
+from bus.phase import TurnPhase
+from store import transaction
 from store.checkpoint import REPLAYED, RedisCheckpointStore
-from store.codec import EncodedRecord, encode_record
+from store.codec import EncodedRecord
 from store.connection import connect
 from store.keys import KeyLayout
-from store.records import Message, Outcome, SaveAck, TurnSpec
+from store.records import (
+    CheckpointRecord,
+    Counters,
+    Message,
+    MessageMeta,
+    Outcome,
+    SaveAck,
+    SaveReason,
+    ToolCall,
+    ToolResult,
+    TurnSpec,
+    Usage,
+)
+from store.transaction import AtomicSave
+from store.transcript import CHUNK, KnownBodies, Plan, Transcript
 from tests.records_helpers import record
 
 
+@pytest.fixture(params=list(AtomicSave))
+def atomic(request: pytest.FixtureRequest) -> AtomicSave:
+    """Every contract test runs on both atomic paths (and, by ``any_client``, on both
+    servers)."""
+    return AtomicSave(request.param)
+
+
 @pytest.fixture
-def store(any_client: aioredis.Redis, keys: KeyLayout) -> RedisCheckpointStore:
-    return RedisCheckpointStore(any_client, keys)
+def store(any_client: aioredis.Redis, keys: KeyLayout, atomic: AtomicSave) -> RedisCheckpointStore:
+    return RedisCheckpointStore(any_client, keys, atomic=atomic)
 
 
 async def events(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> list[dict[bytes, bytes]]:
@@ -50,7 +75,7 @@ async def test_every_field_is_written_on_every_save(
     raw = await any_client.hgetall(keys.turn("t1"))
     assert sorted(k.decode() for k in raw) == sorted(
         ["schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
-         "messages", "meta", "baseline", "counters", "updated_at"]
+         "chunks", "tail", "length", "baseline", "counters", "updated_at"]
     )  # fmt: skip
 
 
@@ -81,13 +106,40 @@ async def test_seq_not_newer_is_refused_and_a_replay_is_an_ack(
     await store.save(record(seq=5, n_turn_messages=2))
     with pytest.raises(StaleOwner, match="not newer"):
         await store.save(record(seq=4, n_turn_messages=1))
-    # the same epoch and seq again: a client's resend of a save that landed, not a zombie
-    (replay,) = await store.save_many([record(seq=5, n_turn_messages=1)])
+    # the same record again: a client's resend of a save that landed, not a zombie
+    (replay,) = await store.save_many([record(seq=5, n_turn_messages=2)])
     assert isinstance(replay, AlreadySaved) and not isinstance(replay, StaleOwner)
-    ack = await store.save(record(seq=5, n_turn_messages=1))
+    ack = await store.save(record(seq=5, n_turn_messages=2))
     assert (ack.seq, ack.event_id) == (5, REPLAYED)
     stored = await store.load("t1")
     assert stored.seq == 5 and len(stored.messages) == 4
+
+
+async def test_a_rivals_different_record_at_the_stored_epoch_and_seq_is_stale(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Two resumers that read the same record claim the same (epoch, seq) at once: the second
+    is fenced, not told its claim landed. Were it acked, both would own the epoch, and the
+    loser's next delta would name bodies only its own records had (a missing body, found by a
+    chaos test, quarantined the turn)."""
+    r = record("cc", n_turn_messages=6)
+    await store.save(r)
+    a = RedisCheckpointStore(any_client, keys, atomic=store.atomic)
+    b = RedisCheckpointStore(any_client, keys, atomic=store.atomic)
+    claim = r.model_copy(update={"epoch": 2, "seq": 2, "reason": SaveReason.RESUME})
+    won = claim.model_copy(update={"updated_at": 2000})
+    await a.save(won)
+    with pytest.raises(StaleOwner, match="not newer") as refused:
+        await b.save(claim.model_copy(update={"updated_at": 2001}))
+    assert not isinstance(refused.value, AlreadySaved)
+    assert len(b.known) == 0  # the loser knows nothing of the turn's bodies
+    # The winner goes on with deltas; the stored turn stays whole.
+    after = grown(won, 2, seq=3)
+    await a.save(after)
+    assert await store.load("cc") == after
+    assert await bodies_of(any_client, keys, "cc") == set(
+        Transcript.of(after.messages, after.meta).bodies
+    )
 
 
 async def test_group_commit_answers_each_record_and_isolates_refusals(
@@ -127,14 +179,10 @@ async def test_a_save_interrupted_before_it_is_sent_leaves_the_previous_record_w
     any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     class DiesBeforeSending(RedisCheckpointStore):
-        async def queue_save(
-            self,
-            pipe: aioredis.client.Pipeline,
-            rec: EncodedRecord,
-            *,
-            spec: tuple[str, bytes] | None = None,
-        ) -> None:
-            await super().queue_save(pipe, rec, spec=spec)
+        def _save_call(
+            self, rec: EncodedRecord, spec: tuple[str, bytes] | None
+        ) -> tuple[list[str], list[bytes | str | int]]:
+            super()._save_call(rec, spec)
             raise ConnectionError("process died before the save was sent")
 
     good = RedisCheckpointStore(any_client, keys)
@@ -165,9 +213,10 @@ async def test_load_of_missing_turn(store: RedisCheckpointStore) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "error", "message"),
     [
-        ({"messages": b"\xc1not msgpack"}, RecordError, "undecodable"),
+        ({"tail": b"\xc1not digests"}, RecordError, "not a whole number"),
         ({"schema": b"99"}, UnknownSchema, "unknown schema 99"),
-        ({"meta": msgpack.packb([])}, RecordError, "meta has 0 entries"),
+        ({"length": b"9"}, RecordError, "its length says 9"),
+        ({"tail": b"\x00" * 48}, RecordError, "is missing"),  # 3 digests, as many as before
         ({"phase": b"sleeping"}, RecordError, "undecodable"),
         ({"reason": b"because"}, RecordError, "undecodable"),
         ({"counters": msgpack.packb({"outcome": "fenced"})}, RecordError, "undecodable"),
@@ -225,20 +274,21 @@ async def test_missing_field_is_quarantined(
 async def test_keys_of_a_turn_share_one_hash_tag(keys: KeyLayout) -> None:
     tags = {
         k.split("}")[0]
-        for k in (keys.turn("x"), keys.spec("x"), keys.tools("x"), keys.events_of("x"),
+        for k in (keys.turn("x"), keys.bodies("x"), keys.spec("x"), keys.tools("x"),
+                  keys.events_of("x"),
                   keys.in_progress_of("x"), keys.inbox("x"), keys.quarantined("x"))
     }  # fmt: skip
     assert len(tags) == 1 and tags.pop().startswith(f"{keys.namespace}:{{s")
 
 
 async def test_many_concurrent_commits_on_a_small_pool_all_finish(
-    redis_url: str, keys: KeyLayout
+    redis_url: str, keys: KeyLayout, atomic: AtomicSave
 ) -> None:
     # A commit once held two connections at once (WATCH + reader): 50 of them on a pool of 4
     # each took one and waited forever for the second. A commit must never need two.
     client = connect(redis_url, max_connections=4)
     try:
-        store = RedisCheckpointStore(client, keys)
+        store = RedisCheckpointStore(client, keys, atomic=atomic)
         saves = [store.save(record(f"p{i}", seq=1)) for i in range(50)]
         acks = await asyncio.wait_for(asyncio.gather(*saves), 30)
         assert {a.turn_id for a in acks} == {f"p{i}" for i in range(50)}
@@ -250,33 +300,57 @@ def test_wire_form_rejects_a_bad_hash_and_keeps_a_good_one() -> None:
     good = EncodedRecord.of(record("w1", seq=2))
     again = EncodedRecord.from_wire(good.to_wire())
     assert (again.turn_id, again.epoch, again.seq, again.in_progress) == ("w1", 1, 2, True)
-    assert again.fields == good.fields
+    assert (again.fields, again.puts, again.replace) == (good.fields, good.puts, True)
+    parts = msgpack.unpackb(good.to_wire())
+    (address, body), *_ = good.puts.items()
+
+    def wire(**change: object) -> bytes:
+        return msgpack.packb({**parts, **change}, use_bin_type=True)
+
+    def fields(**change: object) -> bytes:
+        return wire(fields={**good.fields, **change})
+
     for bad in (
         b"\xc1",
         msgpack.packb([1, 2]),
-        msgpack.packb({**good.fields, "extra": 1}),
-        msgpack.packb({**good.fields, "epoch": "1"}),
-        msgpack.packb({**good.fields, "phase": "dancing"}),
-        msgpack.packb({**good.fields, "reason": "whim"}),
-        msgpack.packb({**good.fields, "schema": 99}),
-        msgpack.packb({**good.fields, "in_progress": 2}),
+        msgpack.packb(good.fields),  # a bare hash is not a save
+        fields(extra=1),
+        fields(epoch="1"),
+        fields(phase="dancing"),
+        fields(reason="whim"),
+        fields(schema=99),
+        fields(schema=1),
+        fields(in_progress=2),
+        fields(tail=b"\x01" * 15),
+        wire(puts={address: body + b"x"}),  # a body under another's digest
+        wire(puts=[body]),
+        wire(drops=[b"short"]),
+        wire(replace=1),
+        wire(nbytes=-1),
     ):
         with pytest.raises(ValueError):
             EncodedRecord.from_wire(bad)
+    # A host cannot slip a save past the size cap by under-reporting it.
+    assert EncodedRecord.from_wire(wire(nbytes=0)).nbytes >= len(body)
 
 
-@pytest.mark.parametrize("extra", [0, 13, 14, 15, 70_000])
-async def test_memoised_packing_is_the_plain_msgpack_of_the_transcript(
+@pytest.mark.parametrize("extra", [0, 29, 30, 31, 62, 1000])
+async def test_memoised_bodies_are_the_plain_msgpack_of_each_entry(
     store: RedisCheckpointStore, extra: int
 ) -> None:
-    base = record("m1", seq=2)  # 2 messages; 15/16 and 65535/65536 cross array header sizes
+    base = record("m1", seq=2)  # 2 messages; 31/32/33 and 64 cross chunk boundaries
     msgs = base.messages + tuple(Message(role="user", text=f"m{i}") for i in range(extra))
     meta = base.meta + tuple(base.meta[-1].model_copy(update={"message_id": f"x{i}"})
                              for i in range(extra))  # fmt: skip
     r = base.model_copy(update={"messages": msgs, "meta": meta})
-    plain = msgpack.packb([m.model_dump(mode="json", exclude_defaults=True) for m in msgs])
-    first, second = encode_record(r), encode_record(r)  # the second one from the memo
-    assert first == second and first["messages"] == plain
+    first, second = Transcript.of(msgs, meta), Transcript.of(msgs, meta)  # second: the memo
+    assert first == second
+    plain = msgpack.packb(
+        [msgs[-1].model_dump(mode="json", exclude_defaults=True),
+         meta[-1].model_dump(mode="json", exclude_defaults=True)]
+    )  # fmt: skip
+    assert plain in first.bodies.values()
+    assert first.length == len(msgs) and len(first.chunks) == 16 * (len(msgs) // CHUNK)
     # a shorter list (compaction) reuses memoised entries and reads back exactly
     short = r.model_copy(update={"seq": 3, "messages": msgs[:1], "meta": meta[:1], "baseline": 1})
     await store.save(r)
@@ -284,19 +358,19 @@ async def test_memoised_packing_is_the_plain_msgpack_of_the_transcript(
     assert await store.load("m1") == short
 
 
-def test_packing_memo_forgets_collected_messages() -> None:
-    from store.codec import _PACKED_MESSAGES  # the memo is private; its size is the point
+def test_body_memo_forgets_collected_messages() -> None:
+    from store.transcript import _ENTRIES  # the memo is private; its size is the point
 
-    before = len(_PACKED_MESSAGES._packed)
+    before = len(_ENTRIES)
     r = record("gone", seq=1).model_copy(
         update={"messages": tuple(Message(role="user", text=str(i)) for i in range(50)),
                 "meta": tuple(record("gone").meta[0] for _ in range(50))}
     )  # fmt: skip
-    encode_record(r)
-    assert len(_PACKED_MESSAGES._packed) >= before + 50
+    Transcript.of(r.messages, r.meta)
+    assert len(_ENTRIES) >= before + 50
     del r
     gc.collect()
-    assert len(_PACKED_MESSAGES._packed) <= before
+    assert len(_ENTRIES) <= before
 
 
 async def test_unreadable_stored_fence_is_a_record_error(
@@ -340,12 +414,17 @@ async def test_a_record_under_another_turns_key_is_quarantined(
     store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     """Issue 11 defect 5: inspect returned it, resume left the real turn in progress."""
+    # in the same shard as "other": on a cluster COPY stays within one slot
+    mine = next(
+        f"mine{i}" for i in range(99) if keys.shard_of(f"mine{i}") == keys.shard_of("other")
+    )
     await store.save(record("other", n_turn_messages=1))
-    await any_client.copy(keys.turn("other"), keys.turn("mine"))
-    await any_client.sadd(keys.in_progress_of("mine"), "mine")
-    with pytest.raises(RecordError, match="holds turn 'other', not 'mine'"):
-        await store.load("mine")
-    assert "mine" in await store.quarantined()
+    await any_client.copy(keys.turn("other"), keys.turn(mine))
+    await any_client.copy(keys.bodies("other"), keys.bodies(mine))
+    await any_client.sadd(keys.in_progress_of(mine), mine)
+    with pytest.raises(RecordError, match=f"holds turn 'other', not '{mine}'"):
+        await store.load(mine)
+    assert mine in await store.quarantined()
     assert (await store.load("other")).turn_id == "other"
 
 
@@ -362,10 +441,10 @@ async def test_a_fence_past_what_the_save_script_compares_exactly_is_quarantined
 
 
 async def test_a_record_over_the_size_cap_is_refused_before_it_is_sent(
-    any_client: aioredis.Redis, keys: KeyLayout
+    any_client: aioredis.Redis, keys: KeyLayout, atomic: AtomicSave
 ) -> None:
     """Issue 11 defect 6: past proto-max-bulk-len the connection reset and the save retried."""
-    small = RedisCheckpointStore(any_client, keys, max_record_bytes=4096)
+    small = RedisCheckpointStore(any_client, keys, max_record_bytes=4096, atomic=atomic)
     await small.save(record("t1", n_turn_messages=1))
     big = record("t1", seq=2).model_copy(
         update={"messages": (*record().messages[:1], Message(role="user", text="x" * 5000))}
@@ -373,3 +452,216 @@ async def test_a_record_over_the_size_cap_is_refused_before_it_is_sent(
     (answer,) = await small.save_many([big])
     assert isinstance(answer, RecordTooLarge) and "over the 4,096-byte cap" in str(answer)
     assert (await small.load("t1")).seq == 1  # the last checkpoint is intact
+
+
+async def bodies_of(client: aioredis.Redis, keys: KeyLayout, turn_id: str) -> set[bytes]:
+    return set(await client.hkeys(keys.bodies(turn_id)))
+
+
+def grown(base: CheckpointRecord, n: int, *, seq: int) -> CheckpointRecord:
+    """``base`` with ``n`` more messages (the same objects for the ones it had)."""
+    msgs = base.messages + tuple(
+        Message(role="assistant", text=f"later {len(base.messages) + i}") for i in range(n)
+    )
+    meta = base.meta + tuple(
+        MessageMeta(source="llm", message_id=f"later{len(base.meta) + i}", at_ms=i)
+        for i in range(n)
+    )
+    return base.model_copy(update={"seq": seq, "messages": msgs, "meta": meta})
+
+
+async def test_a_turn_stores_each_body_once_and_exactly_what_its_record_names(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    r = record("ca", n_turn_messages=8)
+    await store.save(r)
+    for seq in range(2, 40):  # 2 messages per save, across several chunks
+        r = grown(r, 2, seq=seq)
+        await store.save(r)
+        assert await bodies_of(any_client, keys, "ca") == set(
+            Transcript.of(r.messages, r.meta).bodies
+        )
+    assert len(r.messages) == 86 and await store.load("ca") == r
+    # Compaction is a new, shorter list: what it cut is dropped in the same save.
+    summary = Message(role="assistant", text="summary of the first 80")
+    short = r.model_copy(
+        update={
+            "seq": 40,
+            "messages": (*r.messages[:2], summary, *r.messages[-3:]),
+            "meta": (*r.meta[:2], MessageMeta(source="system", message_id="sum", at_ms=9),
+                     *r.meta[-3:]),
+            "reason": SaveReason.COMPACTION,
+        }
+    )  # fmt: skip
+    await store.save(short)
+    assert await bodies_of(any_client, keys, "ca") == set(
+        Transcript.of(short.messages, short.meta).bodies
+    )
+    assert await store.load("ca") == short
+
+
+async def test_a_save_sends_only_the_bodies_the_store_lacks(store: RedisCheckpointStore) -> None:
+    r = record("cb", n_turn_messages=100)
+    await store.save(r)
+    nxt = grown(r, 2, seq=2)
+    enc = EncodedRecord.of(nxt, store.known)
+    assert not enc.replace and len(enc.puts) == 2 and enc.drops == ()
+    assert enc.sent_bytes < EncodedRecord.of(nxt).sent_bytes / 10
+    (ack,) = await store.save_many([enc])
+    assert isinstance(ack, SaveAck) and await store.load("cb") == nxt
+
+
+async def test_a_refused_save_writes_and_drops_nothing(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """A zombie that knows the turn (it saved it) sends a delta that would drop bodies the new
+    owner's record still names: the fence refuses it before any body is touched."""
+    zombie = RedisCheckpointStore(any_client, keys, atomic=store.atomic)
+    r = record("cz", n_turn_messages=40)
+    await zombie.save(r)
+    owner = r.model_copy(update={"epoch": 2, "seq": 2, "reason": SaveReason.RESUME})
+    await store.save(grown(owner, 2, seq=3))
+    before = await any_client.hgetall(keys.bodies("cz"))
+    compacted = r.model_copy(update={"seq": 5, "messages": r.messages[:3], "meta": r.meta[:3]})
+    late = EncodedRecord.of(compacted, zombie.known)
+    assert len(late.drops) > 30 and not late.replace  # what it would have dropped
+    with pytest.raises(StaleOwner):
+        await zombie.save(compacted)
+    assert await any_client.hgetall(keys.bodies("cz")) == before
+    assert (await store.load("cz")).messages == grown(owner, 2, seq=3).messages
+
+
+async def test_a_writer_that_does_not_know_the_turn_replaces_its_bodies(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """A new epoch, a lost answer or a restarted writer: the save sends every body and
+    sweeps whatever else the hash held (here, a crashed writer's leftovers)."""
+    r = record("cr", n_turn_messages=3)
+    await store.save(r)
+    await any_client.hset(keys.bodies("cr"), b"\x01" * 16, b"left behind")
+    fresh = RedisCheckpointStore(any_client, keys, atomic=store.atomic)
+    claim = r.model_copy(update={"epoch": 2, "seq": 2, "reason": SaveReason.RESUME})
+    assert EncodedRecord.of(claim, fresh.known).replace
+    await fresh.save(claim)
+    assert await bodies_of(any_client, keys, "cr") == set(Transcript.of(r.messages, r.meta).bodies)
+    assert await store.load("cr") == claim
+
+
+def test_known_bodies_forget_a_turn_whose_save_may_or_may_not_have_landed() -> None:
+    known = KnownBodies()
+    r = record("ck", n_turn_messages=4)
+    t = Transcript.of(r.messages, r.meta)
+    assert known.plan("ck", 1, 1, t).replace
+    known.settle("ck", 1, landed=True, in_progress=True)
+    assert known.plan("ck", 1, 2, t) == Plan({}, (), replace=False)
+    known.settle("ck", 2, landed=None, in_progress=True)  # no answer
+    assert known.plan("ck", 1, 3, t).replace
+    known.settle("ck", 3, landed=True, in_progress=True)
+    assert not known.plan("ck", 1, 4, t).replace
+    known.settle("ck", 4, landed=False, in_progress=True)  # refused: fenced
+    assert known.plan("ck", 1, 5, t).replace
+    known.settle("ck", 5, landed=True, in_progress=False)  # final: nothing follows
+    assert len(known) == 0
+    assert known.plan("ck", 2, 6, t).replace  # a new epoch always replaces
+    small = KnownBodies(max_turns=2)
+    for turn in ("a", "b", "c"):
+        small.plan(turn, 1, 1, t)
+        small.settle(turn, 1, landed=True, in_progress=True)
+    assert len(small) == 2 and small.plan("a", 1, 2, t).replace
+
+
+SCHEMA1 = Path(__file__).parent / "data" / "schema1-record.msgpack"
+
+
+def schema1_expected() -> CheckpointRecord:
+    """What ``tests/data/schema1-record.msgpack`` (written by the schema-1 build) holds."""
+    call = ToolCall(id="c1", name="add", args={"a": 2, "b": 2})
+    return CheckpointRecord(
+        schema_version=1,
+        turn_id="legacy-1",
+        session_id="legacy",
+        epoch=2,
+        seq=3,
+        phase=TurnPhase.EXECUTING_TOOLS,
+        in_progress=True,
+        reason=SaveReason.TOOL_BATCH,
+        messages=(
+            Message(role="system", text="You are terse."),
+            Message(role="user", text="What is 2+2? Use the tool."),
+            Message(role="assistant", tool_calls=(call,)),
+            Message(role="tool", tool_result=ToolResult(call_id="c1", name="add", status="ok",
+                                                        output="4")),
+        ),
+        meta=(
+            MessageMeta(source="prompt", message_id="legacy-sys", at_ms=1700000000000),
+            MessageMeta(source="prompt", message_id="legacy-user", at_ms=1700000000001),
+            MessageMeta(source="llm", message_id="legacy-a1", at_ms=1700000000500,
+                        usage=Usage(prompt_tokens=21, completion_tokens=7)),
+            MessageMeta(source="tool", message_id="legacy-t1", at_ms=1700000000600),
+        ),
+        baseline=2,
+        counters=Counters(tool_batches=1, resume_attempts=1),
+        updated_at=1700000000700,
+    )  # fmt: skip
+
+
+async def test_a_schema_1_record_is_read_and_its_next_save_migrates_it(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    stored = msgpack.unpackb(SCHEMA1.read_bytes(), raw=True)
+    await any_client.hset(keys.turn("legacy-1"), mapping=stored)
+    await any_client.sadd(keys.in_progress_of("legacy-1"), "legacy-1")
+    old = schema1_expected()
+    assert await store.load("legacy-1") == old
+    assert (await store.load_in_progress()).records == (old,)
+    claim = old.model_copy(update={"epoch": 3, "seq": 4, "reason": SaveReason.RESUME})
+    await store.save(claim)
+    raw = await any_client.hgetall(keys.turn("legacy-1"))
+    assert raw[b"schema"] == b"2" and b"messages" not in raw and b"meta" not in raw
+    again = await store.load("legacy-1")
+    assert again.schema_version == 2
+    assert again == claim.model_copy(update={"schema_version": 2})
+    # A schema-1 writer's late save is fenced like any other.
+    with pytest.raises(StaleOwner):
+        await store.save(old.model_copy(update={"seq": 9}))
+
+
+async def test_a_lost_watch_race_retries_only_the_shard_that_lost(
+    any_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """multi_exec: a rival touches a watched record between the fence read and EXEC; that
+    shard's saves are read and tried again, the other shard's transaction is not."""
+    store = RedisCheckpointStore(any_client, keys, atomic=AtomicSave.MULTI_EXEC)
+    a = next(f"w{i}" for i in range(99) if keys.shard_of(f"w{i}") == 0)
+    b = next(f"w{i}" for i in range(99) if keys.shard_of(f"w{i}") == 1)
+    await store.save_many([record(a), record(b)])
+    watched: list[str] = []
+    real = transaction.roundtrip
+
+    async def racing(conn: Any, commands: list[tuple[Any, ...]]) -> list[object]:
+        if commands[0][0] == "WATCH":
+            watched.append(commands[0][1].split(":turn:")[1])
+        if (
+            commands[0][0] == "MULTI"
+            and watched.count(a) == 1
+            and any(c[0] == "HSET" and c[1] == keys.turn(a) for c in commands)
+        ):
+            await any_client.hset(keys.turn(a), "updated_at", 7)  # the rival's write
+        return await real(conn, commands)
+
+    monkeypatch.setattr(transaction, "roundtrip", racing)
+    answers = await store.save_many([record(a, seq=2, n_turn_messages=1), record(b, seq=2)])
+    assert all(isinstance(x, SaveAck) for x in answers), answers
+    assert sorted(watched) == sorted([a, a, b])  # a read twice, b once
+    assert (await store.load(a)).seq == 2 and len((await store.load(a)).messages) == 3
+
+
+async def test_a_server_that_lost_its_scripts_still_saves(
+    store: RedisCheckpointStore, any_client: aioredis.Redis
+) -> None:
+    """A restart or failover empties the script cache: NOSCRIPT saves are sent again."""
+    await store.save(record("ns", seq=1))
+    await any_client.script_flush()
+    answers = await store.save_many([record("ns", seq=2), record("ns2", seq=1)])
+    assert all(isinstance(a, SaveAck) for a in answers), answers
+    assert (await store.load("ns")).seq == 2

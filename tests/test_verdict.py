@@ -9,10 +9,10 @@ from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge, reference_transcript
 from actors.harness.work import Work
-from store.codec import encode_record
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import Message, SaveReason, ToolResult
+from tests.records_helpers import put_record
 from tests.reference import FAST
 
 SC = parse_scenario(
@@ -40,7 +40,7 @@ async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: 
     altered = r.model_copy(
         update={"messages": (*r.messages[:-1], Message(role="assistant", text="forged"))}
     )
-    await real_client.hset(keys.turn("v0"), mapping=encode_record(altered))  # type: ignore[arg-type]
+    await put_record(real_client, keys, altered)
     # 2. a duplicated side effect
     effects = EffectCounters(real_client, keys)
     (key, _), *_ = (await effects.counts("v1")).items()
@@ -50,9 +50,7 @@ async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: 
     # 4. meta drift: the pre-turn user message's meta rewritten
     r = await store.load("v3")
     bad_meta = (r.meta[0], r.meta[1].model_copy(update={"message_id": "rewritten"}), *r.meta[2:])
-    await real_client.hset(
-        keys.turn("v3"), mapping=encode_record(r.model_copy(update={"meta": bad_meta}))
-    )  # type: ignore[arg-type]
+    await put_record(real_client, keys, r.model_copy(update={"meta": bad_meta}))
     # 5. a stale write accepted: an older epoch's event after the final one
     await real_client.xadd(
         keys.events_of("v4"),
@@ -100,8 +98,6 @@ async def test_outcome_unknown_in_place_of_a_result_is_accepted(
     lost = ToolResult(call_id=res.call_id, name=res.name, status="outcome_unknown", output="?")
     unknown = Message(role="tool", tool_result=lost)
     msgs = (*r.messages[:i], unknown, *r.messages[i + 1 :])
-    await real_client.hset(
-        keys.turn("v0"), mapping=encode_record(r.model_copy(update={"messages": msgs}))
-    )  # type: ignore[arg-type]
+    await put_record(real_client, keys, r.model_copy(update={"messages": msgs}))
     v = await judge(real_client, keys, IDS, expected)
     assert v.ok and v.outcome_unknown == 1

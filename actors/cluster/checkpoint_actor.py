@@ -21,6 +21,8 @@ import contextlib
 import functools
 import logging
 import os
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,11 +33,12 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
+from actors.cluster.metrics import metrics
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import REPLAYED, RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
-from store.connection import connect
 from store.records import CheckpointRecord, SaveAck
+from store.transcript import KnownBodies
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +95,6 @@ BatchSender = Callable[[list[bytes]], Awaitable[Sequence[Answer]]]
 batch may be sent again, :class:`StoreError` when it failed as a whole."""
 
 
-def record_to_wire(record: CheckpointRecord) -> bytes:
-    """The wire form: the record's Redis hash, encoded once, by the host."""
-    return EncodedRecord.of(record).to_wire()
-
-
 async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> list[Answer]:
     """Check and save a batch of wire records; one answer per record, in order."""
     answers: list[Answer | None] = [None] * len(blobs)
@@ -128,14 +126,13 @@ class CheckpointActor:
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
-        self._client = connect(
-            dep.redis_url, max_connections=64, retry_s=dep.settings.redis.retry_s
-        )
+        self._client = dep.connect(max_connections=64)
         self._store = RedisCheckpointStore(
             self._client,
             dep.keys,
             max_record_bytes=dep.settings.checkpoint.max_record_bytes,
             durability=dep.settings.redis.durability_policy(),
+            atomic=dep.settings.checkpoint.atomic,
         )
         self._batches = 0
         self._saves = 0
@@ -143,7 +140,14 @@ class CheckpointActor:
     async def save_batch(self, blobs: list[bytes]) -> list[tuple[str, str]]:
         self._batches += 1
         self._saves += len(blobs)
-        return [a.wire() for a in await save_wire_batch(self._store, blobs)]
+        started = time.monotonic()
+        answers = await save_wire_batch(self._store, blobs)
+        m = metrics()
+        m.save_latency.observe((time.monotonic() - started) * 1000)
+        m.save_batch.observe(len(blobs))
+        for verdict, n in Counter(a.verdict for a in answers).items():
+            m.saves.inc(n, tags={"outcome": verdict.value})
+        return [a.wire() for a in answers]
 
     async def hello(self) -> dict[str, Any]:
         counts = {"batches": self._batches, "saves": self._saves}
@@ -192,20 +196,31 @@ class CheckpointClient:
         self._queue: list[_Pending] = []
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
+        self.known = KnownBodies()
+        """What this host's acknowledged saves left in Redis: a save ships only new bodies."""
         self.batches = 0
         self.resends = 0
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
-        encoded = EncodedRecord.of(record)
-        # Checked here too (the store's measure), so an oversized record never crosses Ray.
-        check_record_size(record.turn_id, encoded.nbytes, self.max_record_bytes)
-        blob = encoded.to_wire()
+        encoded = EncodedRecord.of(record, self.known)
         fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
-        self._queue.append((blob, fut, record))
-        self._wake.set()
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush_forever())
-        return await fut
+        try:
+            # Checked here too (the store's measure), so an oversized record never crosses Ray.
+            check_record_size(record.turn_id, encoded.nbytes, self.max_record_bytes)
+            self._queue.append((encoded.to_wire(), fut, record))
+            self._wake.set()
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.ensure_future(self._flush_forever())
+            ack = await fut
+        except (StaleOwner, RecordTooLarge):
+            self.known.settle(record.turn_id, record.seq, landed=False, in_progress=True)
+            raise
+        except BaseException:
+            # A failed batch, or cancelled while queued or in flight: it may have landed.
+            self.known.settle(record.turn_id, record.seq, landed=None, in_progress=True)
+            raise
+        self.known.settle(record.turn_id, record.seq, landed=True, in_progress=record.in_progress)
+        return ack
 
     async def _flush_forever(self) -> None:
         while True:

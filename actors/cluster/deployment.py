@@ -13,12 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
-from store.connection import text, translated
+from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
 
 #: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
@@ -74,6 +73,10 @@ class Deployment(BaseModel):
     """Import paths of agents whose tools need Ray resources: their resource shapes get
     ToolWorker pools. Tools without resources run on the default pool, which always exists."""
 
+    def connect(self, *, max_connections: int = 64) -> StoreClient:
+        """A client of :attr:`redis_url` (a cluster's if ``[redis] cluster``)."""
+        return self.settings.redis.connect(self.redis_url, max_connections=max_connections)
+
     @property
     def keys(self) -> KeyLayout:
         return KeyLayout(self.settings.redis.namespace, self.settings.redis.shards)
@@ -126,7 +129,7 @@ class Deployment(BaseModel):
 class HostDirectory:
     """Finds the current TurnActor of a slot (generation from Redis, handle from Ray)."""
 
-    def __init__(self, deployment: Deployment, client: aioredis.Redis) -> None:
+    def __init__(self, deployment: Deployment, client: StoreClient) -> None:
         self.deployment = deployment
         self.client = client
         self._cache: dict[tuple[int, int], Any] = {}

@@ -64,6 +64,8 @@ class HostInfo(_Info):
     most a tool's ``max_concurrency`` x pool size calls of it at once)."""
     tool_inflight: dict[str, int] = {}
     """Per tool worker pool: calls of its turns running on it now."""
+    node_id: str = ""
+    """The Ray node it runs on (hex id): where the slot's standby must not be."""
 
 
 class SupervisorInfo(_Info):

@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import ray
 
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
+from actors.cluster.metrics import metrics
 from actors.engine.resume import plan_resume
 from actors.turn.recovery import Decision, Problem, Situation, decide_recovery
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
 from store.inbox import Inbox
 from store.ledger import ToolLedger
 
@@ -33,9 +34,7 @@ class RecoveryActor:
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(
-            self.dep.redis_url, max_connections=32, retry_s=self.dep.settings.redis.retry_s
-        )
+        self.client = self.dep.connect(max_connections=32)
         keys = self.dep.keys
         self.store = RedisCheckpointStore(self.client, keys)
         self.ledger = ToolLedger(self.client, keys)
@@ -46,9 +45,13 @@ class RecoveryActor:
         """Claim each turn for a new owner; the plans in msgpack wire form, in order. One call
         for a whole host's turns: a new host adopts hundreds at once."""
         self.plans += len(turn_ids)
+        started = time.monotonic()
         plans = await asyncio.gather(
             *(plan_resume(self.store, self.ledger, self.inbox, t) for t in turn_ids)
         )
+        m = metrics()
+        m.adoption.observe((time.monotonic() - started) * 1000)
+        m.resumes.inc(len(turn_ids))
         return [p.to_wire() for p in plans]
 
     async def decide(self, problem: str, **situation: Any) -> Decision:

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import ray
-import redis.asyncio as aioredis
 
 from actors.cluster.deployment import (
     RAY_NAMESPACE,
@@ -44,7 +43,7 @@ from bus.errors import (
 from bus.events import WatchEvent
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, read_streams, redact_url, text, translated
+from store.connection import StoreClient, read_streams, redact_url, text, translated
 from store.inbox import Inbox
 from store.records import CheckpointRecord, InboxItem, TurnInput
 from store.sessions import Sessions
@@ -68,12 +67,12 @@ def ensure_ray(address: str | None = None) -> bool:
 
 
 class Runtime:
-    def __init__(self, dep: Deployment, client: aioredis.Redis, supervisor: Any, owns_ray: bool):
+    def __init__(self, dep: Deployment, client: StoreClient, supervisor: Any, owns_ray: bool):
         self.dep = dep
         self.client = client
         self.supervisor = supervisor
         self.owns_ray = owns_ray
-        self.store = RedisCheckpointStore(client, dep.keys)
+        self.store = RedisCheckpointStore(client, dep.keys, atomic=dep.settings.checkpoint.atomic)
         self.inbox = Inbox(client, dep.keys)
         self.approvals = Approvals(client, dep.keys)
         self.sessions = Sessions(self.store)
@@ -103,7 +102,7 @@ class Runtime:
             effects_url=effects_url,
             agents=tuple(agents),
         )
-        client = connect(redis_url, retry_s=settings.redis.retry_s)
+        client = settings.redis.connect(redis_url)
         with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
             await client.ping()
         supervisor = Supervisor.options(  # type: ignore[attr-defined]
@@ -138,7 +137,7 @@ class Runtime:
                 "with phaseline serve (and join its cluster with --ray-address)"
             ) from None
         dep = Deployment.from_wire(SupervisorInfo.of(await supervisor.hello.remote()).deployment)
-        client = connect(dep.redis_url, retry_s=settings.redis.retry_s)
+        client = dep.connect()
         with translated(f"cannot reach Redis at {redact_url(dep.redis_url)}"):
             await client.ping()
         return cls(dep, client, supervisor, owns_ray)

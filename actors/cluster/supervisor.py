@@ -6,7 +6,9 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
 * a host that is gone (``RayActorError``, or no actor under its name) is replaced at once: a
   call parked on each host fails the moment Ray sees its process die, which triggers the
   check without waiting for the next ping;
-* a host that misses ``ping_misses`` pings in a row (hung, or SIGSTOPped) is replaced too;
+* a host whose lease has lapsed (``store.leases``: it renews it from its own event loop, so a
+  hung or SIGSTOPped host stops) and that does not answer one ping is replaced too, about
+  ``lease_ttl_s`` after it stopped; an unanswered ping alone (a busy host) replaces nothing;
 * a replacement is a new *generation* (a new named actor), already started as an idle standby
   when the previous one was spawned (``standby``). It is recorded in Redis, asked to
   adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
@@ -41,13 +43,15 @@ from actors.cluster.deployment import (
     worker_options,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
+from actors.cluster.placement import alive_nodes, host_node, standby_node, strategy
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
 from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from bus.errors import PhaselineError
-from store.connection import connect, translated
+from store.connection import translated
+from store.leases import HostLeases
 from store.pools import PoolSizes
 
 log = logging.getLogger(__name__)
@@ -59,12 +63,12 @@ SERVICES = {"checkpoint": CheckpointActor, "watchdog": WatchdogActor, "recovery"
 class Supervisor:
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(
-            self.dep.redis_url, max_connections=8, retry_s=self.dep.settings.redis.retry_s
-        )
+        self.client = self.dep.connect(max_connections=8)
         self.hosts = HostDirectory(self.dep, self.client)
         self._adopted: set[str] = set()
-        self._misses: dict[int, int] = defaultdict(int)
+        self.leases = HostLeases(
+            self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.lease_ttl_s
+        )
         self._last_adopt: dict[int, float] = defaultdict(float)
         self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
@@ -183,19 +187,17 @@ class Supervisor:
     async def _check_slot_now(self, slot: int, gen: int | None) -> None:
         cfg = self.dep.settings.supervisor
         if gen is None:
-            await self._spawn(slot, 0)
+            await self._spawn(slot, 0, node=host_node(alive_nodes(), slot))
             return
         handle = await self.hosts.handle(slot, gen)
         reply = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
         if handle is None or reply is None:
             dead = handle is None or not await _alive(handle)
-            self._misses[slot] += 1
-            if dead or self._misses[slot] >= cfg.ping_misses:
-                why = "died" if dead else "stopped answering"
+            if dead or not await self.leases.held(slot, gen):
+                why = "died" if dead else "stopped: its lease lapsed and it does not answer"
                 log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
                 await self._replace(slot, gen, handle, died=dead)
             return
-        self._misses[slot] = 0
         self._park(slot, gen, handle)
         now = time.monotonic()
         info = HostInfo.of(reply)
@@ -208,24 +210,39 @@ class Supervisor:
             self._adopted.add(info.incarnation)
             self._last_adopt[slot] = now
 
-    async def _spawn(self, slot: int, generation: int, *, predecessor_died: bool = False) -> Any:
-        handle = self._host(slot, generation)
+    async def _spawn(
+        self,
+        slot: int,
+        generation: int,
+        *,
+        predecessor_died: bool = False,
+        node: str | None = None,
+    ) -> Any:
+        """Make ``generation`` the slot's host (the standby started for it, else a new one on
+        ``node``) and start the next generation's standby on another node."""
+        handle = self._host(slot, generation, node=node)
         info = HostInfo.of(await handle.hello.remote())
+        await self.leases.renew(slot, generation)  # granted here; the host renews it from now
         await self.hosts.set_generation(slot, generation)
         self._park(slot, generation, handle)
         await handle.adopt.remote(predecessor_died)
         self._adopted.add(info.incarnation)
-        self._misses[slot] = 0
         self._last_adopt[slot] = time.monotonic()
         if self.dep.settings.supervisor.standby:
             # The next generation, started now and idle until it is needed: replacing a dead
-            # host then costs no process start and no imports.
-            self._host(slot, generation + 1)
+            # host then costs no process start and no imports. On another node than this one,
+            # so one node's loss does not take both (actors.cluster.placement).
+            node = standby_node(alive_nodes(), info.node_id, slot)
+            self._host(slot, generation + 1, node=node)
         return handle
 
-    def _host(self, slot: int, generation: int) -> Any:
+    def _host(self, slot: int, generation: int, *, node: str | None = None) -> Any:
+        """The slot's host of ``generation``: the one that exists, or a new one on ``node``
+        (soft affinity), else spread over the cluster."""
         name = self.dep.host_name(slot, generation)
-        return _named(TurnActor, name).remote(self.dep.to_wire(), slot, generation)
+        return _named(TurnActor, name, scheduling_strategy=strategy(node)).remote(
+            self.dep.to_wire(), slot, generation
+        )
 
     def _park(self, slot: int, generation: int, handle: Any) -> None:
         """Keep a call parked on the slot's host; its failure is the death notice."""

@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
 from actors.cluster.info import ServiceInfo
+from actors.cluster.metrics import metrics
 from actors.engine.agents import load_agent
 from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
@@ -52,6 +53,9 @@ from store.records import ToolCall, ToolResult, TurnInput
 
 log = logging.getLogger(__name__)
 
+RETRY_WAIT_S = 30.0
+"""How long a retry waits for a live worker of its pool (Ray restarting a killed one)."""
+
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ToolWorker:
@@ -59,10 +63,11 @@ class ToolWorker:
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
-        self._client = connect(  # the effects store: what the tools here write to
-            dep.effects_url or dep.redis_url,
-            max_connections=64,
-            retry_s=dep.settings.redis.retry_s,
+        # the effects store, what the tools here write to: the chaos witness is one server
+        self._client = (
+            connect(dep.effects_url, max_connections=64, retry_s=dep.settings.redis.retry_s)
+            if dep.effects_url
+            else dep.connect(max_connections=64)
         )
         self._effects = EffectCounters(self._client, dep.keys)
         self._limits: dict[tuple[str, str], asyncio.Semaphore] = {}
@@ -155,16 +160,32 @@ class RayToolRunner:
         return merged(agent_path, base, specs)
 
     async def _worker(self, pool: str, attempt: int) -> Any | None:
-        """The next worker of the pool, round robin over its current size (a retry goes to
-        another one); None if none could be found for 10 s (the pool is being recreated)."""
+        """The next worker of the pool, round robin over its current size; None if none could
+        be found for ``RETRY_WAIT_S`` (the pool is being recreated).
+
+        A retry (``attempt > 0``) goes to a worker that has just answered ``hello``: after a
+        SIGKILL of the pool, a call to a worker Ray is still restarting fails at once, and
+        three instant failures would turn a recoverable loss into an error. Waiting for a live
+        worker bounds the retry by the restart time, not by the number of tries."""
         if attempt == 0:
             self._turns[pool] += 1
-        for _ in range(50):
+        deadline = asyncio.get_running_loop().time() + RETRY_WAIT_S
+        offset = self._turns[pool] + attempt
+        while True:
             try:
-                return self._pick(pool, "", self._turns[pool] + attempt, await self.size(pool))
-            except ValueError:  # being (re)started by the Supervisor
-                await asyncio.sleep(0.2)  # backoff before looking again
-        return None
+                worker = self._pick(pool, "", offset, await self.size(pool))
+                if attempt == 0:
+                    return worker
+                await ask(worker.hello.remote(), 5.0)
+                return worker
+            except ValueError:  # not registered: being (re)started by the Supervisor
+                pass
+            except (RayActorError, TimeoutError) as exc:  # dead or restarting: try the next
+                log.info("tool worker of pool %s not up yet: %s", pool, _last_line(exc))
+                offset += 1
+            if asyncio.get_running_loop().time() > deadline:
+                return None
+            await asyncio.sleep(0.2)  # backoff before looking again
 
     def _pick(self, pool: str, key: str, offset: int, size: int) -> Any:
         index = (zlib.crc32(key.encode()) + offset) % size
@@ -174,10 +195,13 @@ class RayToolRunner:
         pool = pool_name(spec.resources)
         await self._admit(spec, pool)
         try:
-            return await self._send(spec, pool, call, ctx)
+            result = await self._send(spec, pool, call, ctx)
+            metrics().tool_calls.inc(1, tags={"status": result.status})
+            return result
         finally:
             self._running[spec.name] -= 1
             self.inflight[pool] -= 1
+            metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
             freed = self._freed[spec.name]
             async with freed:
                 freed.notify()
@@ -196,6 +220,7 @@ class RayToolRunner:
             self.waiting[pool] -= 1
         self._running[spec.name] += 1
         self.inflight[pool] += 1
+        metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
 
     async def _send(
         self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext

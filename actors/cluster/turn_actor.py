@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import psutil
@@ -35,13 +36,15 @@ from ray.exceptions import RayActorError
 from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.cluster.info import HostInfo
+from actors.cluster.metrics import metrics
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import encode_event
-from store.connection import connect
+from bus.phase import TurnPhase
+from store.leases import HostLeases
 from store.pools import PoolSizes
 from store.records import SaveReason
 from store.streams import BufferedPublisher, RedisBus
@@ -56,10 +59,9 @@ class TurnActor:
         self.slot = slot
         self.generation = generation
         self.incarnation = uuid.uuid4().hex
+        self.node_id = ray.get_runtime_context().get_node_id()  # an actor never moves
         self.isolating = slot == self.dep.isolation_slot
-        self.client = connect(
-            self.dep.redis_url, max_connections=128, retry_s=self.dep.settings.redis.retry_s
-        )
+        self.client = self.dep.connect(max_connections=128)
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
@@ -84,6 +86,10 @@ class TurnActor:
         self._wake = asyncio.Event()
         self._probations: asyncio.Task[None] | None = None
         self._pokes: set[asyncio.Task[None]] = set()
+        self.leases = HostLeases(
+            self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.lease_ttl_s
+        )
+        self._renewing: asyncio.Task[None] | None = None
 
     def _checkpoint_actor(self) -> Any:
         return ray.get_actor(self.dep.name("checkpoint"), namespace=RAY_NAMESPACE)
@@ -96,6 +102,7 @@ class TurnActor:
             generation=self.generation,
             incarnation=self.incarnation,
             pid=os.getpid(),
+            node_id=self.node_id,
             running=len(self._tasks),
             finished=stats.turns,
             outcomes=dict(stats.outcomes),
@@ -117,7 +124,10 @@ class TurnActor:
         isolation are left to the isolation host. There, the supervisor's first call starts
         the probation runs and says whether the host it replaces died (its probation marker
         is then evidence) or stopped answering (it is not); a call without that (None: a
-        shared host's nudge) only wakes the runs."""
+        shared host's nudge) only wakes the runs. The first call also starts renewing this
+        generation's lease: from here on the host is the slot's active one."""
+        if self._renewing is None:
+            self._renewing = asyncio.ensure_future(self._heartbeat())
         if self.isolating:
             if self._probations is None and predecessor_died is not None:
                 await self.engine.probations.note_predecessor(died=predecessor_died)
@@ -137,6 +147,22 @@ class TurnActor:
             return 0
         plans = asyncio.ensure_future(self._plan(mine))
         return sum(self._spawn(t, self._resume_planned(t, i, plans)) for i, t in enumerate(mine))
+
+    async def _heartbeat(self) -> None:
+        """For as long as the event loop runs: renew this generation's lease, and report how
+        many of its turns are in each phase (the ``phaseline_turns`` gauge). A failed renewal
+        (Redis restarting, a failover) is retried at the next period; the lease may lapse
+        meanwhile, but a host that still answers its ping is kept (``store.leases``)."""
+        host = self.dep.host_label(self.slot)
+        while True:
+            by_phase = Counter(t.dst for t in self.engine.phases())
+            for phase in TurnPhase:
+                metrics().turns.set(by_phase[phase], tags={"phase": phase.value, "host": host})
+            try:
+                await self.leases.renew(self.slot, self.generation)
+            except PhaselineError as exc:
+                log.warning("host slot %d: %s", self.slot, exc)
+            await asyncio.sleep(self.leases.renew_every_s)  # the renewal period
 
     async def park(self) -> None:
         """Never returns: the Supervisor keeps one call parked here, so Ray tells it the moment

@@ -20,11 +20,11 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import ServiceInfo
+from actors.cluster.metrics import metrics
 from actors.turn.watchdog import HardCancel, WatchdogRules
 from bus.errors import PhaselineError
 from bus.events import Status, StatusEvent, decode_event
 from bus.phase import Transition
-from store.connection import connect
 from store.streams import RedisBus
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,7 @@ class WatchdogActor:
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
-        self.client = connect(
-            self.dep.redis_url, max_connections=16, retry_s=self.dep.settings.redis.retry_s
-        )
+        self.client = self.dep.connect(max_connections=16)
         self.bus = RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         self.hosts = HostDirectory(self.dep, self.client)
         self.rules = WatchdogRules(self.dep.settings.watchdog)
@@ -83,6 +81,7 @@ class WatchdogActor:
                     for d in got:
                         if isinstance(d.event, Transition):
                             self.rules.observe(d.event)
+                            metrics().phase_entries.inc(1, tags={"phase": d.event.dst.value})
                     await self.bus.ack(WATCHDOG_GROUP, got)
                     await self._act(self.rules.tick(time.time()))
             except (PhaselineError, RayActorError) as exc:
@@ -106,6 +105,7 @@ class WatchdogActor:
         for a in actions:
             if isinstance(a, HardCancel):
                 self.hard += 1
+                metrics().watchdog.inc(1, tags={"kind": "hard"})
                 # The turn runs on its slot's host, or alone on the isolation host; each
                 # cancels only a call of that very epoch.
                 hosts = (
@@ -127,5 +127,6 @@ class WatchdogActor:
                 )
             else:
                 self.soft += 1
+                metrics().watchdog.inc(1, tags={"kind": "soft"})
                 events.append(StatusEvent(a.turn_id, 0, Status.IDLE_SOFT, a.label, now_ms))
         await self.bus.publish(events)

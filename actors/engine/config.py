@@ -16,10 +16,11 @@ from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
-from store.connection import DEFAULT_RETRY_S, check_redis_url
+from store.connection import DEFAULT_RETRY_S, StoreClient, check_redis_url, connect
 from store.durability import Durability, parse_durability
 from store.keys import KeyLayout
 from store.streams import LiveStreams
+from store.transaction import AtomicSave
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 
@@ -48,6 +49,18 @@ class RedisSettings(_Section):
     failover) before the turn is interrupted; 0 fails at once."""
     data_dir: str = ".phaseline/redis"
     """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+    cluster: bool = False
+    """``url`` names one node of a Redis Cluster, or several as seeds
+    (``redis://:pw@h1:7000,h2:7001``, so a client can start while one of them is down):
+    commands are routed by their key's slot (every key a save, a ledger write or a stream read
+    touches carries its shard's hash tag)."""
+
+    def connect(self, url: str, *, max_connections: int = 64) -> StoreClient:
+        """A client of ``url`` as these settings say: a cluster's or one server's, retrying
+        through connection errors for :attr:`retry_s`."""
+        return connect(
+            url, cluster=self.cluster, max_connections=max_connections, retry_s=self.retry_s
+        )
 
     @field_validator("url")
     @classmethod
@@ -63,6 +76,15 @@ class RedisSettings(_Section):
     def durability_policy(self) -> Durability:
         """The parsed :attr:`durability` setting."""
         return parse_durability(self.durability, timeout_ms=self.durability_timeout_ms)
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> RedisSettings:
+        if self.cluster and self.url is None:
+            raise ValueError(
+                "cluster = true needs url (one node of the cluster); the embedded server is a "
+                "single node"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> RedisSettings:
@@ -81,6 +103,10 @@ class CheckpointSettings(_Section):
     )
     """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
     ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
+    atomic: AtomicSave = Field(default=AtomicSave.SCRIPT, strict=False)  # TOML gives a string
+    """How a save is made atomic and fenced: ``script`` (one server-side script per save) or
+    ``multi_exec`` (``WATCH``, read the fences, ``MULTI`` ... ``EXEC`` per shard). Both give
+    the same guarantees; docs/ARCHITECTURE.md has what each costs."""
     mid_turn: bool = True
     """False writes only the submission and final records, so a crash loses the turn's model
     progress (committed tool calls are still reused from the ledger). It exists to measure
@@ -96,11 +122,13 @@ class ApprovalSettings(_Section):
 
 class SupervisorSettings(_Section):
     ping_interval_s: float = Field(default=0.5, gt=0)
-    """How often every host is pinged."""
-    ping_timeout_s: float = Field(default=3.0, gt=0)
-    """A ping unanswered for this long is a miss."""
-    ping_misses: int = Field(default=3, ge=1)
-    """Consecutive misses after which a live but silent host (hung, frozen) is replaced."""
+    """How often every host is checked (its lease read, then a ping for its load)."""
+    ping_timeout_s: float = Field(default=1.0, gt=0)
+    """How long a ping waits. An unanswered ping replaces a host only if its lease has lapsed
+    too (or Ray says it died): a busy host that still renews its lease is kept."""
+    lease_ttl_s: float = Field(default=2.0, ge=0.2, le=600)
+    """A host's lease (``store.leases``), renewed every quarter of it: a frozen or cut-off host
+    is replaced about this long after it stopped."""
     adopt_interval_s: float = Field(default=10.0, gt=0)
     """How often live hosts re-adopt in-progress turns of their slot that they do not run."""
     standby: bool = True

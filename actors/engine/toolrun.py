@@ -19,7 +19,7 @@ from actors.turn.agent import Agent
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, ToolExecutorLost, UnknownTool
 from store.codec import pack_model
-from store.ledger import Change, ToolLedger, call_key
+from store.ledger import Change, Ledger, call_key
 from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus, TurnInput
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class BatchExecutor:
         self,
         registry: ToolRegistry,
         runner: ToolRunner,
-        ledger: ToolLedger,
+        ledger: Ledger,
         effects: EffectSink | None,
         *,
         agent: str = "",

@@ -18,8 +18,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
@@ -43,6 +41,7 @@ from bus.phase import Transition
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES
+from store.connection import StoreClient
 from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
@@ -57,6 +56,7 @@ from store.records import (
     TurnSpec,
 )
 from store.sessions import Sessions
+from store.transaction import AtomicSave
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class TurnEngine:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StoreClient,
         keys: KeyLayout,
         *,
         loop_settings: LoopSettings = LoopSettings(),
@@ -139,6 +139,7 @@ class TurnEngine:
         on_status: Callable[[SoftIdle], None] | None = None,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
+        atomic: AtomicSave = AtomicSave.SCRIPT,
         on_isolate: Callable[[str], None] | None = None,
         probation_patience_s: float = 30.0,
     ) -> None:
@@ -147,7 +148,7 @@ class TurnEngine:
         for the isolation host."""
         self.keys = keys
         self.store = RedisCheckpointStore(
-            client, keys, max_record_bytes=max_record_bytes, durability=durability
+            client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic
         )
         self.ledger = ToolLedger(client, keys)
         self.effects = EffectCounters(client, keys)
@@ -168,10 +169,11 @@ class TurnEngine:
         self.probations = Probations(self, patience_s=probation_patience_s)
 
     @classmethod
-    def from_settings(cls, client: aioredis.Redis, settings: Settings, **kw: Any) -> TurnEngine:
+    def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
         kw.setdefault("watchdog", settings.watchdog)
         kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
         kw.setdefault("durability", settings.redis.durability_policy())
+        kw.setdefault("atomic", settings.checkpoint.atomic)
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
         return cls(
             client,

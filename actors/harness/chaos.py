@@ -14,6 +14,10 @@ target kind and a victim at random intervals and kills it, while turns keep arri
   under ``appendfsync always``, the last second under ``everysec``), and a restart. Side effects
   are then counted on a witness server outside the Redis under test, so a lost tail cannot hide
   a duplicate;
+* ``redis_failover`` (with ``--redis-cluster``): SIGKILL of a random primary of the embedded
+  Redis Cluster; its replica takes over while turns pause on its slots, then the killed node is
+  started again and rejoins as a replica (as an operator's restart brings it back). Side
+  effects are counted on a witness server outside the cluster, as for ``power_loss``;
 * ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
   the namespace is) claims and runs a few in-progress turns of a random host while that host
   still runs them: the two race on every dispatch and save until one is fenced.
@@ -46,6 +50,7 @@ import ray
 
 from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import ServiceInfo
+from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
@@ -59,17 +64,27 @@ from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition
 from store.connection import connect
 from store.embedded import EmbeddedRedis
+from store.embedded_cluster import EmbeddedCluster
 from store.isolation import Isolation
 
 log = logging.getLogger(__name__)
 
 TARGETS = (
     "host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze",
-    "concurrent_resume", "power_loss",
+    "concurrent_resume", "power_loss", "node", "redis_failover",
 )  # fmt: skip
 
 #: Targets that need the embedded server (they kill and restart it).
 EMBEDDED_ONLY = ("redis", "power_loss")
+
+#: Targets that need a local multi-node Ray cluster (``--nodes N``): they remove a node.
+NODES_ONLY = ("node",)
+
+#: Targets that need the embedded Redis Cluster (``--redis-cluster``): they kill a primary.
+CLUSTER_ONLY = ("redis_failover",)
+
+#: Targets whose side effects are counted on a witness server: they can lose Redis writes.
+WITNESSED = ("power_loss", "redis_failover")
 
 #: Turns a ``concurrent_resume`` fault takes over at once.
 RIVAL_TURNS = 3
@@ -79,21 +94,30 @@ RIVAL_TURNS = 3
 POISON_AT_CALL = 3
 
 
-def parse_targets(spec: str, *, embedded: bool) -> tuple[str, ...]:
-    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list."""
+def parse_targets(
+    spec: str, *, embedded: bool, nodes: bool = False, cluster: bool = False
+) -> tuple[str, ...]:
+    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list.
+    ``embedded``: the run owns its one Redis server; ``nodes``: it owns a local multi-node Ray
+    cluster; ``cluster``: it owns a local Redis Cluster. ``all`` leaves out what the run cannot
+    do; a list naming it is refused."""
     if spec == "none":
         return ()
-    names = (
-        TARGETS if spec in ("all", "") else tuple(t.strip() for t in spec.split(",") if t.strip())
-    )
+    every = spec in ("all", "")
+    names = TARGETS if every else tuple(t.strip() for t in spec.split(",") if t.strip())
     unknown = sorted(set(names) - set(TARGETS))
     if unknown:
         raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
-    needs = [t for t in names if t in EMBEDDED_ONLY]
-    if needs and not embedded:
-        if spec in ("all", ""):
-            return tuple(t for t in names if t not in EMBEDDED_ONLY)
-        raise ConfigError(f"targets {needs} restart the embedded server; drop --redis-url for them")
+    for needed, have, why in (
+        (EMBEDDED_ONLY, embedded, "restart the embedded server; drop --redis-url for them"),
+        (NODES_ONLY, nodes, "remove a Ray node; run with --nodes 2 or more (no --ray-address)"),
+        (CLUSTER_ONLY, cluster, "kill a Redis Cluster primary; run with --redis-cluster"),
+    ):
+        needs = [t for t in names if t in needed]
+        if needs and not have:
+            if not every:
+                raise ConfigError(f"targets {needs} {why}")
+            names = tuple(t for t in names if t not in needed)
     return names
 
 
@@ -150,6 +174,7 @@ class Fault:
         return (
             self.pid is not None
             or self.target in EMBEDDED_ONLY
+            or (self.target in (*NODES_ONLY, *CLUSTER_ONLY) and not self.note.startswith("skipped"))
             or bool(self.target == "concurrent_resume" and self.affected)
         )
 
@@ -245,9 +270,18 @@ def plot(report: ChaosReport, path: str) -> None:
 class ChaosMonkey:
     """Injects the faults of one run."""
 
-    def __init__(self, rt: Runtime, server: EmbeddedRedis | None, cfg: ChaosSettings) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        server: EmbeddedRedis | None,
+        cfg: ChaosSettings,
+        nodes: LocalNodes | None = None,
+        cluster: EmbeddedCluster | None = None,
+    ) -> None:
         self.rt = rt
         self.server = server
+        self.nodes = nodes
+        self.cluster = cluster
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.isolation = Isolation(rt.client, rt.dep.keys)
@@ -341,6 +375,10 @@ class ChaosMonkey:
             return Fault(self.now(), target, f"tools{index}", pid)
         if target == "concurrent_resume":
             return await self._rival_resume()
+        if target == "node":
+            return await self._node_loss()
+        if target == "redis_failover":
+            return await self._redis_failover()
         if target == "power_loss":
             return await self._power_loss()
         if target == "redis":
@@ -351,6 +389,51 @@ class ChaosMonkey:
         pid = await rt.service_pid(target)
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), target, target, pid)
+
+    async def _node_loss(self) -> Fault:
+        """Remove a worker node that runs turn hosts (its raylet and every worker on it: hosts,
+        tool workers, maybe singletons), then add a fresh node, as a replaced machine joins."""
+        assert self.nodes is not None
+        workers = set(self.nodes.worker_node_ids())
+        hosts = await self.rt.host_info(isolation=True)
+        by_node: dict[str, list[int]] = {}
+        for h in hosts:
+            if h.node_id in workers:
+                by_node.setdefault(h.node_id, []).append(h.slot)
+        candidates = sorted(by_node) or sorted(workers)
+        if not candidates:
+            raise ConfigError("no worker node to remove")
+        victim = self.rng.choice(candidates)
+        affected: dict[str, int] = {}
+        for slot in by_node.get(victim, []):
+            affected.update(await self._affected(slot))
+        at = self.now()
+        # In this thread: Ray's node start installs signal handlers, which only the main
+        # thread may do. The loop stalls for the few seconds a raylet takes to start.
+        self.nodes.remove_node(victim)
+        fresh = self.nodes.add_node()
+        note = f"hosts of slots {sorted(by_node.get(victim, []))}; node {fresh[:8]} added"
+        return Fault(at, "node", f"node {victim[:8]}", None, affected, note=note)
+
+    async def _redis_failover(self) -> Fault:
+        """SIGKILL a primary of the Redis Cluster, wait until its replica serves its slots,
+        then start it again and wait until it is back in sync as a replica (so the next
+        failover of that pair has a replica to promote)."""
+        cluster = self.cluster
+        assert cluster is not None
+        primaries = sorted(cluster.primary_nodes(), key=lambda n: n.port or 0)
+        if not primaries:
+            raise ConfigError("no live primary to kill")
+        victim = self.rng.choice(primaries)
+        at = self.now()
+        down = time.monotonic()
+        cluster.kill(victim)
+        await asyncio.to_thread(cluster.wait_failover, victim)
+        failover_s = time.monotonic() - down
+        cluster.revive(victim)
+        await asyncio.to_thread(cluster.wait_ok)
+        note = f"failover {failover_s:.2f} s, back as a replica {time.monotonic() - down:.2f} s"
+        return Fault(at, "redis_failover", f"primary :{victim.port}", None, note=note)
 
     async def _power_loss(self) -> Fault:
         server = self.server
@@ -453,6 +536,8 @@ async def run_chaos(
     server: EmbeddedRedis | None,
     cfg: ChaosSettings,
     *,
+    nodes: LocalNodes | None = None,
+    cluster: EmbeddedCluster | None = None,
     on_submitted: Callable[[int], None],
     on_done: Callable[[str], None],
 ) -> ChaosReport:
@@ -466,7 +551,7 @@ async def run_chaos(
         return poison if tid in poisoned else cfg.work
 
     t0_unix = time.time()
-    monkey = ChaosMonkey(rt, server, cfg)
+    monkey = ChaosMonkey(rt, server, cfg, nodes, cluster)
     started = monkey.t0
     await asyncio.gather(
         submit_over(rt, work_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
@@ -500,6 +585,7 @@ async def run_chaos(
             "seed": cfg.seed,
             "poison": cfg.poison,
             "hosts": rt.dep.hosts,
+            "redis": "cluster" if cluster else "one server",
             "namespace": rt.dep.keys.namespace,
         },
         verdict=verdict,

@@ -9,17 +9,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-import redis.asyncio as aioredis
-
 from bus.events import BadBusEntry, decode_event
 from bus.phase import Transition
-from store.connection import read_range
+from store.connection import StoreClient, read_range
 from store.keys import KeyLayout
 
 log = logging.getLogger(__name__)
 
 
-async def read_moves(client: aioredis.Redis, keys: KeyLayout) -> list[Transition]:
+async def read_moves(client: StoreClient, keys: KeyLayout) -> list[Transition]:
     """Every phase transition still in the bus streams, in time order (bad entries skipped)."""
     moves: list[Transition] = []
     for shard in keys.all_shards():

@@ -17,21 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
 from actors.turn.loop import LoopSettings
 from bus.errors import RecordError, RecordNotFound
 from store.checkpoint import RedisCheckpointStore
-from store.connection import read_range, text
+from store.connection import StoreClient, read_range, text
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Message, Outcome
 
 
 async def reference_transcript(
-    client: aioredis.Redis, work: Work, namespace: str
+    client: StoreClient, work: Work, namespace: str
 ) -> tuple[Message, ...]:
     """The fault-free transcript of ``work``, run in this process in its own namespace (the
     scripted model's replies depend on the scenario and the transcript only; an HTTP model's
@@ -151,12 +149,12 @@ def meta_ok(record: CheckpointRecord) -> bool:
 
 
 async def judge(
-    client: aioredis.Redis,
+    client: StoreClient,
     keys: KeyLayout,
     turn_ids: Sequence[str],
     expected: Sequence[Message],
     *,
-    effects_client: aioredis.Redis | None = None,
+    effects_client: StoreClient | None = None,
     expect_suspended: frozenset[str] = frozenset(),
 ) -> Verdict:
     """``effects_client``: where the side effects were counted, if not in ``client``'s Redis;
@@ -221,7 +219,7 @@ async def judge(
 
 
 async def out_of_order_writes(
-    client: aioredis.Redis, keys: KeyLayout, turn_ids: set[str]
+    client: StoreClient, keys: KeyLayout, turn_ids: set[str]
 ) -> list[str]:
     """Turns whose checkpoint events show a write accepted after a newer one."""
     last: dict[str, tuple[int, int]] = {}

@@ -1,15 +1,34 @@
 -- Fenced, atomic save of one checkpoint record (store/checkpoint.py, RedisCheckpointStore).
 --
--- KEYS: record hash, shard events stream, shard in-progress set [, spec key of a submission]
+-- KEYS: record hash, bodies hash, shard events stream, shard in-progress set
+--       [, spec key of a submission]
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
---       spec value (or ''), then the record's hash fields as field, value, ...
+--       spec value (or ''), replace (1|0: empty the bodies hash first), puts (n), drops (m),
+--       then n digest, body pairs, then m digests to drop,
+--       then the record's hash fields as field, value, ...
 -- Answers: {'exists'} (a submission whose record or spec is already there),
 -- {'unreadable', epoch, seq}, {'stale_epoch', epoch, seq}, {'already', epoch, seq} (this very
--- save is stored: a replay), {'stale_seq', epoch, seq}, or {'ok', event id}.
+-- record is stored, every field equal: a replay), {'stale_seq', epoch, seq} (also a different
+-- record at the same epoch and seq), or {'ok', event id}.
+-- The fence is checked before anything is written, so a refused save changes nothing: no body
+-- is written or dropped (store/transcript.py says why that keeps every needed body).
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
-local record = KEYS[1]
-if KEYS[4] and redis.call('EXISTS', record, KEYS[4]) > 0 then
+local record, bodies = KEYS[1], KEYS[2]
+if KEYS[5] and redis.call('EXISTS', record, KEYS[5]) > 0 then
   return {'exists'}
+end
+local puts, drops = tonumber(ARGV[10]), tonumber(ARGV[11])
+local fields = 12 + 2 * puts + drops  -- the first of the record's field, value pairs
+-- A save at the stored (epoch, seq) is a replay only if it is this very record, field for
+-- field: two resumers that claimed the same epoch at once send the same (epoch, seq) with
+-- different content, and the second must be fenced, not told its save landed (its idea of
+-- the stored bodies would be wrong).
+local function same_record()
+  if redis.call('HLEN', record) * 2 ~= #ARGV - fields + 1 then return false end
+  for i = fields, #ARGV, 2 do
+    if redis.call('HGET', record, ARGV[i]) ~= ARGV[i + 1] then return false end
+  end
+  return true
 end
 local stored = redis.call('HMGET', record, 'epoch', 'seq')
 if stored[1] or stored[2] then
@@ -19,17 +38,31 @@ if stored[1] or stored[2] then
   end
   local epoch, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
   if e > epoch then return {'stale_epoch', stored[1], stored[2]} end
-  if e == epoch and s == seq then return {'already', stored[1], stored[2]} end
+  if e == epoch and s == seq and same_record() then return {'already', stored[1], stored[2]} end
   if seq <= s then return {'stale_seq', stored[1], stored[2]} end
 end
-redis.call('HSET', record, unpack(ARGV, 9))
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*',
+-- Lua's unpack takes a few thousand values at most: write in slices.
+local function each_slice(first, last, width, command, key)
+  for i = first, last, width do
+    redis.call(command, key, unpack(ARGV, i, math.min(i + width - 1, last)))
+  end
+end
+if ARGV[9] == '1' then redis.call('DEL', bodies) end
+local first = 12
+if puts > 0 then each_slice(first, first + 2 * puts - 1, 1000, 'HSET', bodies) end
+first = first + 2 * puts
+if drops > 0 then each_slice(first, first + drops - 1, 1000, 'HDEL', bodies) end
+first = first + drops
+-- The record is rebuilt whole: fields of an older layout (schema 1) must not linger.
+redis.call('DEL', record)
+redis.call('HSET', record, unpack(ARGV, first))
+local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*',
   'turn_id', ARGV[3], 'epoch', ARGV[1], 'seq', ARGV[2], 'phase', ARGV[4],
   'reason', ARGV[5], 'in_progress', ARGV[6])
 if ARGV[6] == '1' then
-  redis.call('SADD', KEYS[3], ARGV[3])
+  redis.call('SADD', KEYS[4], ARGV[3])
 else
-  redis.call('SREM', KEYS[3], ARGV[3])
+  redis.call('SREM', KEYS[4], ARGV[3])
 end
-if KEYS[4] then redis.call('SET', KEYS[4], ARGV[8]) end
+if KEYS[5] then redis.call('SET', KEYS[5], ARGV[8]) end
 return {'ok', id}

@@ -17,7 +17,6 @@ from typing import Any
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore
-from store.codec import EncodedRecord
 from store.connection import connect, translated
 from store.durability import parse_durability
 from store.embedded import EmbeddedRedis
@@ -38,8 +37,7 @@ async def saves_per_s(url: str, mode: str, *, seconds: float, payload_bytes: int
     saved, seq, started = 0, 1, time.perf_counter()
     try:
         while time.perf_counter() - started < seconds:
-            batch = [EncodedRecord.of(r.model_copy(update={"seq": seq})) for r in records]
-            answers = await store.save_many(batch)
+            answers = await store.save_many([r.model_copy(update={"seq": seq}) for r in records])
             failed = [a for a in answers if isinstance(a, Exception)]
             if failed:
                 raise failed[0]

@@ -6,8 +6,9 @@ CheckpointActor) and drives synthetic turns that do nothing but save, through fo
 
 * ``batched``: the production path (group commit through the CheckpointActor);
 * ``unbatched``: one Ray call per save to the same actor (concurrent calls, no queue);
-* ``raw``: the same group commit, validation and fenced save scripts done in this process,
-  without Ray: the ceiling of the Redis side;
+* ``raw_script`` and ``raw_multi_exec``: the same group commit and validation done in this
+  process, without Ray, with each ``[checkpoint] atomic`` path: the ceiling of the Redis side,
+  and the two atomic saves side by side;
 * ``bare``: one plain MULTI/EXEC of the record (HSET + XADD + SADD, no fence, no script), the
   latency floor of a durable write.
 """
@@ -27,7 +28,6 @@ from actors.cluster.checkpoint_actor import (
     Verdict,
     actor_sender,
     local_sender,
-    record_to_wire,
 )
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment
 from actors.harness.bench.sizes import bench_record
@@ -36,10 +36,12 @@ from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
 from store.connection import connect, translated
 from store.records import CheckpointRecord, SaveAck
+from store.transaction import AtomicSave
+from store.transcript import KnownBodies
 
 Save = Callable[[CheckpointRecord], Awaitable[Any]]
 
-PATHS = ("batched", "unbatched", "raw", "bare")
+PATHS = ("batched", "unbatched", "raw_script", "raw_multi_exec", "bare")
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -49,21 +51,34 @@ class BenchProbe:
         self.client = connect(
             dep.redis_url, max_connections=128, retry_s=dep.settings.redis.retry_s
         )  # as TurnActor
-        # The raw baseline promises what the CheckpointActor does (same durability).
-        self.store = RedisCheckpointStore(
-            self.client, dep.keys, durability=dep.settings.redis.durability_policy()
-        )
+        # The raw baselines promise what the CheckpointActor does (same durability).
+        stores = {
+            atomic: RedisCheckpointStore(
+                self.client,
+                dep.keys,
+                durability=dep.settings.redis.durability_policy(),
+                atomic=atomic,
+            )
+            for atomic in AtomicSave
+        }
+        self.store = stores[dep.settings.checkpoint.atomic]
         actor = ray.get_actor(dep.name("checkpoint"), namespace=RAY_NAMESPACE)
         self.send = actor_sender(lambda: actor)
         self.paths: dict[str, Save] = {
             "batched": CheckpointClient(self.send).save,
             "unbatched": self._unbatched,
-            "raw": CheckpointClient(local_sender(self.store)).save,
+            **{
+                f"raw_{atomic.value}": CheckpointClient(local_sender(store)).save
+                for atomic, store in stores.items()
+            },
             "bare": self._bare,
         }
         self.messages = messages
         self.payload_bytes = payload_bytes
         self._runs = 0
+        # What the two paths that skip the CheckpointClient know of their turns' bodies.
+        self._bare_known = KnownBodies()
+        self._unbatched_known = KnownBodies()
 
     async def pid(self) -> int:
         return os.getpid()
@@ -81,15 +96,20 @@ class BenchProbe:
                 ms.append((time.perf_counter() - t0) * 1000)
         return out
 
-    async def throughput(self, path: str, turns: int, duration_s: float) -> dict[str, float]:
-        """``turns`` concurrent turns saving back to back on ``path`` for ``duration_s``."""
+    async def throughput(
+        self, path: str, turns: int, duration_s: float, messages: int
+    ) -> dict[str, float]:
+        """``turns`` concurrent turns of ``messages`` messages saving back to back on ``path``
+        for ``duration_s``. Each turn's first save (all its bodies) is made before the clock
+        starts: what is timed is a running turn's saves."""
         save = self.paths[path]
-        base = [self._record(f"thr-{path}-{turns}-{i}") for i in range(turns)]
+        base = [self._record(f"thr-{path}-{turns}-{i}", messages) for i in range(turns)]
+        await asyncio.gather(*(save(b) for b in base))
         counts = [0] * turns
         stop = time.perf_counter() + duration_s
 
         async def turn(i: int) -> None:
-            seq = 0
+            seq = base[i].seq
             while time.perf_counter() < stop:
                 seq += 1
                 await save(base[i].model_copy(update={"seq": seq}))
@@ -100,22 +120,29 @@ class BenchProbe:
         wall = time.perf_counter() - t0
         return {"saves": sum(counts), "wall_s": wall, "saves_per_s": sum(counts) / wall}
 
-    def _record(self, label: str) -> CheckpointRecord:
+    def _record(self, label: str, messages: int | None = None) -> CheckpointRecord:
         self._runs += 1
         return bench_record(
-            f"bench-{label}-r{self._runs}", messages=self.messages, payload_bytes=self.payload_bytes
+            f"bench-{label}-r{self._runs}",
+            messages=messages or self.messages,
+            payload_bytes=self.payload_bytes,
         )
 
     async def _unbatched(self, record: CheckpointRecord) -> None:
-        (answer,) = await self.send([record_to_wire(record)])
-        if answer.verdict is not Verdict.OK:
+        encoded = EncodedRecord.of(record, self._unbatched_known)
+        (answer,) = await self.send([encoded.to_wire()])
+        ok = answer.verdict is Verdict.OK
+        self._unbatched_known.settle(record.turn_id, record.seq, landed=ok, in_progress=True)
+        if not ok:
             raise StoreError(f"unbatched save refused: {answer.verdict}: {answer.detail}")
 
     async def _bare(self, record: CheckpointRecord) -> SaveAck:
-        """The latency floor: the same three writes in one MULTI/EXEC, no fence, no script."""
-        encoded, keys = EncodedRecord.of(record), self.store.keys
+        """The latency floor: the same writes in one MULTI/EXEC, no fence, no script."""
+        encoded, keys = EncodedRecord.of(record, self._bare_known), self.store.keys
         with translated("bare save"):
             async with self.client.pipeline(transaction=True) as pipe:
+                if encoded.puts:
+                    pipe.hset(keys.bodies(record.turn_id), mapping=encoded.puts)  # type: ignore[arg-type]
                 pipe.hset(keys.turn(record.turn_id), mapping=encoded.fields)  # type: ignore[arg-type]
                 pipe.xadd(
                     keys.events_of(record.turn_id),
@@ -125,4 +152,5 @@ class BenchProbe:
                 )
                 pipe.sadd(keys.in_progress_of(record.turn_id), record.turn_id)
                 replies = await pipe.execute()
-        return SaveAck(record.turn_id, record.epoch, record.seq, str(replies[1]))
+        self._bare_known.settle(record.turn_id, record.seq, landed=True, in_progress=True)
+        return SaveAck(record.turn_id, record.epoch, record.seq, str(replies[-2]))

@@ -25,6 +25,7 @@ from actors.engine.config import Settings
 from actors.engine.scenario import load_scenario
 from actors.engine.shipped import configs_dir
 from actors.harness.bench.durability_modes import durability_modes
+from actors.harness.bench.durable_loop import durable_loop
 from actors.harness.bench.probe import BenchProbe
 from actors.harness.bench.recovery import host_kill_recovery, ray_restart_ms
 from actors.harness.bench.sizes import checkpoint_sizes
@@ -40,7 +41,7 @@ SCENARIOS = configs_dir() / "scenarios"
 
 FIGURES = (
     "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
-    "recovery", "tool_scaling",
+    "recovery", "tool_scaling", "durable_loop",
 )  # fmt: skip
 
 
@@ -50,8 +51,8 @@ class BenchConfig:
 
     latency_saves: int
     """Sequential saves per path for the latency figure."""
-    throughput_turns: tuple[int, ...] = (1, 100, 1000)
-    """Concurrent saving turns of the throughput figure."""
+    throughput_rows: tuple[tuple[int, int], ...] = ((1, 12), (100, 12), (1000, 12), (1000, 200))
+    """(concurrent saving turns, messages per record) of the throughput figure's rows."""
     throughput_s: float
     """Seconds each throughput path runs at each concurrency."""
     record_messages: int = 12
@@ -84,6 +85,12 @@ class BenchConfig:
     """What one call of the tool-scaling figure's tool waits."""
     worker_counts: tuple[int, ...] = (1, 2, 4, 8)
     """ToolWorker pool sizes of the tool-scaling figure."""
+    loop_turns: int = 100
+    """Sequential turns per variant of the durable-loop figure."""
+    loop_concurrent: int = 200
+    """Turns at once in the durable-loop figure's concurrent part."""
+    loop_reps: int = 2
+    """Rounds of the concurrent part per variant (the median is reported)."""
 
 
 QUICK = BenchConfig(
@@ -97,6 +104,8 @@ QUICK = BenchConfig(
     ray_restarts=3,
 )
 FULL = BenchConfig(
+    loop_turns=300,
+    loop_reps=3,
     tool_turns=128,
     tool_rounds=10,
     latency_saves=1000,
@@ -152,19 +161,25 @@ async def _probe_figures(
             }
         if "throughput" in figures:
             rows = []
-            for turns in cfg.throughput_turns:
-                row: dict[str, Any] = {"turns": turns}
-                for path in ("batched", "unbatched", "raw"):
-                    await probe.throughput.remote(path, turns, min(0.5, cfg.throughput_s))
-                    got = await probe.throughput.remote(path, turns, cfg.throughput_s)
+            deployed_raw = f"raw_{base.checkpoint.atomic.value}"
+            for turns, messages in cfg.throughput_rows:
+                row: dict[str, Any] = {"turns": turns, "messages": messages}
+                for path in ("batched", "unbatched", "raw_script", "raw_multi_exec"):
+                    await probe.throughput.remote(path, turns, min(0.5, cfg.throughput_s), messages)
+                    got = await probe.throughput.remote(path, turns, cfg.throughput_s, messages)
                     row[f"{path}_saves_per_s"] = round(got["saves_per_s"])
                 row["ratio_to_unbatched"] = _ratio(
                     row["batched_saves_per_s"], row["unbatched_saves_per_s"]
                 )
-                row["ratio_to_raw"] = _ratio(row["batched_saves_per_s"], row["raw_saves_per_s"])
+                row["ratio_to_raw"] = _ratio(
+                    row["batched_saves_per_s"], row[f"{deployed_raw}_saves_per_s"]
+                )
+                row["ratio_multi_exec_to_script"] = _ratio(
+                    row["raw_multi_exec_saves_per_s"], row["raw_script_saves_per_s"]
+                )
                 rows.append(row)
             out["checkpoint_throughput"] = {
-                "record_messages": cfg.record_messages,
+                "atomic": base.checkpoint.atomic.value,
                 "seconds_per_path": cfg.throughput_s,
                 "rows": rows,
             }
@@ -223,6 +238,9 @@ async def run_bench(
         ("tool_scaling", "tool_scaling",
          lambda: tool_scaling(base, url, turns=cfg.tool_turns, rounds=cfg.tool_rounds,
                               latency_ms=cfg.tool_latency_ms, worker_counts=cfg.worker_counts)),
+        ("durable_loop", "durable_loop",
+         lambda: durable_loop(url, turns=cfg.loop_turns, concurrent=cfg.loop_concurrent,
+                              reps=cfg.loop_reps)),
     ]  # fmt: skip
     for figure, name, measure in plan:
         wanted = {"latency", "throughput"} if figure == "probe" else {figure}
@@ -260,9 +278,39 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
     def add(name: str, value: Any, op: str, bound: float, note: str, data: dict[str, Any]) -> None:
         out.append(_target(name, value, op, bound, data.get("error", note)))
 
+    sizes = fig.get("bytes_per_checkpoint")
+    if isinstance(sizes, dict):  # a failed figure: its error
+        add("bytes_per_checkpoint_500_vs_10", None, "<=", 3, "", sizes)
+        add("redis_bytes_per_transcript_byte_at_500", None, "<=", 1.5, "", sizes)
+    elif sizes:
+        last = sizes[-1]
+        add(
+            f"bytes_per_checkpoint_{last['messages']}_vs_{sizes[0]['messages']}",
+            last["ratio_to_first_length"],
+            "<=",
+            3,
+            "a save two messages after the last one",
+            {},
+        )
+        add(
+            f"redis_bytes_per_transcript_byte_at_{last['messages']}",
+            last["ratio_memory_to_transcript"],
+            "<=",
+            1.5,
+            "record and bodies (MEMORY USAGE) over the transcript's text",
+            {},
+        )
     thr = fig.get("checkpoint_throughput")
     if thr is not None:
         row: dict[str, Any] = next((r for r in thr.get("rows", []) if r["turns"] == 1000), {})
+        add(
+            "checkpoint_batched_vs_raw_at_1000_turns",
+            row.get("ratio_to_raw"),
+            ">=",
+            0.9,
+            f"the same saves in-process, {thr.get('atomic')} path",
+            thr,
+        )
         add(
             "checkpoint_saves_per_s_at_1000_turns",
             row.get("batched_saves_per_s"),
@@ -320,6 +368,17 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
             "at the largest step held",
             cap,
         )
+    loop = fig.get("durable_loop")
+    if loop is not None:
+        for part in ("sequential", "concurrent"):
+            add(
+                f"durable_loop_{part}_vs_memory",
+                loop.get(part, {}).get("ratio"),
+                ">=",
+                0.6,
+                "durable speed over the same loop on store.memory",
+                loop,
+            )
     return out  # fmt: skip
 
 

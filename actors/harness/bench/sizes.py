@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis.asyncio as aioredis
-
-from actors.cluster.checkpoint_actor import record_to_wire
 from actors.engine.scripted import payload
 from bus.phase import TurnPhase
 from store.checkpoint import RedisCheckpointStore
-from store.codec import encode_record
-from store.connection import translated
+from store.codec import EncodedRecord
+from store.connection import StoreClient, translated
 from store.records import CheckpointRecord, Message, MessageMeta, ToolCall, ToolResult
 
 
@@ -76,41 +73,44 @@ def transcript_bytes(record: CheckpointRecord) -> int:
     return total
 
 
-def hash_bytes(record: CheckpointRecord) -> int:
-    """Bytes of field names and values in the record's Redis hash."""
-    total = 0
-    for name, value in encode_record(record).items():
-        v = value if isinstance(value, bytes) else str(value).encode()
-        total += len(name) + len(v)
-    return total
-
-
 async def checkpoint_sizes(
-    client: aioredis.Redis,
+    client: StoreClient,
     store: RedisCheckpointStore,
     *,
     lengths: tuple[int, ...],
     payload_bytes: int,
 ) -> list[dict[str, Any]]:
-    """Figure 6: per transcript length, the stored hash, its Redis memory and the wire form,
-    against the transcript's own bytes."""
+    """Figure 6: per transcript length, what one save writes when two messages were added
+    since the last one, against a full write of the record (what schema 1 sent at every save),
+    what the turn holds in Redis, and the host-to-CheckpointActor wire form, against the
+    transcript's own bytes."""
     rows = []
     for n in lengths:
-        record = bench_record(f"bench-size-{n}", messages=n, payload_bytes=payload_bytes)
+        turn_id = f"bench-size-{n}"
+        before = bench_record(turn_id, messages=n - 2, payload_bytes=payload_bytes)
+        await store.save(before)
+        record = bench_record(turn_id, messages=n, payload_bytes=payload_bytes, seq=2)
+        delta = EncodedRecord.of(record, store.known)  # what the save below sends
+        full = EncodedRecord.of(record)
         await store.save(record)
         with translated("measure record memory"):
-            memory = await client.memory_usage(store.keys.turn(record.turn_id), samples=0)
+            memory = 0
+            for key in (store.keys.turn(turn_id), store.keys.bodies(turn_id)):
+                memory += int(await client.memory_usage(key, samples=0) or 0)
         base = transcript_bytes(record)
-        stored = hash_bytes(record)
         rows.append(
             {
                 "messages": n,
                 "transcript_bytes": base,
-                "hash_bytes": stored,
+                "bytes_per_checkpoint": delta.sent_bytes,
+                "full_record_bytes": full.sent_bytes,
                 "redis_memory_bytes": memory,
-                "wire_bytes": len(record_to_wire(record)),
-                "ratio_hash_to_transcript": round(stored / base, 3),
-                "ratio_memory_to_transcript": round(int(memory or 0) / base, 3),
+                "wire_bytes": len(delta.to_wire()),
+                "ratio_save_to_transcript": round(delta.sent_bytes / base, 3),
+                "ratio_memory_to_transcript": round(memory / base, 3),
             }
         )
+    first = rows[0]["bytes_per_checkpoint"] if rows else 0
+    for row in rows:
+        row["ratio_to_first_length"] = round(row["bytes_per_checkpoint"] / first, 2)
     return rows

@@ -19,8 +19,8 @@ from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import new_run_id, turn_ids
-from store.codec import encode_record
 from store.records import CheckpointRecord
+from store.transcript import Transcript
 
 WARMUP_TURNS = 20
 """Turns run (untimed) on a fresh deployment first, so tool workers and pools are up."""
@@ -151,8 +151,8 @@ async def host_capacity(
             respawns = await rt.respawns()
         durations = [r.updated_at - r.meta[0].at_ms for r in finals.values()]
         slowdown = statistics.median(durations) / ideal_ms
-        encoded = encode_record(next(iter(finals.values())))
-        transcript = len(encoded["messages"]) + len(encoded["meta"])  # type: ignore[arg-type]
+        final = next(iter(finals.values()))
+        transcript = Transcript.of(final.messages, final.meta).nbytes
         per_turn = (peak - idle.rss_bytes) / n - transcript
         outcomes = _outcomes(finals)
         rows.append(

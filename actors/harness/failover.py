@@ -1,0 +1,166 @@
+"""A Redis Cluster primary killed under checkpoint saves: what was acknowledged and then lost.
+
+Redis Cluster replicates asynchronously. A save the primary acknowledged but had not sent to its
+replica when it died is gone once the replica takes over: the known window. ``WAIT N``
+(``[redis] durability = "replicas:N"``) closes it: a batch is acknowledged only after N replicas
+have it, so the replica that is promoted holds every acknowledged save.
+
+:func:`failover_under_saves` measures it. Writers save turns ``seq`` 1, 2, 3 … as fast as the
+store answers (a failed save is retried: the fence recognises a replay), one primary is
+SIGKILLed mid-way, its replica takes over, the writers go on; at the end every turn's stored
+``seq`` is compared with the last one its writer saw acknowledged.
+``scripts/cluster_failover.py`` prints the figures for both durabilities; a test asserts that
+``replicas:1`` loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.asyncio import RedisCluster
+
+from bus.errors import AlreadySaved, StoreError
+from bus.phase import TurnPhase
+from store.checkpoint import RedisCheckpointStore
+from store.connection import connect
+from store.durability import parse_durability
+from store.embedded_cluster import EmbeddedCluster
+from store.keys import KeyLayout
+from store.records import CheckpointRecord, Counters, Message, MessageMeta
+
+__all__ = ["FailoverReport", "failover_under_saves"]
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverReport:
+    """What one run saw."""
+
+    durability: str
+    """The ``[redis] durability`` the saves ran under."""
+    turns: int
+    """Turns saved concurrently, one writer each."""
+    acknowledged: int
+    """Saves acknowledged, in all (a save answered ``AlreadySaved`` when sent again after an
+    error is not counted: its first answer was the error)."""
+    lost_turns: int
+    """Turns whose stored record is older than the last save acknowledged to their writer."""
+    lost_saves: int
+    """Acknowledged saves missing afterwards (the sum over turns of acknowledged - stored)."""
+    failed_saves: int
+    """Saves answered with an error (during the failover) and sent again."""
+    failover_s: float
+    """From the SIGKILL until the cluster served every slot again."""
+    rejoined_s: float
+    """From the SIGKILL until the killed node was back as a replica, in sync."""
+    stall_s: float
+    """The longest time one writer went without an acknowledgement."""
+
+
+def _record(turn_id: str, seq: int) -> CheckpointRecord:
+    return CheckpointRecord(
+        turn_id=turn_id,
+        session_id="failover",
+        epoch=1,
+        seq=seq,
+        phase=TurnPhase.EXECUTING_TOOLS,
+        in_progress=True,
+        reason="tool_batch",
+        messages=(Message(role="user", text=f"step {seq}"),),
+        meta=(MessageMeta(source="prompt", message_id=f"m{seq}", at_ms=seq),),
+        baseline=1,
+        counters=Counters(),
+        updated_at=seq,
+    )
+
+
+async def failover_under_saves(
+    cluster: EmbeddedCluster,
+    *,
+    durability: str,
+    turns: int = 48,
+    saves_before: int = 20,
+    saves_after: int = 20,
+) -> FailoverReport:
+    """Run the writers; once each has ``saves_before`` acknowledged saves, SIGKILL the primary
+    of turn 0's slot while they keep saving, wait for its replica to take over and for the
+    killed node to rejoin as a replica; stop once each writer has ``saves_after`` more."""
+    client = connect(cluster.url, cluster=True, retry_s=1.0)
+    assert isinstance(client, RedisCluster)
+    keys = KeyLayout("failover", shards=16)
+    store = RedisCheckpointStore(client, keys, durability=parse_durability(durability))
+    ids = [f"f{i}" for i in range(turns)]
+    acked = dict.fromkeys(ids, 0)
+    failed = n_acked = 0
+    stall = 0.0
+    stop = asyncio.Event()
+    progress = asyncio.Condition()
+
+    async def writer(turn_id: str) -> None:
+        nonlocal failed, n_acked, stall
+        seq, last_ack = 1, time.monotonic()
+        while not stop.is_set():
+            try:
+                await store.save(_record(turn_id, seq))
+            except AlreadySaved:
+                # It landed the first time but was never acknowledged (its WAIT fell short):
+                # go on without counting it, as a turn would.
+                seq += 1
+                continue
+            except StoreError:
+                failed += 1
+                await asyncio.sleep(0.05)  # backoff before sending it again
+                continue
+            now = time.monotonic()
+            stall = max(stall, now - last_ack)
+            acked[turn_id], last_ack, seq = seq, now, seq + 1
+            n_acked += 1
+            async with progress:
+                progress.notify_all()
+
+    async def until(done: Callable[[], bool]) -> None:
+        async with progress:
+            await progress.wait_for(done)
+
+    tasks = [asyncio.create_task(writer(t)) for t in ids]
+    try:
+        await asyncio.wait_for(until(lambda: min(acked.values()) >= saves_before), 120)
+        node = client.get_node_from_key(keys.turn(ids[0]))
+        assert node is not None
+        primary = cluster.node_of_port(int(node.port))
+        down = time.monotonic()
+        cluster.kill(primary)
+        await asyncio.to_thread(cluster.wait_failover, primary)
+        failover_s = time.monotonic() - down
+        # Back as a replica of the node that took over, as an operator's restart would bring
+        # it: until then the slot has no replica and ``replicas:1`` saves cannot be confirmed.
+        cluster.revive(primary)
+        await asyncio.to_thread(cluster.wait_ok)
+        rejoined_s = time.monotonic() - down
+        marks = dict(acked)
+        await asyncio.wait_for(
+            until(lambda: all(acked[t] >= marks[t] + saves_after for t in ids)), 120
+        )
+        stop.set()
+        await asyncio.gather(*tasks)
+        stored = {t: (await store.load(t)).seq for t in ids}
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.aclose()
+    lost = {t: acked[t] - stored[t] for t in ids if stored[t] < acked[t]}
+    return FailoverReport(
+        durability=durability,
+        turns=turns,
+        acknowledged=n_acked,
+        lost_turns=len(lost),
+        lost_saves=sum(lost.values()),
+        failed_saves=failed,
+        failover_s=round(failover_s, 2),
+        rejoined_s=round(rejoined_s, 2),
+        stall_s=round(stall, 2),
+    )

@@ -1,0 +1,84 @@
+"""The store and ledger without Redis: what ``phaseline bench`` prices durability against.
+
+:class:`MemoryCheckpoints` and :class:`MemoryLedger` keep the rules of their Redis twins (the
+save fence, the ledger's compare-and-set fenced on the record's epoch, entries packed as
+msgpack) in this process's memory, so a loop driven by them does all the work a durable loop
+does except talking to Redis. Nothing survives the process: never use them to run turns.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bus.errors import StaleOwner
+from store.codec import pack_model, unpack_model
+from store.ledger import Change, LedgerRead
+from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck
+
+__all__ = ["MemoryCheckpoints", "MemoryInbox", "MemoryLedger"]
+
+
+class MemoryCheckpoints:
+    """Fenced saves into a dict (a :class:`~actors.turn.loop.Checkpointer`)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, CheckpointRecord] = {}
+        self._events = 0
+
+    async def save(self, record: CheckpointRecord) -> SaveAck:
+        stored = self.records.get(record.turn_id)
+        if stored is not None and (
+            stored.epoch > record.epoch
+            or (stored.epoch == record.epoch and stored.seq >= record.seq)
+        ):
+            raise StaleOwner(f"turn {record.turn_id}: epoch/seq not newer than the stored one")
+        self.records[record.turn_id] = record
+        self._events += 1
+        return SaveAck(record.turn_id, record.epoch, record.seq, f"{self._events}-0")
+
+
+class MemoryLedger:
+    """Ledger entries in dicts, with :class:`~store.ledger.ToolLedger`'s compare-and-set."""
+
+    def __init__(self, checkpoints: MemoryCheckpoints) -> None:
+        self.checkpoints = checkpoints
+        self._turns: dict[str, dict[str, bytes]] = {}
+
+    async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]:
+        held = self._turns.get(turn_id, {})
+        return {k: self._read(turn_id, k, held[k]) for k in call_keys if k in held}
+
+    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
+        held = self._turns.setdefault(turn_id, {})
+        now = int(time.time() * 1000)
+        for key, name in calls:
+            held.setdefault(
+                key, pack_model(LedgerEntry(state="prepared", name=name, updated_at=now))
+            )
+        return {k: self._read(turn_id, k, held[k]) for k, _ in calls}
+
+    async def transition(
+        self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
+    ) -> dict[str, bool]:
+        if epoch is not None:
+            record = self.checkpoints.records.get(turn_id)
+            if record is None or record.epoch != epoch:
+                raise StaleOwner(f"turn {turn_id}: epoch {epoch} may not dispatch")
+        held = self._turns.setdefault(turn_id, {})
+        won: dict[str, bool] = {}
+        for key, change in changes.items():
+            won[key] = held.get(key) == change.expected
+            if won[key]:
+                held[key] = pack_model(change.entry)
+        return won
+
+    @staticmethod
+    def _read(turn_id: str, key: str, raw: bytes) -> LedgerRead:
+        return LedgerRead(unpack_model(LedgerEntry, raw, key=f"memory:{turn_id}#{key}"), raw)
+
+
+class MemoryInbox:
+    """An inbox nobody writes to."""
+
+    async def read_from(self, turn_id: str, offset: int) -> list[InboxItem]:
+        return []

@@ -1,0 +1,251 @@
+"""The save as DESIGN's card wrote it: ``WATCH``, read the fences, ``MULTI`` ... ``EXEC``.
+
+``[checkpoint] atomic = "multi_exec"`` saves a group-commit batch this way instead of with the
+save script; the two are interchangeable (the store contract suite runs on both). Per shard
+(one hash tag, so one Redis Cluster slot), on one connection and in two round trips:
+
+1. ``WATCH`` of the batch's record keys, then ``HMGET epoch seq`` of each (and, for a
+   submission, whether the record or spec exists; ``HLEN`` of the bodies hash, so a key of the
+   wrong type fails its save here rather than half-way through ``EXEC``);
+2. ``MULTI``, the writes of every save whose fence passed (:func:`fence`, the script's rule),
+   ``EXEC`` and, under a durability mode, its ``WAIT``/``WAITAOF``.
+
+A save whose fence fails is answered exactly as the script answers it (``StaleOwner``,
+``AlreadySaved``, ...) and left out of the transaction. If a watched record changed in
+between, ``EXEC`` answers nil and only that shard's batch is read and tried again.
+docs/ARCHITECTURE.md compares the two paths (``phaseline bench --figures atomic``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis
+
+from bus.errors import StoreError, StoreUnavailable
+from store.codec import EncodedRecord
+from store.connection import (
+    StoreClient,
+    is_redirect,
+    node_connection,
+    refresh_topology,
+    roundtrip,
+)
+from store.keys import KeyLayout
+
+__all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
+
+#: Times one shard's batch is read and tried again after losing a WATCH race.
+WATCH_ATTEMPTS = 16
+
+#: Times a batch follows its slot to a new node (a cluster failover) before it fails.
+REDIRECT_ATTEMPTS = 5
+
+
+class _Moved(Exception):
+    """The node no longer serves the batch's slot (a failover): nothing ran."""
+
+
+class AtomicSave(StrEnum):
+    """How a save is made atomic and fenced (``[checkpoint] atomic``)."""
+
+    SCRIPT = "script"
+    """One server-side script per save (``store/lua/checkpoint_save.lua``), pipelined."""
+    MULTI_EXEC = "multi_exec"
+    """Optimistic: ``WATCH`` the records, read their fences, ``MULTI`` ... ``EXEC``."""
+
+
+def fence(
+    stored: Sequence[bytes | None], epoch: int, seq: int, *, same: bool
+) -> list[bytes | str] | None:
+    """The save script's fence in Python: None if a save at (epoch, seq) may land over the
+    stored ``[epoch, seq]``, else the script's refusal (``[status, epoch, seq]``). ``same``:
+    the stored record is this save's, field for field (only then is an equal (epoch, seq) a
+    replay; otherwise it is a rival's record and the save is stale)."""
+    e_raw, s_raw = stored
+    if e_raw is None and s_raw is None:
+        return None
+    shown: list[bytes | str] = [e_raw or b"", s_raw or b""]
+    try:
+        e, s = int(e_raw or b""), int(s_raw or b"")
+    except ValueError:
+        return ["unreadable", *shown]
+    if e > epoch:
+        return ["stale_epoch", *shown]
+    if e == epoch and s == seq and same:
+        return ["already", *shown]
+    if seq <= s:
+        return ["stale_seq", *shown]
+    return None
+
+
+def save_commands(
+    keys: KeyLayout, record: EncodedRecord, spec: tuple[str, bytes] | None, maxlen: int
+) -> list[tuple[Any, ...]]:
+    """The writes of one accepted save, in the script's order; the XADD is third from last
+    (second from last without a spec)."""
+    turn = record.turn_id
+    bodies, key = keys.bodies(turn), keys.turn(turn)
+    out: list[tuple[Any, ...]] = []
+    if record.replace:
+        out.append(("DEL", bodies))
+    if record.puts:
+        out.append(("HSET", bodies, *(x for pair in record.puts.items() for x in pair)))
+    if record.drops:
+        out.append(("HDEL", bodies, *record.drops))
+    out.append(("DEL", key))
+    out.append(("HSET", key, *(x for pair in record.fields.items() for x in pair)))
+    out.append(
+        ("XADD", keys.events_of(turn), "MAXLEN", "~", maxlen, "*", "turn_id", turn,
+         "epoch", record.epoch, "seq", record.seq, "phase", record.phase,
+         "reason", record.reason, "in_progress", int(record.in_progress))
+    )  # fmt: skip
+    index = keys.in_progress_of(turn)
+    out.append(("SADD", index, turn) if record.in_progress else ("SREM", index, turn))
+    if spec is not None:
+        out.append(("SET", spec[0], spec[1]))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ShardBatch:
+    """The saves of one batch that share a shard, committed as one transaction."""
+
+    keys: KeyLayout
+    """The key layout the saves are written under."""
+    records: Sequence[EncodedRecord]
+    """The saves, all of one shard."""
+    specs: Sequence[tuple[str, bytes] | None]
+    """Per save, the spec key and value of a submission (None for a checkpoint)."""
+    maxlen: int
+    """Approximate cap of the shard's events stream."""
+    wait: tuple[str | int, ...] | None
+    """The durability command sent after ``EXEC`` (None: none)."""
+
+    async def commit(self, client: StoreClient) -> tuple[list[object], object]:
+        """Each save's reply in the script's shape (``['ok', id]``, a refusal, or an
+        exception), and the reply of the durability command (None without one).
+
+        On a cluster whose slot map moved (a failover), the node answers every command with
+        a redirect and nothing runs: the client reads the map again and the batch goes to
+        the slot's new primary."""
+        slot_key = self.keys.turn(self.records[0].turn_id)
+        try:
+            for _ in range(REDIRECT_ATTEMPTS):
+                try:
+                    async with node_connection(client, slot_key) as conn:
+                        return await self._watched(conn)
+                except _Moved:
+                    await refresh_topology(client)
+            moved = StoreUnavailable(f"the slot of {slot_key} kept moving; try again")
+            return [moved] * len(self.records), None
+        except (redis.RedisError, OSError, StoreError) as exc:
+            failed = (
+                exc
+                if isinstance(exc, StoreError)
+                else StoreError(f"transaction of {len(self.records)} saves: {exc}")
+            )
+            return [failed] * len(self.records), None
+
+    async def _watched(self, conn: Any) -> tuple[list[object], object]:
+        for _ in range(WATCH_ATTEMPTS):
+            done = await self._attempt(conn)
+            if done is not None:
+                return done
+        lost = StoreError(f"saves lost {WATCH_ATTEMPTS} WATCH races in a row; try again")
+        return [lost] * len(self.records), None
+
+    async def _replays(self, conn: Any, got: list[object]) -> dict[int, bool]:
+        """For each save found at its own stored (epoch, seq): whether the stored record is
+        this very one, field for field (a replay), read under the same WATCH. Rare: a resend
+        whose answer was lost, or two resumers that claimed one epoch at once."""
+        at, candidates = 1, []
+        for i, (r, spec) in enumerate(zip(self.records, self.specs, strict=True)):
+            stored = got[at]
+            at += 3 if spec is not None else 2
+            if isinstance(stored, list):
+                refusal = fence(stored, r.epoch, r.seq, same=True)
+                if refusal is not None and refusal[0] == "already":
+                    candidates.append(i)
+        if not candidates:
+            return {}
+        keys = [self.keys.turn(self.records[i].turn_id) for i in candidates]
+        found = await roundtrip(conn, [("HGETALL", k) for k in keys])
+        pairs = zip(candidates, found, strict=True)
+        return {i: _pairs(h) == _hash_of(self.records[i]) for i, h in pairs}
+
+    async def _attempt(self, conn: Any) -> tuple[list[object], object] | None:
+        keys = self.keys
+        reads: list[tuple[Any, ...]] = [("WATCH", *(keys.turn(r.turn_id) for r in self.records))]
+        for r, spec in zip(self.records, self.specs, strict=True):
+            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq"))
+            reads.append(("HLEN", keys.bodies(r.turn_id)))
+            if spec is not None:
+                reads.append(("EXISTS", keys.turn(r.turn_id), spec[0]))
+        got = await roundtrip(conn, reads)
+        if is_redirect(got[0]):
+            raise _Moved
+        replays = await self._replays(conn, got)
+        replies: list[object] = []
+        writes: list[tuple[Any, ...]] = []
+        accepted: list[tuple[int, int, int]] = []  # (save, first write, XADD's index)
+        at = 1
+        for i, (r, spec) in enumerate(zip(self.records, self.specs, strict=True)):
+            stored, bodies = got[at], got[at + 1]
+            exists = got[at + 2] if spec is not None else 0
+            at += 3 if spec is not None else 2
+            problem = next((x for x in (stored, bodies, exists) if isinstance(x, Exception)), None)
+            if problem is not None:
+                replies.append(problem)
+                continue
+            if exists:
+                replies.append(["exists"])
+                continue
+            assert isinstance(stored, list)
+            refusal = fence(stored, r.epoch, r.seq, same=replays.get(i, False))
+            if refusal is not None:
+                replies.append(refusal)
+                continue
+            commands = save_commands(keys, r, spec, self.maxlen)
+            xadd = len(writes) + len(commands) - (3 if spec is not None else 2)
+            accepted.append((i, len(writes), xadd))
+            writes += commands
+            replies.append(None)
+        if not writes:
+            await roundtrip(conn, [("UNWATCH",)])
+            return replies, None
+        tail = [self.wait] if self.wait else []
+        out = await roundtrip(conn, [("MULTI",), *writes, ("EXEC",), *tail])
+        result = out[len(writes) + 1]
+        if result is None:
+            return None  # a watched record changed: read the fences again
+        if isinstance(result, Exception):
+            failed = StoreError(f"transaction refused: {result}")
+            for i, _, _ in accepted:
+                replies[i] = failed
+            return replies, out[-1] if tail else None
+        assert isinstance(result, list)
+        ends = [start for _, start, _ in accepted[1:]] + [len(writes)]
+        for (i, start, xadd), end in zip(accepted, ends, strict=True):
+            problem = next((x for x in result[start:end] if isinstance(x, Exception)), None)
+            replies[i] = problem if problem is not None else ["ok", result[xadd]]
+        return replies, out[-1] if tail else None
+
+
+def _hash_of(record: EncodedRecord) -> dict[bytes, bytes]:
+    """The record's fields as ``HGETALL`` gives them back."""
+    return {
+        k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in record.fields.items()
+    }
+
+
+def _pairs(reply: object) -> dict[bytes, bytes] | None:
+    """A raw ``HGETALL`` reply (a flat list under RESP2, a map under RESP3) as a dict."""
+    if isinstance(reply, dict):
+        return reply
+    if isinstance(reply, list) and len(reply) % 2 == 0:
+        return dict(zip(reply[::2], reply[1::2], strict=True))
+    return None

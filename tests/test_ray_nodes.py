@@ -1,0 +1,86 @@
+"""The runtime on several Ray nodes (``ray.cluster_utils.Cluster``, several raylets on this
+machine): a slot's standby never shares its active host's node, and a whole worker node lost
+mid-turn (its raylet and every worker on it) loses no turn and runs no call twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.info import HostInfo
+from actors.cluster.runtime import Runtime
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from store.connection import StoreClient
+from store.effects import EffectCounters
+from tests.polling import eventually
+from tests.reference import reference
+from tests.test_ray_runtime import settings
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+async def _standby_info(rt: Runtime, host: HostInfo) -> HostInfo:
+    name = rt.dep.host_name(host.slot, host.generation + 1)
+    handle: Any = ray.get_actor(name, namespace=RAY_NAMESPACE)
+    return HostInfo.of(await handle.hello.remote())
+
+
+async def test_a_slots_standby_runs_on_another_node_than_its_active_host(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    assert len([n for n in ray.nodes() if n["Alive"]]) >= 2  # the session's two raylets
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=3)
+    try:
+        hosts = await rt.host_info()
+        assert hosts and all(h.node_id for h in hosts)
+        for host in hosts:
+            standby = await _standby_info(rt, host)
+            assert standby.node_id != host.node_id, (host.slot, host.node_id)
+    finally:
+        await rt.shutdown()
+
+
+async def test_losing_a_worker_node_mid_turn_loses_no_turn_and_runs_no_call_twice(
+    ray_cluster: Cluster, redis_url: str, real_client: StoreClient, namespace: str
+) -> None:
+    sc = parse_scenario({"name": "nodes", "rounds": 4, "tools_per_round": 2,
+                         "tools": ["echo", "counter_increment"], "llm_latency_ms": 200,
+                         "tool_latency_ms": 300, "payload_bytes": 200})  # fmt: skip
+    ids = [f"n{i:02d}" for i in range(30)]
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=4)
+    try:
+        await rt.submit(*scripted_turn(sc), ids)
+        head = ray_cluster.head_node.node_id
+        hosts = await rt.host_info()
+        by_node = {n.node_id: n for n in ray_cluster.worker_nodes}
+        victims = [h for h in hosts if h.node_id in by_node and h.node_id != head]
+        assert victims, f"no active host on a worker node: {[h.node_id for h in hosts]}"
+        node = by_node[victims[0].node_id]
+
+        async def saving() -> bool:
+            return sum([(await rt.store.load(t)).seq for t in ids]) >= 2 * len(ids)
+
+        await eventually(saving, timeout=60, what="turns checkpointed past their start")
+        ray_cluster.remove_node(node, allow_graceful=False)  # its raylet and all its workers
+        ray_cluster.add_node(num_cpus=1, include_dashboard=False)  # a fresh node joins
+        finals = await rt.wait(ids, timeout=240)
+        ref = await reference(real_client, sc, ids)
+        effects = EffectCounters(real_client, rt.dep.keys)
+        for tid in ids:
+            assert not finals[tid].in_progress, tid
+            assert all(n <= 1 for n in (await effects.counts(tid)).values()), tid  # never twice
+            results = [m.tool_result for m in finals[tid].messages if m.tool_result]
+            if all(r.status == "ok" for r in results):
+                assert finals[tid].messages == ref[tid].messages, tid
+        moved = {h.slot for h in victims}
+        resumed = [t for t in ids if finals[t].counters.resume_attempts]
+        assert resumed and all(rt.dep.slot_of(t) in moved for t in resumed)
+        assert await rt.respawns() >= len(moved)
+        assert await rt.store.list_in_progress() == []
+    finally:
+        await rt.shutdown()
