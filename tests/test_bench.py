@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,6 +14,7 @@ from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.durable_loop import durable_loop
 from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
 from actors.harness.bench.sizes import bench_record, checkpoint_sizes, transcript_bytes
+from actors.harness.bench.unit_costs import unit_costs
 from actors.harness.bench.workload import durability_overhead
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError
@@ -160,3 +162,24 @@ async def test_the_durable_loop_figure_prices_redis_against_the_same_loop_in_mem
     assert seq["durable_ms_per_turn"] > 0 and seq["memory_ms_per_turn"] > 0
     assert seq["ratio"] == round(seq["memory_ms_per_turn"] / seq["durable_ms_per_turn"], 3)
     assert many["turns"] == 4 and many["durable_turns_per_s"] > 0 and many["ratio"] > 0
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_the_unit_costs_figure_prices_a_round_and_checks_the_model(redis_url: str) -> None:
+    scenario = load_scenario(SCENARIOS / "bench.toml")
+    fig = await unit_costs(Settings(), redis_url, scenario, turns=30)
+    costs = fig["costs"]
+    assert costs["host_cpu_ms"] > 0 and costs["checkpoint_cpu_ms_per_save"] > 0
+    assert costs["redis_cpu_ms"] > 0 and costs["redis_bytes_per_turn"] > 0
+    assert costs["saves_per_round"] == 1.0  # bench.toml: one save per round, as counted above
+    assert costs["calls_per_round"] == scenario.rounds * scenario.tools_per_round / (
+        scenario.rounds + 1
+    )
+    assert [c["hosts"] for c in fig["check"]] == [1, 2]
+    assert all(c["predicted_turns_per_s"] > 0 and c["measured_turns_per_s"] > 0
+               for c in fig["check"])  # fmt: skip
+    assert [m["turns"] for m in fig["model"]] == [10_000, 100_000, 1_000_000]
+    # more turns never need fewer of anything
+    for small, big in itertools.pairwise(fig["model"]):
+        for part in ("hosts", "checkpoint_actors", "redis_shards", "nodes"):
+            assert big[part] >= small[part]

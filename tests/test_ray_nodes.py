@@ -12,6 +12,7 @@ from ray.cluster_utils import Cluster
 
 from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo
+from actors.cluster.placement import head_node
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -82,5 +83,21 @@ async def test_losing_a_worker_node_mid_turn_loses_no_turn_and_runs_no_call_twic
         assert resumed and all(rt.dep.slot_of(t) in moved for t in resumed)
         assert await rt.respawns() >= len(moved)
         assert await rt.store.list_in_progress() == []
+    finally:
+        await rt.shutdown()
+
+
+async def test_the_singletons_run_on_the_head_node(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    """A worker node's loss must not take the Supervisor, CheckpointActor, WatchdogActor or
+    RecoveryActor with it (every turn of the deployment would wait for their restart)."""
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        head = ray_cluster.head_node.node_id
+        assert head_node() == head
+        for role in ("supervisor", "checkpoint", "watchdog", "recovery"):
+            handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
+            assert (await handle.hello.remote())["node_id"] == head, role
     finally:
         await rt.shutdown()

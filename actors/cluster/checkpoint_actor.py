@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -151,7 +150,7 @@ class CheckpointActor:
 
     async def hello(self) -> dict[str, Any]:
         counts = {"batches": self._batches, "saves": self._saves}
-        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
+        return ServiceInfo.here(counts)
 
 
 def actor_sender(actor: Callable[[], Any]) -> BatchSender:

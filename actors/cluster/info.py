@@ -7,13 +7,15 @@ actor is a clear :class:`~bus.errors.PhaselineError`, not a ``KeyError`` three c
 
 from __future__ import annotations
 
+import os
 from typing import Any, Self
 
+import ray
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bus.errors import PhaselineError
 
-__all__ = ["HostInfo", "ServiceInfo", "SupervisorInfo"]
+__all__ = ["HostInfo", "ServiceInfo", "SupervisorInfo", "this_node"]
 
 
 class _Info(BaseModel):
@@ -81,6 +83,8 @@ class SupervisorInfo(_Info):
     """Whether its watch loop runs."""
     deployment: str
     """The deployment it runs, as JSON (``Deployment.from_wire``)."""
+    node_id: str = ""
+    """The Ray node it runs on (hex id)."""
 
 
 class ServiceInfo(_Info):
@@ -90,3 +94,15 @@ class ServiceInfo(_Info):
     """Its process."""
     counts: dict[str, int]
     """What it did so far (saves, batches, plans, calls, watched turns, ...)."""
+    node_id: str = ""
+    """The Ray node it runs on (hex id)."""
+
+    @classmethod
+    def here(cls, counts: dict[str, int]) -> dict[str, Any]:
+        """The reply of the calling actor: its process, its node and ``counts``."""
+        return cls(pid=os.getpid(), counts=counts, node_id=this_node()).wire()
+
+
+def this_node() -> str:
+    """Hex id of the Ray node this process runs on."""
+    return str(ray.get_runtime_context().get_node_id())

@@ -10,10 +10,13 @@
   chosen here. The affinity is hard: a soft one was ignored in a test (the standby landed
   beside its active host). A node that died before the standby started makes that standby
   fail; the slot's next replacement is then placed afresh.
-* The singletons (Supervisor, CheckpointActor, WatchdogActor, RecoveryActor) take no resources
-  and restart anywhere (``max_restarts=-1``): a node's loss restarts them on another. The head
-  node cannot be lost without losing the cluster (it runs the GCS), so nothing is gained by
-  pinning them elsewhere.
+* The singletons (Supervisor, CheckpointActor, WatchdogActor, RecoveryActor) prefer the head
+  node (:func:`singleton_strategy`, a *soft* affinity) and restart anywhere
+  (``max_restarts=-1``). The head runs the GCS, so losing it loses the cluster (short of GCS
+  fault tolerance, where a soft affinity lets them restart on any node); on a worker node they
+  would die with it, and every turn of the deployment would wait for their restart, not only
+  the turns of the lost hosts. They take no CPU, so a head started with ``--num-cpus 0`` still
+  holds them.
 
 The choice is pure (:func:`standby_node`) so it is tested without Ray; :func:`alive_nodes` and
 :func:`strategy` are the Ray side.
@@ -27,7 +30,14 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["alive_nodes", "host_node", "standby_node", "strategy"]
+__all__ = [
+    "alive_nodes",
+    "head_node",
+    "host_node",
+    "singleton_strategy",
+    "standby_node",
+    "strategy",
+]
 
 
 def host_node(nodes: Sequence[str], slot: int) -> str | None:
@@ -53,3 +63,19 @@ def strategy(node: str | None) -> Any:
     if node is None:
         return "DEFAULT"
     return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+
+
+def head_node() -> str | None:
+    """Hex id of the alive head node (Ray gives it the ``node:__internal_head__`` resource)."""
+    for n in ray.nodes():  # type: ignore[no-untyped-call]
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
+            return str(n["NodeID"])
+    return None
+
+
+def singleton_strategy() -> Any:
+    """Where a singleton starts (and restarts): on the head node if it can, else anywhere."""
+    head = head_node()
+    if head is None:
+        return "DEFAULT"
+    return NodeAffinitySchedulingStrategy(node_id=head, soft=True)

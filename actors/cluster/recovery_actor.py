@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -63,4 +62,4 @@ class RecoveryActor:
             raise ValueError(str(exc)) from exc
 
     async def hello(self) -> dict[str, Any]:
-        return ServiceInfo(pid=os.getpid(), counts={"plans": self.plans}).wire()
+        return ServiceInfo.here({"plans": self.plans})

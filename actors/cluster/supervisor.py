@@ -42,8 +42,14 @@ from actors.cluster.deployment import (
     ask,
     worker_options,
 )
-from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
-from actors.cluster.placement import alive_nodes, host_node, standby_node, strategy
+from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
+from actors.cluster.placement import (
+    alive_nodes,
+    host_node,
+    singleton_strategy,
+    standby_node,
+    strategy,
+)
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
@@ -100,6 +106,7 @@ class Supervisor:
             respawns=int(respawns or 0),
             watching=self._task is not None and not self._task.done(),
             deployment=self.dep.to_wire(),
+            node_id=this_node(),
         ).wire()
 
     async def stop(self) -> None:
@@ -136,6 +143,7 @@ class Supervisor:
                 namespace=RAY_NAMESPACE,
                 lifetime="detached",
                 get_if_exists=True,
+                scheduling_strategy=singleton_strategy(),
             ).remote(self.dep.to_wire())
             for role, cls in SERVICES.items()
         ]

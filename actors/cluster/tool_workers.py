@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import zlib
 from collections import Counter
 from typing import Any
@@ -115,7 +114,7 @@ class ToolWorker:
         for state in hub().states():
             counts[f"mcp:{state.server}:starts"] = state.starts
             counts[f"mcp:{state.server}:connected"] = int(state.state == "connected")
-        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
+        return ServiceInfo.here(counts)
 
 
 class RayToolRunner:

@@ -35,7 +35,7 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
-from actors.cluster.info import HostInfo
+from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
@@ -59,7 +59,7 @@ class TurnActor:
         self.slot = slot
         self.generation = generation
         self.incarnation = uuid.uuid4().hex
-        self.node_id = ray.get_runtime_context().get_node_id()  # an actor never moves
+        self.node_id = this_node()  # an actor never moves
         self.isolating = slot == self.dep.isolation_slot
         self.client = self.dep.connect(max_connections=128)
         self.publisher = BufferedPublisher(

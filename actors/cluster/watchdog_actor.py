@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from typing import Any
@@ -60,7 +59,7 @@ class WatchdogActor:
             "idle_soft": self.soft,
             "hard_cancels": self.hard,
         }
-        return ServiceInfo(pid=os.getpid(), counts=counts).wire()
+        return ServiceInfo.here(counts)
 
     async def _run(self) -> None:
         tick = self.dep.settings.watchdog.tick_s

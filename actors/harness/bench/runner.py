@@ -30,6 +30,7 @@ from actors.harness.bench.probe import BenchProbe
 from actors.harness.bench.recovery import host_kill_recovery, ray_restart_ms
 from actors.harness.bench.sizes import checkpoint_sizes
 from actors.harness.bench.tool_scaling import tool_scaling
+from actors.harness.bench.unit_costs import unit_costs
 from actors.harness.bench.workload import deployed, durability_overhead, host_capacity, host_scaling
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError, PhaselineError
@@ -41,7 +42,7 @@ SCENARIOS = configs_dir() / "scenarios"
 
 FIGURES = (
     "sizes", "latency", "throughput", "durability", "durability_modes", "scaling", "capacity",
-    "recovery", "tool_scaling", "durable_loop",
+    "recovery", "tool_scaling", "durable_loop", "unit_costs",
 )  # fmt: skip
 
 
@@ -91,6 +92,8 @@ class BenchConfig:
     """Turns at once in the durable-loop figure's concurrent part."""
     loop_reps: int = 2
     """Rounds of the concurrent part per variant (the median is reported)."""
+    unit_turns: int = 1000
+    """Concurrent turns of each run of the unit-costs figure."""
 
 
 QUICK = BenchConfig(
@@ -102,6 +105,7 @@ QUICK = BenchConfig(
     scaling_turns=300,
     capacity_ladder=(5000,),
     ray_restarts=3,
+    unit_turns=500,
 )
 FULL = BenchConfig(
     loop_turns=300,
@@ -241,6 +245,8 @@ async def run_bench(
         ("durable_loop", "durable_loop",
          lambda: durable_loop(url, turns=cfg.loop_turns, concurrent=cfg.loop_concurrent,
                               reps=cfg.loop_reps)),
+        ("unit_costs", "unit_costs",
+         lambda: unit_costs(base, url, fast, turns=cfg.unit_turns)),
     ]  # fmt: skip
     for figure, name, measure in plan:
         wanted = {"latency", "throughput"} if figure == "probe" else {figure}

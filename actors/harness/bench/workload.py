@@ -142,7 +142,7 @@ async def host_capacity(
         async with deployed(base, url, hosts=1, label=f"c{n}") as rt:
             (idle,) = await rt.host_info()
             done = asyncio.Event()
-            sampler = asyncio.ensure_future(_peak_rss(rt, done, idle.rss_bytes))
+            sampler = asyncio.ensure_future(peak_rss(rt, done, idle.rss_bytes))
             try:
                 wall, finals = await run_turns(rt, scenario, n)
             finally:
@@ -181,7 +181,7 @@ async def host_capacity(
     }
 
 
-async def _peak_rss(rt: Runtime, done: asyncio.Event, floor: int) -> int:
+async def peak_rss(rt: Runtime, done: asyncio.Event, floor: int) -> int:
     """Highest host RSS seen until ``done`` is set, sampled every 0.25 s."""
     peak = floor
     while not done.is_set():

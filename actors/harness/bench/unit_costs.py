@@ -1,0 +1,189 @@
+"""The ``unit_costs`` figure: what one round of a turn costs each process, and the scaling
+model (:mod:`actors.harness.bench.scaling_model`) checked against this machine.
+
+A fresh deployment runs ``turns`` turns of ``bench.toml`` at once (CPU-bound: their scripted
+waits are short). The CPU time of every process of the deployment is read before and after
+(``psutil``: hosts, CheckpointActor, WatchdogActor, RecoveryActor, Supervisor, ToolWorkers,
+this driver; redis-server's own ``INFO cpu``), and whatever else the machine did in between
+(Ray's raylet and GCS, mostly) is put under ``other``. Divided by the rounds done, these are
+the unit costs the model sizes deployments with. The check: the costs measured on one host
+predict the turns/s of one and of two hosts on this machine's cores; both are then measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any
+
+import psutil
+import ray
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.info import ServiceInfo
+from actors.cluster.runtime import Runtime
+from actors.engine.config import Settings
+from actors.engine.scenario import Scenario
+from actors.harness.bench.scaling_model import (
+    Hardware,
+    UnitCosts,
+    Workload,
+    predict_rounds_per_s,
+    size,
+)
+from actors.harness.bench.workload import WARMUP_TURNS, deployed, peak_rss, run_turns
+from store.connection import translated
+
+__all__ = ["unit_costs"]
+
+#: The deployments docs/SCALING.md sizes.
+MODEL_TURNS = (10_000, 100_000, 1_000_000)
+
+_ROLES = ("checkpoint", "watchdog", "recovery", "supervisor")
+
+
+async def _pids(rt: Runtime) -> dict[str, list[int]]:
+    """Every process of the deployment by role."""
+    out: dict[str, list[int]] = {"host": [h.pid for h in await rt.host_info(isolation=True)]}
+    for role in _ROLES:
+        out[role] = [await rt.service_pid(role)]
+    tools = []
+    for pool in rt.dep.tool_pools():
+        for i in range(rt.dep.settings.tools.bounds()[1]):
+            try:
+                handle = ray.get_actor(rt.dep.tool_worker_name(pool, i), namespace=RAY_NAMESPACE)
+            except ValueError:
+                continue
+            tools.append(ServiceInfo.of(await handle.hello.remote()).pid)
+    out["tool"] = tools
+    out["driver"] = [os.getpid()]
+    return out
+
+
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _machine_busy_s() -> float:
+    t = psutil.cpu_times()
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
+
+async def _redis(rt: Runtime) -> tuple[float, int]:
+    """redis-server's CPU seconds and used memory."""
+    with translated("read redis INFO"):
+        cpu = await rt.client.info("cpu")
+        mem = await rt.client.info("memory")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(mem["used_memory"])
+
+
+async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any]:
+    """One timed run with the CPU of every process around it."""
+    await run_turns(rt, scenario, WARMUP_TURNS)
+    pids = await _pids(rt)
+    hosts = await rt.host_info()
+    idle = hosts[0] if len(hosts) == 1 else None  # memory per turn: on one host only
+    cpu0 = {role: _cpu_s(p) for role, p in pids.items()}
+    busy0, (redis0, mem0) = _machine_busy_s(), await _redis(rt)
+    done = asyncio.Event()
+    sampler = asyncio.ensure_future(peak_rss(rt, done, idle.rss_bytes)) if idle else None
+    try:
+        wall, finals = await run_turns(rt, scenario, turns)
+    finally:
+        done.set()
+        peak = await sampler if sampler else None
+    cpu = {role: _cpu_s(p) - cpu0[role] for role, p in pids.items()}
+    redis1, mem1 = await _redis(rt)
+    cpu["redis"] = redis1 - redis0
+    cpu["other"] = max(0.0, _machine_busy_s() - busy0 - sum(cpu.values()))
+    rounds = turns * (scenario.rounds + 1)
+    saves = sum(r.seq for r in finals.values())
+    calls = turns * scenario.rounds * scenario.tools_per_round
+    per_round = {role: round(s * 1000 / rounds, 4) for role, s in cpu.items()}
+    return {
+        "turns": turns,
+        "wall_s": round(wall, 3),
+        "turns_per_s": round(turns / wall, 2),
+        "rounds": rounds,
+        "saves": saves,
+        "tool_calls": calls,
+        "cpu_s": {role: round(s, 3) for role, s in cpu.items()},
+        "cpu_ms_per_round": per_round,
+        "host_peak_growth_bytes_per_turn": None if peak is None or idle is None
+        else round((peak - idle.rss_bytes) / turns),
+        "redis_bytes_per_turn": round((mem1 - mem0) / turns),
+    }  # fmt: skip
+
+
+def _costs(m: dict[str, Any]) -> UnitCosts:
+    per_round, rounds = m["cpu_ms_per_round"], m["rounds"]
+    saves_per_round = m["saves"] / rounds
+    calls_per_round = m["tool_calls"] / rounds
+    return UnitCosts(
+        host_cpu_ms=per_round["host"],
+        checkpoint_cpu_ms_per_save=per_round["checkpoint"] / saves_per_round,
+        redis_cpu_ms=per_round["redis"],
+        tool_cpu_ms_per_call=per_round["tool"] / calls_per_round if calls_per_round else 0.0,
+        other_cpu_ms=sum(per_round[k] for k in ("watchdog", "recovery", "supervisor", "driver",
+                                                 "other")),
+        saves_per_round=saves_per_round,
+        calls_per_round=calls_per_round,
+        host_bytes_per_turn=float(m["host_peak_growth_bytes_per_turn"] or 0),
+        redis_bytes_per_turn=float(max(1, m["redis_bytes_per_turn"])),
+    )  # fmt: skip
+
+
+async def unit_costs(
+    base: Settings, url: str, scenario: Scenario, *, turns: int, round_s: float = 5.0
+) -> dict[str, Any]:
+    """The figure: unit costs on one host, the model's prediction for one and two hosts on this
+    machine beside what they measured, and the model's deployments."""
+    runs: dict[int, dict[str, Any]] = {}
+    for hosts in (1, 2):
+        async with deployed(base, url, hosts=hosts, label=f"u{hosts}") as rt:
+            runs[hosts] = await _measure(rt, scenario, turns)
+    costs = _costs(runs[1])
+    cores = float(os.cpu_count() or 1)
+    check = []
+    for hosts, run in runs.items():
+        rounds_per_s, limit = predict_rounds_per_s(costs, cores=cores, hosts=hosts)
+        predicted = rounds_per_s / (scenario.rounds + 1)
+        check.append(
+            {
+                "hosts": hosts,
+                "predicted_turns_per_s": round(predicted, 2),
+                "limited_by": limit,
+                "measured_turns_per_s": run["turns_per_s"],
+                "measured_over_predicted": round(run["turns_per_s"] / predicted, 3),
+            }
+        )
+    model = [
+        dataclasses.asdict(size(costs, Workload(turns=n, round_s=round_s), Hardware()))
+        for n in MODEL_TURNS
+    ]
+    return {
+        "scenario": scenario.name,
+        "turns": turns,
+        "cores": cores,
+        "costs": {k: round(v, 4) for k, v in dataclasses.asdict(costs).items()},
+        "cpu_ms_per_round_total": round(costs.cpu_ms_per_round, 3),
+        "runs": {str(h): r for h, r in runs.items()},
+        "check": check,
+        "check_error_median": round(
+            statistics.median(abs(c["measured_over_predicted"] - 1) for c in check), 3
+        ),
+        "model_round_s": round_s,
+        "model_hardware": dataclasses.asdict(Hardware()),
+        "model": model,
+        "measured_at": time.time(),
+    }
