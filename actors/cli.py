@@ -690,6 +690,11 @@ def chaos(
     )
     for kind, lat in data["recovery_latency_ms_by_kind"].items():
         table.add_row(f"  after {kind} (n={lat['n']})", "{p50}/{p99}/{max}".format(**lat))
+    for kind, lat in data["recovery_last_turn_ms_by_kind"].items():
+        table.add_row(
+            f"  {kind} → its last turn moving, ms (n={lat['n']})",
+            "{p50}/{p99}/{max}".format(**lat),
+        )
     table.add_row("turns/s", str(data["turns_per_s"]))
     table.add_row("verdict", "[green]ok" if data["ok"] else "[red]NOT OK")
     out.print(table)

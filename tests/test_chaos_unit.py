@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,23 @@ def test_recovery_latency_is_reported_per_fault_kind() -> None:
     by_kind = report_with(Verdict(turns=3), rec).as_dict()["recovery_latency_ms_by_kind"]
     assert by_kind["host"]["n"] == 2 and by_kind["host"]["p99"] == 300.0
     assert by_kind["freeze"]["p50"] == 9000.0
+
+
+def test_each_fault_reports_when_its_last_turn_moved_again() -> None:
+    node = Fault(at_s=10.0, target="node", victim="n1", pid=None, affected={"a": 1, "b": 1})
+    late = Fault(at_s=20.0, target="node", victim="n2", pid=None, affected={"c": 1})
+    idle = Fault(at_s=30.0, target="node", victim="n3", pid=None)  # no turns on it
+    moves = [move("a", 2, 11.0), move("b", 2, 13.5), move("c", 2, 21.0)]
+    report = dataclasses.replace(
+        report_with(Verdict(turns=3), []), faults=[node, late, idle], moves=moves,
+        started_at=1000.0,
+    )  # fmt: skip
+    data = report.as_dict()
+    assert [f["recovery_ms"] and f["recovery_ms"]["max"] for f in data["faults"]] == [
+        3500.0, 1000.0, None
+    ]  # fmt: skip
+    last = data["recovery_last_turn_ms_by_kind"]["node"]
+    assert last["n"] == 2 and last["max"] == 3500.0 and last["p50"] in (1000.0, 3500.0)
 
 
 def test_the_timeline_always_shows_failed_suspended_and_most_resumed_turns() -> None:

@@ -12,7 +12,6 @@ from ray.cluster_utils import Cluster
 
 from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo
-from actors.cluster.placement import head_node
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -95,9 +94,38 @@ async def test_the_singletons_run_on_the_head_node(
     rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=2)
     try:
         head = ray_cluster.head_node.node_id
-        assert head_node() == head
         for role in ("supervisor", "checkpoint", "watchdog", "recovery"):
             handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
             assert (await handle.hello.remote())["node_id"] == head, role
+    finally:
+        await rt.shutdown()
+
+
+async def test_a_standby_lost_with_its_node_is_started_again(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    """The node a standby ran on is lost while its active host lives on: the Supervisor
+    starts the standby again, so the next loss of the active host costs no process start."""
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        head = ray_cluster.head_node.node_id
+        workers = {n.node_id: n for n in ray_cluster.worker_nodes}
+        pairs = [(h, await _standby_info(rt, h)) for h in await rt.host_info()]
+        lonely = [(h, s) for h, s in pairs if h.node_id == head and s.node_id in workers]
+        assert lonely, [(h.node_id, s.node_id) for h, s in pairs]
+        host, standby = lonely[0]
+        ray_cluster.remove_node(workers[standby.node_id], allow_graceful=False)
+        ray_cluster.add_node(num_cpus=1, include_dashboard=False)
+
+        async def started_again() -> bool:
+            try:
+                return (await _standby_info(rt, host)).incarnation != standby.incarnation
+            except (ValueError, ray.exceptions.RayActorError):
+                return False
+
+        await eventually(started_again, timeout=60, what="the lost standby started again")
+        assert [h.generation for h in await rt.host_info() if h.slot == host.slot] == [
+            host.generation
+        ]  # its active host was left alone
     finally:
         await rt.shutdown()

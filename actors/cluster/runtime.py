@@ -27,7 +27,7 @@ from actors.cluster.deployment import (
     pool_name,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
-from actors.cluster.placement import singleton_strategy
+from actors.cluster.placement import singleton_options
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
@@ -111,7 +111,7 @@ class Runtime:
             namespace=RAY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
-            scheduling_strategy=singleton_strategy(),
+            **singleton_options(),
         ).remote(dep.to_wire())
         info = SupervisorInfo.of(await supervisor.ensure.remote())
         running = Deployment.from_wire(info.deployment)

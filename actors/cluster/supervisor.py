@@ -46,7 +46,7 @@ from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
 from actors.cluster.placement import (
     alive_nodes,
     host_node,
-    singleton_strategy,
+    singleton_options,
     standby_node,
     strategy,
 )
@@ -143,7 +143,7 @@ class Supervisor:
                 namespace=RAY_NAMESPACE,
                 lifetime="detached",
                 get_if_exists=True,
-                scheduling_strategy=singleton_strategy(),
+                **singleton_options(),
             ).remote(self.dep.to_wire())
             for role, cls in SERVICES.items()
         ]
@@ -210,6 +210,7 @@ class Supervisor:
         now = time.monotonic()
         info = HostInfo.of(reply)
         self._load[slot] = info
+        self._ensure_standby(slot, gen, info.node_id)
         fresh = info.incarnation not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
@@ -243,6 +244,21 @@ class Supervisor:
             node = standby_node(alive_nodes(), info.node_id, slot)
             self._host(slot, generation + 1, node=node)
         return handle
+
+    def _ensure_standby(self, slot: int, generation: int, active_node: str) -> None:
+        """Start the slot's standby again if it is gone: it died with a node other than its
+        active host's (a chaos run found a slot whose standby had died in an earlier node loss
+        wait 1.4 s more for a process start when its active host was lost next)."""
+        if not self.dep.settings.supervisor.standby:
+            return
+        name = self.dep.host_name(slot, generation + 1)
+        try:
+            ray.get_actor(name, namespace=RAY_NAMESPACE)
+            return
+        except ValueError:  # no live actor under the name: a dead detached actor frees it
+            pass
+        log.warning("host slot %d: standby gen %d is gone; starting it again", slot, generation + 1)
+        self._host(slot, generation + 1, node=standby_node(alive_nodes(), active_node, slot))
 
     def _host(self, slot: int, generation: int, *, node: str | None = None) -> Any:
         """The slot's host of ``generation``: the one that exists, or a new one on ``node``

@@ -199,6 +199,24 @@ class ChaosReport:
     replacements: dict[str, int] = field(default_factory=dict)
     """Host label -> how many times the supervisor replaced it (deaths and freezes)."""
 
+    def fault_recovery_ms(self, f: Fault) -> list[float]:
+        """Kill -> first move under a newer epoch, per turn the fault affected that moved."""
+        kill_ms = (self.started_at + f.at_s) * 1000
+        return [
+            t.at_ms - kill_ms for t in first_moves_after(self.moves, f.affected, kill_ms).values()
+        ]
+
+    def last_turn_ms_by_kind(self) -> dict[str, dict[str, Any]]:
+        """Per fault kind, over its faults that affected turns: kill -> the *last* of its turns
+        running again (how long the fault held work up, where the per-turn figures say how
+        long a typical turn waited)."""
+        out: dict[str, list[float]] = {}
+        for f in self.faults:
+            ms = self.fault_recovery_ms(f)
+            if ms:
+                out.setdefault(f.target, []).append(max(ms))
+        return {kind: summarize(v) for kind, v in sorted(out.items())}
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "ok": self.verdict.ok,
@@ -212,6 +230,7 @@ class ChaosReport:
                     "victim": f.victim,
                     "pid": f.pid,
                     "affected_turns": len(f.affected),
+                    "recovery_ms": summarize(self.fault_recovery_ms(f)) if f.affected else None,
                     "note": f.note,
                 }
                 for f in self.faults
@@ -221,6 +240,7 @@ class ChaosReport:
                 kind: summarize(ms for _, _, ms, k in self.recovered if k == kind)
                 for kind in sorted({k for *_, k in self.recovered})
             },
+            "recovery_last_turn_ms_by_kind": self.last_turn_ms_by_kind(),
             "respawns": self.respawns,
             "replacements_per_host": self.replacements,
             "rival_outcomes": self.rivals,
@@ -407,10 +427,16 @@ class ChaosMonkey:
         affected: dict[str, int] = {}
         for slot in by_node.get(victim, []):
             affected.update(await self._affected(slot))
+        before = await self.rt.respawns()
         at = self.now()
+        self.nodes.remove_node(victim)
+        # The fresh node joins once the lost node's turns have moved, as a replacement machine
+        # does (minutes later, on its own hardware): started at once on this one machine, its
+        # raylet and workers would take the cores from the recovery being measured.
+        if affected:
+            await self._until_claimed(before, affected)
         # In this thread: Ray's node start installs signal handlers, which only the main
         # thread may do. The loop stalls for the few seconds a raylet takes to start.
-        self.nodes.remove_node(victim)
         fresh = self.nodes.add_node()
         note = f"hosts of slots {sorted(by_node.get(victim, []))}; node {fresh[:8]} added"
         return Fault(at, "node", f"node {victim[:8]}", None, affected, note=note)
@@ -486,7 +512,7 @@ class ChaosMonkey:
             except PhaselineError:
                 pass
             await asyncio.sleep(0.1)  # polling the successor's claims, with a deadline
-        raise PhaselineError("frozen host was not replaced within 60 s")
+        raise PhaselineError("the turns of a lost host were not taken over within 60 s")
 
 
 async def submit_over(
