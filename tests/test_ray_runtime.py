@@ -243,6 +243,29 @@ async def test_sigkill_of_the_checkpoint_actor_during_saves(
     await assert_all_correct(rt, real_client, sc, finals)  # every record whole and right
 
 
+async def test_checkpoint_actors_sharded_by_key_shard_share_the_saves_and_survive_a_kill(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """``[checkpoint] actors = 2``: each turn's saves go to the actor of its key shard, both
+    actors carry saves, and one of them SIGKILLed mid-run is restarted with no turn lost."""
+    rt = await start_runtime(hosts=2, checkpoint={"actors": 2})
+    roles = rt.dep.checkpoint_roles()
+    assert roles == ["checkpoint", "checkpoint1"]
+    sc = scenario(llm_latency_ms=50, tool_latency_ms=5)
+    ids = [f"k{i:03d}" for i in range(60)]
+    assert {rt.dep.checkpoint_role(t) for t in ids} == set(roles)
+    await rt.submit(*scripted_turn(sc), ids)
+    await checkpoints_written(real_client, rt.dep.keys, 60 + 50)
+    old = await rt.service_pid("checkpoint1")
+    os.kill(old, signal.SIGKILL)
+    finals = await rt.wait(ids, timeout=180)
+    assert await rt.service_pid("checkpoint1") != old
+    await assert_all_correct(rt, real_client, sc, finals)
+    for role in roles:
+        handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
+        assert ServiceInfo.of(await handle.hello.remote()).counts["saves"] > 0, role
+
+
 @pytest.mark.parametrize("role", ["watchdog", "recovery", "supervisor"])
 async def test_a_killed_service_actor_comes_back_and_works(
     start_runtime: StartRuntime, real_client: aioredis.Redis, role: str

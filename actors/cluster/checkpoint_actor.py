@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -175,6 +175,24 @@ def actor_sender(actor: Callable[[], Any]) -> BatchSender:
 def local_sender(store: RedisCheckpointStore) -> BatchSender:
     """Validate and save batches in this process: the CheckpointActor's work without Ray."""
     return functools.partial(save_wire_batch, store)
+
+
+class ShardedCheckpoints:
+    """A :class:`~actors.turn.loop.Checkpointer` over several CheckpointActors: each turn's
+    saves go through the client of the actor its key shard maps to (``route``), so a turn's
+    saves stay in order on one actor while the actors group-commit in parallel."""
+
+    def __init__(self, clients: Mapping[str, CheckpointClient], route: Callable[[str], str]):
+        self.clients = dict(clients)
+        self.route = route
+
+    async def save(self, record: CheckpointRecord) -> SaveAck:
+        return await self.clients[self.route(record.turn_id)].save(record)
+
+    @property
+    def batches(self) -> int:
+        """Batches sent over every actor."""
+        return sum(c.batches for c in self.clients.values())
 
 
 class CheckpointClient:

@@ -85,6 +85,19 @@ class Deployment(BaseModel):
         """Ray actor name of a singleton role (``supervisor``, ``checkpoint``, ...)."""
         return actor_name(self.settings.redis.namespace, role)
 
+    def checkpoint_roles(self) -> list[str]:
+        """Roles of the CheckpointActors: ``checkpoint``, then ``checkpoint1``, ... when
+        ``[checkpoint] actors`` asks for more than one."""
+        n = self.settings.checkpoint.actors
+        return ["checkpoint", *(f"checkpoint{i}" for i in range(1, n))]
+
+    def checkpoint_role(self, turn_id: str) -> str:
+        """The CheckpointActor that saves ``turn_id``: one per key shard, so a turn's saves
+        stay in order on one actor and each actor writes the shards (Redis Cluster slots) of
+        its own share."""
+        roles = self.checkpoint_roles()
+        return roles[self.keys.shard_of(turn_id) % len(roles)]
+
     @property
     def isolation_slot(self) -> int:
         """The slot of the isolation host, after the ``hosts`` shared ones: it runs the turns

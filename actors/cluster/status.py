@@ -121,15 +121,15 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
         for i in range(sizes.get(pool, dep.settings.tools.workers))
         if (handle := _actor(dep.tool_worker_name(pool, i))) is not None
     }
-    checkpoint = _actor(dep.name("checkpoint"))
+    checkpoints = [a for role in dep.checkpoint_roles() if (a := _actor(dep.name(role)))]
 
     async def sample() -> tuple[float, dict[tuple[str, int], ServiceInfo | None], int]:
         infos = await asyncio.gather(*(_hello(h) for h in workers.values()))
-        saved = await _hello(checkpoint) if checkpoint is not None else None
+        saved = await asyncio.gather(*(_hello(a) for a in checkpoints))
         return (
             time.monotonic(),
             dict(zip(workers, infos, strict=True)),
-            (saved.counts.get("saves", 0) if saved else 0),
+            sum(s.counts.get("saves", 0) for s in saved if s is not None),
         )
 
     t0, before, saves0 = await sample()

@@ -62,7 +62,15 @@ from store.pools import PoolSizes
 
 log = logging.getLogger(__name__)
 
-SERVICES = {"checkpoint": CheckpointActor, "watchdog": WatchdogActor, "recovery": RecoveryActor}
+
+def services(dep: Deployment) -> dict[str, Any]:
+    """The service actors of a deployment by role: its CheckpointActors, the WatchdogActor and
+    the RecoveryActor."""
+    return {
+        **dict.fromkeys(dep.checkpoint_roles(), CheckpointActor),
+        "watchdog": WatchdogActor,
+        "recovery": RecoveryActor,
+    }
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -118,7 +126,7 @@ class Supervisor:
         for slot, gen in gens.items():
             _kill(self.dep.host_name(slot, gen))
             _kill(self.dep.host_name(slot, gen + 1))  # the standby
-        for role in SERVICES:
+        for role in services(self.dep):
             _kill(self.dep.name(role))
         _lo, hi = self.dep.settings.tools.bounds()
         for pool in self.dep.tool_pools():
@@ -137,19 +145,19 @@ class Supervisor:
 
     async def _reconcile(self) -> None:
         cfg = self.dep.settings.supervisor
-        services = [
-            cls.options(  # type: ignore[attr-defined]
+        handles = [
+            cls.options(
                 name=self.dep.name(role),
                 namespace=RAY_NAMESPACE,
                 lifetime="detached",
                 get_if_exists=True,
                 **singleton_options(),
             ).remote(self.dep.to_wire())
-            for role, cls in SERVICES.items()
+            for role, cls in services(self.dep).items()
         ]
         await self._scale_pools()
         await asyncio.gather(
-            *(_ping(h, cfg.ping_timeout_s) for h in services),  # also starts the watchdog loop
+            *(_ping(h, cfg.ping_timeout_s) for h in handles),  # also starts the watchdog loop
             *(self._check_slot(slot) for slot in self.dep.slots()),
         )
 

@@ -33,7 +33,7 @@ import psutil
 import ray
 from ray.exceptions import RayActorError
 
-from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender
+from actors.cluster.checkpoint_actor import CheckpointClient, ShardedCheckpoints, actor_sender
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
@@ -66,9 +66,15 @@ class TurnActor:
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
         self.tools = RayToolRunner(self.dep, PoolSizes(self.client, self.dep.keys))
-        self.checkpoints = CheckpointClient(
-            actor_sender(self._checkpoint_actor),
-            max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
+        self.checkpoints = ShardedCheckpoints(
+            {
+                role: CheckpointClient(
+                    actor_sender(functools.partial(self._checkpoint_actor, role)),
+                    max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
+                )
+                for role in self.dep.checkpoint_roles()
+            },
+            self.dep.checkpoint_role,
         )
         self.engine = TurnEngine.from_settings(
             self.client,
@@ -91,8 +97,8 @@ class TurnActor:
         )
         self._renewing: asyncio.Task[None] | None = None
 
-    def _checkpoint_actor(self) -> Any:
-        return ray.get_actor(self.dep.name("checkpoint"), namespace=RAY_NAMESPACE)
+    def _checkpoint_actor(self, role: str) -> Any:
+        return ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
 
     async def hello(self) -> dict[str, Any]:
         stats = self.engine.stats

@@ -107,6 +107,10 @@ class CheckpointSettings(_Section):
     """How a save is made atomic and fenced: ``script`` (one server-side script per save) or
     ``multi_exec`` (``WATCH``, read the fences, ``MULTI`` ... ``EXEC`` per shard). Both give
     the same guarantees; docs/ARCHITECTURE.md has what each costs."""
+    actors: int = Field(default=1, ge=1, le=256)
+    """CheckpointActors of the deployment. Each turn's saves go to the one of its key shard
+    (``shard mod actors``), so several group-commit in parallel: one is a single event loop,
+    and docs/SCALING.md says from what load it is the ceiling."""
     mid_turn: bool = True
     """False writes only the submission and final records, so a crash loses the turn's model
     progress (committed tool calls are still reused from the ledger). It exists to measure

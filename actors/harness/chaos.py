@@ -406,13 +406,14 @@ class ChaosMonkey:
             at = self.now()
             down = await asyncio.to_thread(self.server.restart)
             return Fault(at, target, "redis-server", None, note=f"down {down:.2f} s")
-        pid = await rt.service_pid(target)
+        role = self.rng.choice(rt.dep.checkpoint_roles()) if target == "checkpoint" else target
+        pid = await rt.service_pid(role)
         os.kill(pid, signal.SIGKILL)
-        return Fault(self.now(), target, target, pid)
+        return Fault(self.now(), target, role, pid)
 
     async def _node_loss(self) -> Fault:
         """Remove a worker node that runs turn hosts (its raylet and every worker on it: hosts,
-        tool workers, maybe singletons), then add a fresh node, as a replaced machine joins."""
+        standbys, tool workers), then add a fresh node, as a replaced machine joins."""
         assert self.nodes is not None
         workers = set(self.nodes.worker_node_ids())
         hosts = await self.rt.host_info(isolation=True)

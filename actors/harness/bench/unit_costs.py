@@ -42,7 +42,7 @@ __all__ = ["unit_costs"]
 #: The deployments docs/SCALING.md sizes.
 MODEL_TURNS = (10_000, 100_000, 1_000_000)
 
-_ROLES = ("checkpoint", "watchdog", "recovery", "supervisor")
+_ROLES = ("watchdog", "recovery", "supervisor")
 
 
 async def _pids(rt: Runtime) -> dict[str, list[int]]:
@@ -50,6 +50,7 @@ async def _pids(rt: Runtime) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {"host": [h.pid for h in await rt.host_info(isolation=True)]}
     for role in _ROLES:
         out[role] = [await rt.service_pid(role)]
+    out["checkpoint"] = [await rt.service_pid(role) for role in rt.dep.checkpoint_roles()]
     tools = []
     for pool in rt.dep.tool_pools():
         for i in range(rt.dep.settings.tools.bounds()[1]):
