@@ -175,7 +175,8 @@ async def test_the_unit_costs_figure_prices_a_round_and_checks_the_model(redis_u
     assert costs["calls_per_round"] == scenario.rounds * scenario.tools_per_round / (
         scenario.rounds + 1
     )
-    assert [c["hosts"] for c in fig["check"]] == [1, 2]
+    assert [(c["hosts"], c["checkpoint_actors"]) for c in fig["check"]] == [(1, 1), (2, 1), (2, 2)]
+    assert all(cpu > 0 for cpu in fig["runs"]["2x2"]["checkpoint_actor_cpu_s"])  # both saved
     assert all(c["predicted_turns_per_s"] > 0 and c["measured_turns_per_s"] > 0
                for c in fig["check"])  # fmt: skip
     assert [m["turns"] for m in fig["model"]] == [10_000, 100_000, 1_000_000]

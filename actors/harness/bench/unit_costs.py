@@ -7,7 +7,8 @@ waits are short). The CPU time of every process of the deployment is read before
 this driver; redis-server's own ``INFO cpu``), and whatever else the machine did in between
 (Ray's raylet and GCS, mostly) is put under ``other``. Divided by the rounds done, these are
 the unit costs the model sizes deployments with. The check: the costs measured on one host
-predict the turns/s of one and of two hosts on this machine's cores; both are then measured.
+predict the turns/s of one host, two hosts, and two hosts with two CheckpointActors on this
+machine's cores; each is then measured.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from actors.harness.bench.workload import WARMUP_TURNS, deployed, peak_rss, run_
 from store.connection import translated
 
 __all__ = ["unit_costs"]
+
+#: (hosts, CheckpointActors) of the measured runs: the costs come from the first, the model
+#: predicts all three.
+SHAPES = ((1, 1), (2, 1), (2, 2))
 
 #: The deployments docs/SCALING.md sizes.
 MODEL_TURNS = (10_000, 100_000, 1_000_000)
@@ -95,6 +100,7 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
     hosts = await rt.host_info()
     idle = hosts[0] if len(hosts) == 1 else None  # memory per turn: on one host only
     cpu0 = {role: _cpu_s(p) for role, p in pids.items()}
+    each0 = [_cpu_s([pid]) for pid in pids["checkpoint"]]
     busy0, (redis0, mem0) = _machine_busy_s(), await _redis(rt)
     done = asyncio.Event()
     sampler = asyncio.ensure_future(peak_rss(rt, done, idle.rss_bytes)) if idle else None
@@ -104,6 +110,7 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
         done.set()
         peak = await sampler if sampler else None
     cpu = {role: _cpu_s(p) - cpu0[role] for role, p in pids.items()}
+    each = [_cpu_s([pid]) - c for pid, c in zip(pids["checkpoint"], each0, strict=True)]
     redis1, mem1 = await _redis(rt)
     cpu["redis"] = redis1 - redis0
     cpu["other"] = max(0.0, _machine_busy_s() - busy0 - sum(cpu.values()))
@@ -120,6 +127,7 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
         "tool_calls": calls,
         "cpu_s": {role: round(s, 3) for role, s in cpu.items()},
         "cpu_ms_per_round": per_round,
+        "checkpoint_actor_cpu_s": [round(c, 3) for c in each],
         "host_peak_growth_bytes_per_turn": None if peak is None or idle is None
         else round((peak - idle.rss_bytes) / turns),
         "redis_bytes_per_turn": round((mem1 - mem0) / turns),
@@ -147,21 +155,28 @@ def _costs(m: dict[str, Any]) -> UnitCosts:
 async def unit_costs(
     base: Settings, url: str, scenario: Scenario, *, turns: int, round_s: float = 5.0
 ) -> dict[str, Any]:
-    """The figure: unit costs on one host, the model's prediction for one and two hosts on this
-    machine beside what they measured, and the model's deployments."""
-    runs: dict[int, dict[str, Any]] = {}
-    for hosts in (1, 2):
-        async with deployed(base, url, hosts=hosts, label=f"u{hosts}") as rt:
-            runs[hosts] = await _measure(rt, scenario, turns)
-    costs = _costs(runs[1])
+    """The figure: unit costs on one host, the model's prediction for each of :data:`SHAPES` on
+    this machine beside what it measured, and the model's deployments."""
+    runs: dict[str, dict[str, Any]] = {}
+    for hosts, actors in SHAPES:
+        ckpt = base.checkpoint.model_copy(update={"actors": actors})
+        async with deployed(
+            base.model_copy(update={"checkpoint": ckpt}), url, hosts=hosts, label=f"u{hosts}"
+        ) as rt:
+            runs[f"{hosts}x{actors}"] = await _measure(rt, scenario, turns)
+    costs = _costs(runs["1x1"])
     cores = float(os.cpu_count() or 1)
     check = []
-    for hosts, run in runs.items():
-        rounds_per_s, limit = predict_rounds_per_s(costs, cores=cores, hosts=hosts)
+    for hosts, actors in SHAPES:
+        run = runs[f"{hosts}x{actors}"]
+        rounds_per_s, limit = predict_rounds_per_s(
+            costs, cores=cores, hosts=hosts, checkpoint_actors=actors
+        )
         predicted = rounds_per_s / (scenario.rounds + 1)
         check.append(
             {
                 "hosts": hosts,
+                "checkpoint_actors": actors,
                 "predicted_turns_per_s": round(predicted, 2),
                 "limited_by": limit,
                 "measured_turns_per_s": run["turns_per_s"],
@@ -178,7 +193,7 @@ async def unit_costs(
         "cores": cores,
         "costs": {k: round(v, 4) for k, v in dataclasses.asdict(costs).items()},
         "cpu_ms_per_round_total": round(costs.cpu_ms_per_round, 3),
-        "runs": {str(h): r for h, r in runs.items()},
+        "runs": runs,
         "check": check,
         "check_error_median": round(
             statistics.median(abs(c["measured_over_predicted"] - 1) for c in check), 3
