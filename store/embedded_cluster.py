@@ -243,10 +243,6 @@ class EmbeddedCluster:
                 return node
         raise StoreError(f"no cluster node on port {port}")
 
-    def kill(self, node: EmbeddedRedis) -> None:
-        """SIGKILL one node and leave it down (a crashed primary: its replica takes over)."""
-        node.kill()
-
     def wait_failover(self, dead: EmbeddedRedis, timeout: float | None = None) -> None:
         """Wait until the slots of a killed primary are served by another node again."""
 
@@ -260,9 +256,17 @@ class EmbeddedCluster:
 
         self._until(taken_over, f"a replica to take over from port {dead.port}", timeout)
 
-    def revive(self, node: EmbeddedRedis) -> None:
-        """Start a killed node again; it rejoins (a former primary as a replica)."""
-        node.revive()
+    def fail_over(self, primary: EmbeddedRedis) -> tuple[float, float]:
+        """SIGKILL a primary, wait until its replica serves its slots, start it again and wait
+        until it is back in sync as a replica (as an operator's restart brings it back; until
+        then its slots have no replica). Seconds from the kill to each of the two."""
+        down = time.monotonic()
+        primary.kill()
+        self.wait_failover(primary)
+        served = time.monotonic() - down
+        primary.revive()  # it rejoins, as a replica of the node that took over
+        self.wait_ok()
+        return served, time.monotonic() - down
 
     def stop(self) -> None:
         """Stop every node (SIGTERM, then SIGKILL) and remove a temporary data directory."""
