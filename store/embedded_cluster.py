@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -256,12 +258,43 @@ class EmbeddedCluster:
 
         self._until(taken_over, f"a replica to take over from port {dead.port}", timeout)
 
-    def fail_over(self, primary: EmbeddedRedis) -> tuple[float, float]:
+    def replica_of(self, primary: EmbeddedRedis) -> EmbeddedRedis:
+        """The live replica of a primary."""
+        seen = self.topology()
+        own = next(i.node_id for i in seen if i.port == primary.port)
+        for info in seen:
+            if info.primary_id == own and not info.failed:
+                return self.node_of_port(info.port)
+        raise StoreError(f"the primary on port {primary.port} has no live replica")
+
+    def fail_over(
+        self,
+        primary: EmbeddedRedis,
+        *,
+        lag_s: float = 0.0,
+        on_kill: Callable[[], None] | None = None,
+    ) -> tuple[float, float]:
         """SIGKILL a primary, wait until its replica serves its slots, start it again and wait
         until it is back in sync as a replica (as an operator's restart brings it back; until
-        then its slots have no replica). Seconds from the kill to each of the two."""
+        then its slots have no replica). Seconds from the kill to each of the two.
+
+        ``lag_s``: first hold the replica stopped (SIGSTOP) for that long, so the primary's
+        writes of that time have not reached it when the primary dies, as a replica behind a
+        slow or partitioned link would be; it is let go (SIGCONT) right after the kill. On one
+        machine this is how the window of asynchronous replication is opened at all.
+        ``on_kill`` is called right after the SIGKILL."""
+        stopped = None
+        if lag_s > 0:
+            stopped = self.replica_of(primary)
+            assert stopped.process is not None
+            stopped.process.send_signal(signal.SIGSTOP)
+            time.sleep(lag_s)  # the replica's lag: the writes of this time never reach it
         down = time.monotonic()
         primary.kill()
+        if on_kill is not None:
+            on_kill()
+        if stopped is not None and stopped.process is not None:
+            stopped.process.send_signal(signal.SIGCONT)
         self.wait_failover(primary)
         served = time.monotonic() - down
         primary.revive()  # it rejoins, as a replica of the node that took over

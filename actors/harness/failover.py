@@ -7,8 +7,10 @@ have it, so the replica that is promoted holds every acknowledged save.
 
 :func:`failover_under_saves` measures it. Writers save turns ``seq`` 1, 2, 3 … as fast as the
 store answers (a failed save is retried: the fence recognises a replay), one primary is
-SIGKILLed mid-way, its replica takes over, the writers go on; at the end every turn's stored
-``seq`` is compared with the last one its writer saw acknowledged.
+SIGKILLed mid-way (after holding its replica stopped for ``lag_s``, so its last writes have not
+reached it), its replica takes over; the writers are held from the kill until every turn's
+stored ``seq`` has been read and compared with the last one its writer saw acknowledged, then
+they go on through the killed node's return, and the comparison is made again at the end.
 ``scripts/cluster_failover.py`` prints the figures for both durabilities; a test asserts that
 ``replicas:1`` loses nothing.
 """
@@ -59,7 +61,7 @@ class FailoverReport:
     """The longest time one writer went without an acknowledgement."""
 
 
-def _record(turn_id: str, seq: int) -> CheckpointRecord:
+def _record(turn_id: str, seq: int, payload_bytes: int = 0) -> CheckpointRecord:
     return CheckpointRecord(
         turn_id=turn_id,
         session_id="failover",
@@ -68,7 +70,7 @@ def _record(turn_id: str, seq: int) -> CheckpointRecord:
         phase=TurnPhase.EXECUTING_TOOLS,
         in_progress=True,
         reason="tool_batch",
-        messages=(Message(role="user", text=f"step {seq}"),),
+        messages=(Message(role="user", text=f"step {seq} ".ljust(payload_bytes, "x")),),
         meta=(MessageMeta(source="prompt", message_id=f"m{seq}", at_ms=seq),),
         baseline=1,
         counters=Counters(),
@@ -83,10 +85,15 @@ async def failover_under_saves(
     turns: int = 48,
     saves_before: int = 20,
     saves_after: int = 20,
+    lag_s: float = 0.0,
+    payload_bytes: int = 0,
 ) -> FailoverReport:
     """Run the writers; once each has ``saves_before`` acknowledged saves, SIGKILL the primary
-    of turn 0's slot while they keep saving, wait for its replica to take over and for the
-    killed node to rejoin as a replica; stop once each writer has ``saves_after`` more."""
+    of turn 0's slot (``lag_s``: its replica stopped that long first) while they keep saving,
+    hold them, wait for its replica to take over and for the killed node to rejoin as a
+    replica, count what the writers saw acknowledged and the cluster no longer has, and let
+    them go on until each has ``saves_after`` more. ``payload_bytes``: the size of each save's
+    message (what the replica falls behind by)."""
     client = connect(cluster.url, cluster=True, retry_s=1.0)
     assert isinstance(client, RedisCluster)
     keys = KeyLayout("failover", shards=16)
@@ -96,14 +103,25 @@ async def failover_under_saves(
     failed = n_acked = 0
     stall = 0.0
     stop = asyncio.Event()
+    running = asyncio.Event()  # cleared: writers park (from the kill until the survivors are read)
+    running.set()
+    parked = 0
     progress = asyncio.Condition()
 
     async def writer(turn_id: str) -> None:
-        nonlocal failed, n_acked, stall
+        nonlocal failed, n_acked, stall, parked
         seq, last_ack = 1, time.monotonic()
         while not stop.is_set():
+            if not running.is_set():
+                parked += 1
+                async with progress:
+                    progress.notify_all()
+                await running.wait()
+                parked -= 1
+                last_ack = time.monotonic()  # the hold is the harness's, not a stall
+                continue
             try:
-                await store.save(_record(turn_id, seq))
+                await store.save(_record(turn_id, seq, payload_bytes))
             except AlreadySaved:
                 # It landed the first time but was never acknowledged (its WAIT fell short):
                 # go on without counting it, as a turn would.
@@ -130,22 +148,41 @@ async def failover_under_saves(
         node = client.get_node_from_key(keys.turn(ids[0]))
         assert node is not None
         primary = cluster.node_of_port(int(node.port))
-        # Until the killed node is back as a replica, ``replicas:1`` saves cannot be confirmed.
-        failover_s, rejoined_s = await asyncio.to_thread(cluster.fail_over, primary)
+        loop = asyncio.get_running_loop()
+
+        def hold() -> None:  # called in fail_over's thread
+            loop.call_soon_threadsafe(running.clear)
+
+        # The writers park at the kill, so what the promoted replica holds is read before any
+        # newer save could cover a lost one (a save carries the whole record: seq n + 1 lands
+        # over a stored n - 5 and the loss no longer shows). Until the killed node is back as
+        # a replica, ``replicas:1`` saves could not be confirmed anyway.
+        failover_s, rejoined_s = await asyncio.to_thread(
+            cluster.fail_over,
+            primary,
+            lag_s=lag_s,
+            on_kill=hold,
+        )
+        await asyncio.wait_for(until(lambda: parked == turns), 120)
+        survived = {t: (await store.load(t)).seq for t in ids}
+        lost = {t: acked[t] - survived[t] for t in ids if survived[t] < acked[t]}
+        running.set()
         marks = dict(acked)
         await asyncio.wait_for(
             until(lambda: all(acked[t] >= marks[t] + saves_after for t in ids)), 120
         )
         stop.set()
         await asyncio.gather(*tasks)
-        stored = {t: (await store.load(t)).seq for t in ids}
+        # And every save acknowledged after the failover is there at the end.
+        for t in ids:
+            if (await store.load(t)).seq < acked[t]:
+                lost[t] = max(lost.get(t, 0), acked[t] - (await store.load(t)).seq)
     finally:
         stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
-    lost = {t: acked[t] - stored[t] for t in ids if stored[t] < acked[t]}
     return FailoverReport(
         durability=durability,
         turns=turns,
