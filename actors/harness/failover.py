@@ -113,6 +113,7 @@ async def failover_under_saves(
         seq, last_ack = 1, time.monotonic()
         while not stop.is_set():
             if not running.is_set():
+                stall = max(stall, time.monotonic() - last_ack)  # up to the hold
                 parked += 1
                 async with progress:
                     progress.notify_all()
