@@ -73,5 +73,6 @@ too, where a node-id affinity would name the dead one)."""
 def singleton_options() -> dict[str, Any]:
     """Ray options that put a singleton (and its restarts) on the head node. A soft node
     affinity to the head was not honoured in a test (the CheckpointActor started on a worker
-    node), so the singletons ask for a sliver of the head's own resource instead."""
-    return {"resources": {HEAD_RESOURCE: 0.001}}
+    node), so the singletons ask for a sliver of the head's own resource instead: 0.0001, Ray's
+    smallest unit, so the head's 1.0 holds 10,000 of them."""
+    return {"resources": {HEAD_RESOURCE: 0.0001}}

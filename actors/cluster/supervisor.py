@@ -86,6 +86,7 @@ class Supervisor:
         self._last_adopt: dict[int, float] = defaultdict(float)
         self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        self._standbys: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.pools = PoolSizes(self.client, self.dep.keys, ttl_s=0)
@@ -218,7 +219,7 @@ class Supervisor:
         now = time.monotonic()
         info = HostInfo.of(reply)
         self._load[slot] = info
-        self._ensure_standby(slot, gen, info.node_id)
+        self._watch_standby(slot, gen + 1, info.node_id)
         fresh = info.incarnation not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
@@ -245,28 +246,37 @@ class Supervisor:
         await handle.adopt.remote(predecessor_died)
         self._adopted.add(info.incarnation)
         self._last_adopt[slot] = time.monotonic()
-        if self.dep.settings.supervisor.standby:
-            # The next generation, started now and idle until it is needed: replacing a dead
-            # host then costs no process start and no imports. On another node than this one,
-            # so one node's loss does not take both (actors.cluster.placement).
-            node = standby_node(alive_nodes(), info.node_id, slot)
-            self._host(slot, generation + 1, node=node)
+        # The next generation, started now and idle until it is needed: replacing a dead host
+        # then costs no process start and no imports. On another node than this one, so one
+        # node's loss does not take both (actors.cluster.placement).
+        self._watch_standby(slot, generation + 1, info.node_id)
         return handle
 
-    def _ensure_standby(self, slot: int, generation: int, active_node: str) -> None:
-        """Start the slot's standby again if it is gone: it died with a node other than its
-        active host's (a chaos run found a slot whose standby had died in an earlier node loss
-        wait 1.4 s more for a process start when its active host was lost next)."""
+    def _watch_standby(self, slot: int, generation: int, active_node: str) -> None:
+        """Keep the slot's standby (``generation``, the next one) alive: started if it is not
+        there, watched by a parked call, started again on another node than ``active_node``
+        if it dies while its slot still waits on it. Once per generation, so a Supervisor
+        that restarted watches the standbys its predecessor started, with no polling."""
         if not self.dep.settings.supervisor.standby:
             return
-        name = self.dep.host_name(slot, generation + 1)
-        try:
-            ray.get_actor(name, namespace=RAY_NAMESPACE)
+        watched = self._standbys.get(slot)
+        if watched is not None and watched[0] == generation and not watched[1].done():
             return
-        except ValueError:  # no live actor under the name: a dead detached actor frees it
-            pass
-        log.warning("host slot %d: standby gen %d is gone; starting it again", slot, generation + 1)
-        self._host(slot, generation + 1, node=standby_node(alive_nodes(), active_node, slot))
+        task = asyncio.ensure_future(self._keep_standby(slot, generation, active_node))
+        self._standbys[slot] = (generation, task)
+
+    async def _keep_standby(self, slot: int, generation: int, active_node: str) -> None:
+        while not self._stopping:
+            node = standby_node(alive_nodes(), active_node, slot)
+            standby = self._host(slot, generation, node=node)  # the live one, or a new one
+            with contextlib.suppress(RayActorError):
+                await standby.park.remote()
+            if self._stopping or (await self.hosts.generations()).get(slot) != generation - 1:
+                return  # promoted (its own watch is the active host's now), or superseded
+            # It died with a node other than its active host's: without it, the slot's next
+            # loss would wait for a process start (1.4 s more in a chaos run).
+            log.warning("host slot %d: standby gen %d died; starting it again", slot, generation)
+            await asyncio.sleep(0.5)  # backoff: Ray frees a dead actor's name after its death
 
     def _host(self, slot: int, generation: int, *, node: str | None = None) -> Any:
         """The slot's host of ``generation``: the one that exists, or a new one on ``node``
