@@ -157,6 +157,8 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         ('[redis]\nurl = "http://127.0.0.1:6379/0"\n', "scheme must be one of"),
         ('[checkpoint]\natomic = "lua"\n', "checkpoint.atomic: Input should be 'script' or"),
         ("[checkpoint]\natomic = 1\n", "checkpoint.atomic"),
+        ("[checkpoint]\nactors = 0\n", "checkpoint.actors"),
+        ("[redis]\nshards = 4\n[checkpoint]\nactors = 8\n", "more than [redis] shards = 4"),
     ],
 )
 def test_bad_configs_are_refused_with_exit_2(tmp_path: Path, config: str, message: str) -> None:

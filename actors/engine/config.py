@@ -203,6 +203,17 @@ class Settings(_Section):
     tools: ToolSettings = ToolSettings()
     events: EventSettings = EventSettings()
 
+    @model_validator(mode="after")
+    def _check_checkpoint_actors(self) -> Settings:
+        # Turns go to the actor of their key shard: an actor past the shard count gets none.
+        if self.checkpoint.actors > self.redis.shards:
+            raise ValueError(
+                f"[checkpoint] actors = {self.checkpoint.actors} is more than [redis] shards = "
+                f"{self.redis.shards}: each turn's saves go to the actor of its key shard, so "
+                "the extra actors would save nothing"
+            )
+        return self
+
     def loop_settings(self) -> LoopSettings:
         return LoopSettings(
             strict=self.loop.strict,
