@@ -266,6 +266,7 @@ class Supervisor:
         self._standbys[slot] = (generation, task)
 
     async def _keep_standby(self, slot: int, generation: int, active_node: str) -> None:
+        backoff = 0.5
         while not self._stopping:
             node = standby_node(alive_nodes(), active_node, slot)
             standby = self._host(slot, generation, node=node)  # the live one, or a new one
@@ -276,7 +277,11 @@ class Supervisor:
             # It died with a node other than its active host's: without it, the slot's next
             # loss would wait for a process start (1.4 s more in a chaos run).
             log.warning("host slot %d: standby gen %d died; starting it again", slot, generation)
-            await asyncio.sleep(0.5)  # backoff: Ray frees a dead actor's name after its death
+            # Backoff: Ray frees a dead actor's name only after its death is processed, and
+            # lists a lost node as alive until its health check gives up (a standby placed there
+            # dies at once), so a tight retry would churn actors for nothing.
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 8.0)
 
     def _host(self, slot: int, generation: int, *, node: str | None = None) -> Any:
         """The slot's host of ``generation``: the one that exists, or a new one on ``node``
