@@ -74,8 +74,33 @@ class RecordNotFound(StoreError):
     """No record exists for the requested turn."""
 
 
+#: Characters of an endpoint's error message an :class:`LLMError` keeps (and a record stores).
+ERROR_EXCERPT_CHARS = 500
+
+
 class LLMError(PhaselineError):
-    """Base of the typed errors an :class:`~actors.turn.llm.LLMClient` may raise."""
+    """Base of the typed errors an :class:`~actors.turn.llm.LLMClient` may raise.
+
+    Besides its message, an error carries what a person needs to tell one failure from another:
+    the HTTP status, the provider's error code and the request id, when the endpoint gave them.
+    The loop keeps these in the turn's record (``Counters.last_error``); a client must never put
+    a key or a header in any of them."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message[:ERROR_EXCERPT_CHARS])
+        self.status = status
+        """The endpoint's HTTP status (None: no HTTP answer, e.g. a refused connection)."""
+        self.code = code
+        """The provider's error code (``rate_limit_exceeded``, ``context_length_exceeded`` ...)."""
+        self.request_id = request_id
+        """The endpoint's id of the request (``x-request-id``), to quote to its operator."""
 
 
 class RetryableLLMError(LLMError):

@@ -136,9 +136,32 @@ class Finished:
     """Text of the last assistant message (empty if there is none)."""
     at_ms: int
     """Unix milliseconds."""
+    error: str = ""
+    """The turn's last error, one line, for a turn that did not simply answer (empty if none)."""
 
 
-LiveEvent = TextDelta | ToolCalled | ToolReturned | Restarted | Finished
+@dataclass(frozen=True, slots=True)
+class Recovering:
+    """The recovery policy acted on a problem of the turn: a retry and its cause, a wait, a
+    compaction, a nudge, a force stop, an abort. What a watcher needs to see why a turn pauses
+    or ends."""
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """Owner epoch that acted."""
+    problem: str
+    """What went wrong (an ``actors.turn.recovery.Problem`` value: ``retryable``, ``loop`` ...)."""
+    action: str
+    """What the policy does about it (``retry``, ``compact``, ``nudge``, ``force_stop``,
+    ``abort``)."""
+    detail: str
+    """A line a person can read: the endpoint's error, the skipped call, the nudge's text."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+LiveEvent = TextDelta | ToolCalled | ToolReturned | Restarted | Finished | Recovering
 """Events only a watcher reads (never the shard buses): see ``store.streams`` for their
 per-turn stream."""
 
@@ -181,9 +204,11 @@ _KINDS: dict[str, type[LiveEvent]] = {
     "tool_result": ToolReturned,
     "restarted": Restarted,
     "finished": Finished,
+    "recovering": Recovering,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 _INT_FIELDS = frozenset({"epoch", "at_ms", "messages"})
+_OPTIONAL_FIELDS = frozenset({"error"})
 
 
 def _s(value: bytes | str | int) -> str:
@@ -215,7 +240,11 @@ def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> Wat
         cls = _KINDS.get(kind)
         if cls is None:
             raise BadBusEntry(f"unknown event kind {kind!r}")
-        values = {n: int(f[n]) if n in _INT_FIELDS else f[n] for n in cls.__slots__}
+        values = {
+            n: int(f[n]) if n in _INT_FIELDS else f[n]
+            for n in cls.__slots__
+            if n in f or n not in _OPTIONAL_FIELDS  # written by a build that lacked them
+        }
         return cls(**values)  # type: ignore[arg-type]
     except (KeyError, ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
         raise BadBusEntry(f"malformed bus entry {dict(fields)!r}: {exc!r}") from exc

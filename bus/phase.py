@@ -58,12 +58,13 @@ ALLOWED: dict[TurnPhase, frozenset[TurnPhase]] = {
     P.AWAITING_LLM: frozenset(
         {P.EXECUTING_TOOLS, P.RETRYING_LLM, P.COMPACTING, P.INJECTING_MESSAGE, P.FORCE_STOP, P.DONE}
     ),
-    P.RETRYING_LLM: frozenset({P.AWAITING_LLM, P.DONE}),
-    P.COMPACTING: frozenset({P.AWAITING_LLM, P.DONE}),
+    # the force stop's wrap-up call is retried and compacted like any other model call
+    P.RETRYING_LLM: frozenset({P.AWAITING_LLM, P.FORCE_STOP, P.DONE}),
+    P.COMPACTING: frozenset({P.AWAITING_LLM, P.FORCE_STOP, P.DONE}),
     P.EXECUTING_TOOLS: frozenset({P.AWAITING_LLM, P.AWAITING_APPROVAL, P.FORCE_STOP, P.DONE}),
     P.AWAITING_APPROVAL: frozenset({P.DONE}),
     P.INJECTING_MESSAGE: frozenset({P.DONE}),
-    P.FORCE_STOP: frozenset({P.DONE}),
+    P.FORCE_STOP: frozenset({P.RETRYING_LLM, P.COMPACTING, P.INJECTING_MESSAGE, P.DONE}),
     P.DONE: frozenset(),
 }
 

@@ -39,6 +39,9 @@ class Outcome(StrEnum):
     """The model gave its final answer."""
     FORCE_STOPPED = "force_stopped"
     """The loop detector stopped the turn; the model wrapped up without tools."""
+    TRUNCATED = "truncated"
+    """The final answer was cut by the agent's own ``max_tokens`` cap; it is kept as it came
+    (a text reply is usable, cut or not; raise the cap to get it whole)."""
     ABORTED_HARD_IDLE_TIMEOUT = "aborted:hard_idle_timeout"
     """The watchdog cancelled a model call that went silent past the hard timeout."""
     ABORTED_CONTEXT_LENGTH = "aborted:context_length"
@@ -51,6 +54,9 @@ class Outcome(StrEnum):
     """The model kept answering nothing after its nudges."""
     ABORTED_LOOP = "aborted:loop"
     """The model kept repeating its tool calls after its nudges."""
+    ABORTED_TRUNCATED = "aborted:truncated"
+    """A reply with tool calls was cut by the ``max_tokens`` cap again after one retry with
+    twice the room: its calls' arguments cannot be trusted, so none was run."""
     ABORTED_RECORD_TOO_LARGE = "aborted:record_too_large"
     """The transcript outgrew ``[checkpoint] max_record_bytes``; it ends on its last record."""
     SUSPENDED_POISON = "suspended:poison"
@@ -166,6 +172,42 @@ class MessageMeta(_Frozen):
     """On model replies from an endpoint that reports it: the tokens the call used."""
 
 
+class TurnError(_Frozen):
+    """The last model or tool error of a turn, as a person needs it to see why it failed.
+    Never a key or a header: only what the endpoint or tool said, cut short."""
+
+    source: Literal["model", "tool"]
+    """Who failed: the model endpoint or a tool call."""
+    kind: str
+    """The recovery problem for a model error (``retryable``, ``fatal``, ``context_length``,
+    ``truncated`` ...), the result status for a tool error (``error``, ``timeout`` ...)."""
+    message: str = Field(max_length=500)
+    """What the endpoint or tool said (at most 500 characters)."""
+    status: int | None = None
+    """HTTP status of the endpoint's answer, when there was one."""
+    code: str | None = None
+    """The provider's error code, when it gave one."""
+    request_id: str | None = None
+    """The endpoint's id of the request, when it gave one."""
+    tool: str | None = None
+    """The tool, for a tool error."""
+    attempt: int = 0
+    """Retries already spent on that model call when it failed."""
+    at_ms: int = 0
+    """Unix milliseconds of the error."""
+
+    def line(self) -> str:
+        """One line for a terminal or a summary."""
+        who = f"tool {self.tool}" if self.tool else "model"
+        parts = [f"{who} {self.kind}"]
+        if self.status is not None:
+            parts.append(f"HTTP {self.status}")
+        if self.code:
+            parts.append(self.code)
+        text = f"{' '.join(parts)}: {self.message}"
+        return text + (f" (request {self.request_id})" if self.request_id else "")
+
+
 class Counters(_Frozen):
     """Small per-turn counters that recovery decisions depend on, so they survive a crash."""
 
@@ -191,6 +233,12 @@ class Counters(_Frozen):
     """How many inbox entries the transcript already contains (exactly-once injection)."""
     outcome: Outcome | None = None
     """None while running; how the turn ended once it did (or was suspended)."""
+    cut_retries: int = 0
+    """Retries of the current model call whose reply with tool calls was cut by the caller's
+    ``max_tokens`` cap (reset when a call succeeds)."""
+    last_error: TurnError | None = None
+    """The last model or tool error of the turn: kept so that ``inspect``, ``watch``, ``chat``
+    and a run's summary can say why a turn failed, not just that it did."""
 
     @field_validator("outcome", mode="before")
     @classmethod
@@ -246,12 +294,14 @@ class CheckpointRecord(_Frozen):
     def finished_event(self) -> Finished:
         """The live event a final record stands for."""
         outcome = self.counters.outcome
+        error = self.counters.last_error
         return Finished(
             turn_id=self.turn_id,
             epoch=self.epoch,
             outcome="" if outcome is None else outcome.value,
             answer=self.answer,
             at_ms=self.updated_at,
+            error="" if error is None or outcome is Outcome.ANSWERED else error.line(),
         )
 
 

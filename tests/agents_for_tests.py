@@ -105,6 +105,46 @@ async def bump(ctx: ToolContext, a: int, b: int = 0) -> str:
 http_bump = dataclasses.replace(http_stream, tools=ToolRegistry([add, bump]))
 
 
+def _http(model: str, **kw: object) -> Agent:
+    """``http_stream`` on a model name of its own: what an endpoint is remembered by (e.g. that
+    it cannot stream tool calls) stays with that name, away from the other tests."""
+    chat = OpenAIChat(model=model, api_key_env=TEST_KEY_ENV, timeout_s=20, **kw)  # type: ignore[arg-type]
+    return dataclasses.replace(http_stream, model=chat, model_name=model)
+
+
+#: llama.cpp-like: answers an empty stream when tools are offered.
+http_no_tool_streams = _http("no-tool-streams")
+#: Too-long prompts come back as empty streams.
+http_small_context = _http("small-context")
+#: A cap on every reply: 4 tokens (16 characters on the test server), then 2.
+http_capped = _http("capped", max_tokens=4, stream=False)
+http_tight = _http("tight", max_tokens=2, stream=False)
+#: Needs its key even on a local endpoint.
+http_keyed = _http("keyed", require_key=True)
+#: An endpoint where nothing listens (port 9, discard, is closed here).
+http_dead = dataclasses.replace(
+    http_stream,
+    model=OpenAIChat(model="dead", base_url="http://127.0.0.1:9/v1", api_key_env=None, timeout_s=5),
+)
+#: Polls so far, per (turn, job): what ``job_status`` reports.
+_POLLS: dict[tuple[str, int], int] = {}
+
+
+@tool(idempotent=True)
+def job_status(ctx: ToolContext, job: int) -> str:
+    """How far a job got (a different answer at every poll, until it is done).
+
+    Args:
+        job: The job's id.
+    """
+    n = _POLLS[(ctx.turn_id, job)] = _POLLS.get((ctx.turn_id, job), 0) + 1
+    return f"job {job}: step {n} of 4" if n < 4 else f"job {job}: done"
+
+
+#: Polls ``job_status`` with the same arguments until the job is done.
+http_poller = dataclasses.replace(_http("poller"), tools=ToolRegistry([add, job_status]))
+
+
 class RecallModel:
     """Answers with every user message of the transcript it sees: what a session remembers."""
 

@@ -7,7 +7,8 @@ and a run with faults can be compared with it. The script is a line of a system 
 
     #script {"rounds": 2, "tool": "add", "faults": {"2": {"kind": "429", "times": 1}}}
 
-``latency_ms`` delays every answer. At model call N of a conversation (counted through
+``latency_ms`` delays every answer; ``"call_text": false`` sends tool calls without text (as
+small models do). At model call N of a conversation (counted through
 compaction summaries) the server asks for one ``tool`` call with arguments
 ``{"a": N, "b": 1}`` (or the script's ``args``) until ``rounds`` tool rounds are done, then
 answers ``results: <every tool output it can see>`` (with ``"quote": false``: ``read <n> tool
@@ -20,6 +21,19 @@ conversation (keyed by that message), then the call succeeds:
 ``context_length_exceeded`` until the transcript holds a compaction summary), ``length``
 (``finish_reason: length``), ``drop`` (the connection closes mid-reply), ``hang`` (no answer
 until the client goes away; counted in ``disconnects``).
+
+It also behaves as real servers were seen to (llama.cpp's, through ``llama-cpp-python``):
+
+* an assistant message with ``tool_calls`` whose ``content`` is ``null`` or absent is refused
+  with a 500 (always);
+* ``max_tokens`` cuts the reply (a token is 4 characters here): the text and the tool call's
+  arguments are cut and ``finish_reason`` is ``length`` (always);
+* script ``"stream_tools": false``: a streamed request that offers tools gets 200 and an empty
+  stream (llama.cpp: "Automatic streaming tool choice is not supported");
+* script ``"repeat_names": true``: a streamed tool call repeats its name in every delta;
+* script ``"n_ctx": N``: a prompt over N tokens gets, streamed, 200 and an empty stream, and
+  without streaming a 400 ``context_length_exceeded`` (until the transcript is compacted);
+* every error answer carries an ``x-request-id``.
 
 ``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
 request's ``Authorization`` header). Run: ``python -m tests.openai_server PORT``.
@@ -48,6 +62,7 @@ class Stats:
         self.disconnects = 0
         self.authorization = ""
         self.bodies: list[dict[str, Any]] = []
+        self.errors = 0
 
 
 STATS = Stats()
@@ -100,7 +115,8 @@ def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     if rounds < int(script.get("rounds", 0)) and body.get("tool_choice") != "none":
         args = json.dumps(script.get("args", {"a": call, "b": 1}))
         name = str(script.get("tool", "add"))
-        return kind, {"content": f"step {call}", "tool_calls": [(f"call_{call}", name, args)]}
+        text = f"step {call}" if script.get("call_text", True) else ""
+        return kind, {"content": text, "tool_calls": [(f"call_{call}", name, args)]}
     if script.get("quote", True):
         return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
     return kind, {"content": f"read {len(outputs)} tool results", "tool_calls": []}
@@ -118,8 +134,47 @@ async def _read_body(receive: Receive) -> bytes:
 async def _json(send: Send, status: int, payload: Any, headers: list[Any] | None = None) -> None:
     data = json.dumps(payload).encode()
     head = [(b"content-type", b"application/json"), *(headers or [])]
+    if status >= 400:
+        STATS.errors += 1
+        head.append((b"x-request-id", f"req_{STATS.requests}".encode()))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data})
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    return len(json.dumps(body["messages"])) // 4
+
+
+def _capped(body: dict[str, Any], reply: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The reply cut to the caller's ``max_tokens`` (4 characters a token), and whether it was."""
+    cap = body.get("max_tokens")
+    if cap is None:
+        return reply, False
+    room = int(cap) * 4
+    text = reply["content"]
+    if len(text) + sum(len(a) for _, _, a in reply["tool_calls"]) <= room:
+        return reply, False
+    calls = []
+    left = max(0, room - len(text))
+    for call_id, name, args in reply["tool_calls"]:
+        calls.append((call_id, name, args[:left]))
+        left = max(0, left - len(args))
+    return {"content": text[:room], "tool_calls": calls}, True
+
+
+def _refused_null_content(body: dict[str, Any]) -> bool:
+    """llama.cpp's server answers 500 to an assistant tool-call message with null or no
+    content."""
+    return any(
+        m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None
+        for m in body["messages"]
+    )
+
+
+async def _empty_stream(send: Send) -> None:
+    head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _error(message: str, kind: str, code: str | None) -> dict[str, Any]:
@@ -143,7 +198,12 @@ def _message(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _stream(
-    send: Send, body: dict[str, Any], reply: dict[str, Any], finish: str, drop: bool
+    send: Send,
+    body: dict[str, Any],
+    reply: dict[str, Any],
+    finish: str,
+    drop: bool,
+    repeat_names: bool,
 ) -> None:
     head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
     await send({"type": "http.response.start", "status": 200, "headers": head})
@@ -175,7 +235,10 @@ async def _stream(
                 ]
             }
         )
-        await chunk({"tool_calls": [{"index": index, "function": {"arguments": args[half:]}}]})
+        rest: dict[str, Any] = {"arguments": args[half:]}
+        if repeat_names:
+            rest["name"] = name
+        await chunk({"tool_calls": [{"index": index, "function": rest}]})
     await chunk({}, finish)
     if (body.get("stream_options") or {}).get("include_usage"):
         payload = {**base, "choices": [], "usage": _usage(body, reply)}
@@ -194,6 +257,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await _json(send, 200, {"requests": STATS.requests, "fired": dict(STATS.fired),
                                 "disconnects": STATS.disconnects,
                                 "authorization": STATS.authorization,
+                                "errors": STATS.errors,
                                 "bodies": STATS.bodies[-20:]})  # fmt: skip
         return
     if scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
@@ -204,8 +268,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     STATS.bodies.append(body)
     headers = dict(scope["headers"])
     STATS.authorization = headers.get(b"authorization", b"").decode()
+    if _refused_null_content(body):
+        await _json(send, 500, _error("Internal Server Error", "server_error", None))
+        return
     kind, reply = plan(body)
-    latency_ms = int(_script(body["messages"])[1].get("latency_ms", 0))
+    script = _script(body["messages"])[1]
+    latency_ms = int(script.get("latency_ms", 0))
     if latency_ms:
         await asyncio.sleep(latency_ms / 1000)
     if kind is not None:
@@ -229,9 +297,25 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
             pass
         STATS.disconnects += 1
         return
-    finish = "length" if kind == "length" else ("tool_calls" if reply["tool_calls"] else "stop")
-    if body.get("stream"):
-        await _stream(send, body, reply, finish, drop=kind == "drop")
+    n_ctx = script.get("n_ctx")
+    too_long = n_ctx is not None and _prompt_tokens(body) > int(n_ctx)
+    too_long = too_long and not _progress(body["messages"])[2]
+    streams = bool(body.get("stream"))
+    if streams and (too_long or (body.get("tools") and script.get("stream_tools") is False)):
+        STATS.fired["empty_stream"] += 1
+        await _empty_stream(send)
+        return
+    if too_long:
+        msg = f"Requested tokens ({_prompt_tokens(body)}) exceed context window of {n_ctx}"
+        await _json(send, 400, _error(msg, "invalid_request_error", "context_length_exceeded"))
+        return
+    reply, cut = _capped(body, reply)
+    finish = "tool_calls" if reply["tool_calls"] else "stop"
+    if kind == "length" or cut:
+        finish = "length"
+    if streams:
+        repeat = bool(script.get("repeat_names"))
+        await _stream(send, body, reply, finish, drop=kind == "drop", repeat_names=repeat)
         return
     if kind == "drop":
         raise ConnectionAbortedError("scripted drop before the reply")

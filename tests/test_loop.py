@@ -159,15 +159,16 @@ async def test_a_loop_is_nudged_then_force_stopped_with_a_checkpoint_first(
     _, rec, moves = await run_with_recorder(engine, sc, "loopy")
     final = rec.saved[-1]
     assert final.counters.outcome == "force_stopped"
-    assert final.counters.nudges == 2
+    assert final.counters.nudges == 3  # the 3rd, 4th and 5th same result in a row
     assert rec.saved[-2].reason == "force_stop"
     stop_save = rec.saved[-2]
     assert stop_save.phase is P.AWAITING_LLM  # saved *before* entering force_stop
     assert [m.dst for m in moves][-2:] == [P.FORCE_STOP, P.DONE]
     nudges = [m for m, meta in zip(final.messages, final.meta, strict=True) if meta.system_injected]
-    assert len(nudges) == 2 and all(m.text.startswith("[nudge]") for m in nudges)
+    assert len(nudges) == 3 and all(m.text.startswith("[nudge]") for m in nudges)
     skipped = [m for m in final.messages if m.tool_result and m.tool_result.status == "skipped"]
-    assert len(skipped) == 3
+    assert len(skipped) == 4
+    assert "returned the same result 3 times in a row" in skipped[0].tool_result.output  # type: ignore[union-attr]
     assert final.messages[-1].text.startswith("Stopping here.")
 
 

@@ -21,6 +21,13 @@ FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01
 SECRET = "sk-test-never-stored-0123456789"
 STREAM = "tests.agents_for_tests:http_stream"
 JSON = "tests.agents_for_tests:http_json"
+CAPPED = "tests.agents_for_tests:http_capped"
+TIGHT = "tests.agents_for_tests:http_tight"
+KEYED = "tests.agents_for_tests:http_keyed"
+DEAD = "tests.agents_for_tests:http_dead"
+NO_TOOL_STREAMS = "tests.agents_for_tests:http_no_tool_streams"
+SMALL_CONTEXT = "tests.agents_for_tests:http_small_context"
+POLLER = "tests.agents_for_tests:http_poller"
 
 
 @pytest.fixture(autouse=True)
@@ -106,21 +113,134 @@ async def test_a_context_length_error_compacts_and_goes_on(
     assert final.messages[-1].text.startswith("results:")
 
 
-async def test_a_reply_cut_at_the_token_limit_is_never_used(
+async def test_a_cut_tool_call_is_asked_again_once_with_twice_the_room(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str
+) -> None:
+    # 4 tokens are 16 characters; "step 1" + its arguments are 22: cut, then asked with 8
+    stats, final = await run(real_client, keys, CAPPED, ask(1), "cut-call")
+    assert stats.outcomes == {"answered": 1}
+    assert not final.counters.reactive_compacted  # the cap is not the context
+    assert [c.args for m in final.messages for c in m.tool_calls] == [{"a": 1, "b": 1}]
+    caps = [b.get("max_tokens") for b in stats_of(endpoint)["bodies"][-3:]]
+    assert caps == [4, 8, 4]  # cut, asked again with room, then the next call as usual
+    # cut again with twice the room: none of its calls is run, the turn says why
+    stats, final = await run(real_client, keys, TIGHT, ask(1), "cut-twice")
+    assert stats.outcomes == {"aborted:truncated": 1}
+    assert not [m for m in final.messages if m.tool_calls]
+    error = final.counters.last_error
+    assert error is not None and error.kind == "truncated" and "max_tokens" in error.message
+
+
+async def test_a_cut_text_answer_is_kept_and_named_truncated(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    stats, final = await run(real_client, keys, JSON, ask(3, **{"3": {"kind": "length"}}), "len")
-    assert stats.outcomes == {"answered": 1} and final.counters.reactive_compacted
-    assert [c.id for m in final.messages for c in m.tool_calls] == ["call_2", "call_3"]
-    # with nothing to compact yet, a cut reply ends the turn instead
-    stats, _ = await run(real_client, keys, JSON, ask(2, **{"1": {"kind": "length"}}), "len1")
-    assert stats.outcomes == {"aborted:context_length": 1}
+    stats, final = await run(real_client, keys, TIGHT, ask(0), "cut-text")
+    assert stats.outcomes == {"truncated": 1}
+    assert final.messages[-1].text == "results:"  # "results: " cut at 8 characters, kept
 
 
-async def test_a_client_error_is_fatal(real_client: aioredis.Redis, keys: KeyLayout) -> None:
-    stats, final = await run(real_client, keys, STREAM, ask(2, **{"1": {"kind": "fatal"}}), "bad")
+async def test_a_client_error_is_fatal_and_keeps_status_code_and_request_id(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    stats, final = await run(real_client, keys, STREAM, ask(2, **{"1": {"kind": "fatal"}}), "why")
     assert stats.outcomes == {"aborted:fatal": 1}
     assert final.counters.retry_attempts == 0  # not retried
+    error = final.counters.last_error
+    assert error is not None
+    assert (error.source, error.kind, error.status, error.code) == (
+        "model", "fatal", 400, "invalid_value",
+    )  # fmt: skip
+    assert error.request_id and error.request_id.startswith("req_")
+    assert "bad request" in error.message
+    assert final.finished_event().error == error.line()
+
+
+async def test_a_dead_endpoint_aborts_with_the_reason_kept(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    stats, final = await run(real_client, keys, DEAD, ask(1), "dead")
+    assert stats.outcomes == {"aborted:retryable": 1}
+    error = final.counters.last_error
+    assert error is not None and error.kind == "retryable" and error.status is None
+    assert "APIConnectionError" in error.message and error.attempt == 3
+
+
+async def test_tool_calls_without_text_are_sent_with_empty_content(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str
+) -> None:
+    """llama.cpp's server answers 500 to ``"content": null`` beside ``tool_calls``."""
+    turn_input = TurnInput(message=f"#script {json.dumps({'rounds': 2, 'call_text': False})}\nAdd.")
+    stats, final = await run(real_client, keys, JSON, turn_input, "no-text")
+    assert stats.outcomes == {"answered": 1} and final.counters.retry_attempts == 0
+    sent = stats_of(endpoint)["bodies"][-1]["messages"]
+    assert [m["content"] for m in sent if m["role"] == "assistant"] == ["", ""]
+
+
+async def test_an_empty_stream_with_tools_falls_back_to_json_and_is_remembered(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = {"rounds": 2, "stream_tools": False}
+    turn_input = TurnInput(message=f"#script {json.dumps(script)}\nAdd.")
+    before = stats_of(endpoint)["fired"].get("empty_stream", 0)
+    with caplog.at_level("WARNING", logger="actors.engine.openai_chat"):
+        stats, final = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream1")
+        stats2, _ = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream2")
+    assert stats.outcomes == stats2.outcomes == {"answered": 1}
+    assert final.counters.retry_attempts == 0 and final.messages[-1].text == "results: 2,3"
+    assert stats_of(endpoint)["fired"]["empty_stream"] - before == 1  # remembered after one
+    said = [r for r in caplog.records if "cannot stream tool calls" in r.getMessage()]
+    assert len(said) == 1
+
+
+async def test_a_tool_name_repeated_in_every_delta_is_set_once(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    turn_input = TurnInput(message=f"#script {json.dumps({'rounds': 2, 'repeat_names': True})}\nA")
+    stats, final = await run(real_client, keys, STREAM, turn_input, "names")
+    assert stats.outcomes == {"answered": 1}
+    assert [c.name for m in final.messages for c in m.tool_calls] == ["add", "add"]
+
+
+async def test_a_prompt_too_long_for_a_stream_is_compacted(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str
+) -> None:
+    """Streamed, the too-long prompt gets an empty stream; asked again without streaming, the
+    endpoint's own 400 ``context_length_exceeded``: compaction, not a transient retry."""
+    script = {"rounds": 4, "n_ctx": 260}
+    turn_input = TurnInput(message=f"#script {json.dumps(script)}\nAdd, please.")
+    stats, final = await run(real_client, keys, SMALL_CONTEXT, turn_input, "too-long")
+    assert stats.outcomes == {"answered": 1}
+    assert final.counters.reactive_compacted and final.counters.retry_attempts == 0
+    assert final.counters.last_error is not None
+    assert final.counters.last_error.code == "context_length_exceeded"
+
+
+async def test_an_agent_that_polls_a_tool_runs_to_its_answer(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """The same call with the same arguments, a different result each time: polling."""
+    script = {"rounds": 4, "tool": "job_status", "args": {"job": 7}}
+    turn_input = TurnInput(message=f"#script {json.dumps(script)}\nPoll it.")
+    stats, final = await run(real_client, keys, POLLER, turn_input, "poll")
+    assert stats.outcomes == {"answered": 1} and final.counters.nudges == 0
+    steps = ",".join(f"job 7: step {n} of 4" for n in (1, 2, 3))
+    assert final.messages[-1].text == f"results: {steps},job 7: done"
+
+
+async def test_the_force_stops_wrap_up_call_is_retried(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str
+) -> None:
+    """A call that keeps returning the same result is skipped and nudged, then the turn is
+    stopped; a 429 on the wrap-up call is retried like any other model call."""
+    script = {"rounds": 20, "args": {"a": 1, "b": 1}, "faults": {"8": {"kind": "429"}}}
+    turn_input = TurnInput(message=f"#script {json.dumps(script)}\nLoop.")
+    stats, final = await run(real_client, keys, JSON, turn_input, "stop-429")
+    assert stats.outcomes == {"force_stopped": 1}
+    assert final.counters.nudges == 3
+    results = [m.tool_result for m in final.messages if m.tool_result is not None]
+    assert [r.status for r in results] == ["ok"] * 3 + ["skipped"] * 4
+    assert final.messages[-1].role == "assistant" and final.messages[-1].text.startswith("results")
+    assert final.counters.last_error is not None and final.counters.last_error.status == 429
 
 
 async def test_the_watchdog_hard_cancel_aborts_the_http_request(
@@ -155,5 +275,15 @@ async def test_a_missing_api_key_leaves_the_turn_for_a_host_that_has_it(
     real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(TEST_KEY_ENV)
-    stats, record = await run(real_client, keys, STREAM, ask(1), "nokey")
+    stats, record = await run(real_client, keys, KEYED, ask(1), "nokey")
     assert stats.unfinished == ["nokey"] and record.in_progress
+
+
+async def test_a_local_endpoint_is_called_without_a_key_when_none_is_set(
+    real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """llama.cpp, Ollama and vLLM check no key: none set is no reason to refuse the turn."""
+    monkeypatch.delenv(TEST_KEY_ENV)
+    stats, _ = await run(real_client, keys, STREAM, ask(1), "keyless")
+    assert stats.outcomes == {"answered": 1}
+    assert stats_of(endpoint)["authorization"] == "Bearer unused"

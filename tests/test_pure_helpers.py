@@ -10,7 +10,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import ScriptedLLM
 from actors.turn.compaction import compact, progress, read_summary
 from actors.turn.llm import LLMRequest
-from actors.turn.loopdetect import LoopVerdict, detect_loop
+from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
 from bus.errors import ContextLengthError, RetryableLLMError
 from store.records import Message, MessageMeta, ToolCall, ToolResult
 
@@ -53,20 +53,56 @@ def test_compaction_of_a_single_round_is_impossible() -> None:
     assert compact(turn, meta_for(turn), at_ms=1, message_id="x") is None
 
 
-def test_loop_detector_streaks_and_exact_duplicates() -> None:
+def ran(c: ToolCall, output: str, status: str = "ok") -> list[Message]:
+    """One batch of ``c`` that returned ``output``."""
+    res = ToolResult(call_id=c.id, name=c.name, status=status, output=output)  # type: ignore[arg-type]
+    return [
+        Message(role="assistant", text="r", tool_calls=(c,)),
+        Message(role="tool", tool_result=res),
+    ]
+
+
+def test_the_same_call_with_the_same_result_is_a_loop() -> None:
+    same = call(text="same")
     turn: list[Message] = []
     verdicts = []
-    for _ in range(4):
-        turn += batch(call(text="same"))
-        verdicts.append(detect_loop(turn))
-    assert verdicts == [LoopVerdict.OK, LoopVerdict.SUSPECT, LoopVerdict.SUSPECT, LoopVerdict.STOP]
-    # non-consecutive exact duplicates
-    turn = []
-    for i in range(6):
-        turn += batch(call(text="dup"), call(text=f"other{i}"))
-        turn += batch(call(text=f"filler{i}"))
-    assert detect_loop(turn[:-2]) is LoopVerdict.STOP
-    assert detect_loop(batch(call(text="a")) + batch(call(text="b"))) is LoopVerdict.OK
+    for _ in range(7):
+        verdicts.append(detect_loop(turn, [same]).verdict)
+        turn += ran(same, "always this")
+    assert verdicts == [LoopVerdict.OK] * 3 + [LoopVerdict.SUSPECT] * 3 + [LoopVerdict.STOP]
+    found = detect_loop(turn[:6], [same])
+    assert found.repeats == 3 and "same result 3 times in a row" in found.reason()
+
+
+def test_a_call_whose_result_changes_is_polling_not_a_loop() -> None:
+    poll = ToolCall(id="p", name="job_status", args={"job": 7})
+    turn: list[Message] = []
+    for i in range(20):  # a counter, a job's progress, a test run after each fix
+        assert detect_loop(turn, [poll]).verdict is LoopVerdict.OK
+        turn += ran(poll, f"progress {i}")
+    # the same answer twice in a row is still patience, a third time in a row is suspect
+    turn += ran(poll, "done") + ran(poll, "done")
+    assert detect_loop(turn, [poll]).verdict is LoopVerdict.OK
+    turn += ran(poll, "done")
+    assert detect_loop(turn, [poll]).verdict is LoopVerdict.SUSPECT
+
+
+def test_skipped_asks_extend_the_run_and_other_calls_do_not_break_it() -> None:
+    same = call(text="same")
+    turn = ran(same, "x") + ran(call(text="other"), "y") + ran(same, "x") + ran(same, "x")
+    assert detect_loop(turn, [same]).repeats == 3
+    turn += ran(same, "not run: looping", status="skipped") * 3
+    assert detect_loop(turn, [same]).verdict is LoopVerdict.STOP
+    assert detect_loop(turn, [call(text="fresh")]).verdict is LoopVerdict.OK
+
+
+def test_loop_thresholds_are_per_agent_and_checked() -> None:
+    same = call(text="same")
+    turn = ran(same, "x") * 3
+    patient = LoopThresholds(suspect_repeats=10, stop_repeats=20)
+    assert detect_loop(turn, [same], patient).verdict is LoopVerdict.OK
+    with pytest.raises(ValueError, match="suspect_repeats"):
+        LoopThresholds(suspect_repeats=5, stop_repeats=2)
 
 
 def req(messages: tuple[Message, ...], attempt: int = 0, tools: bool = True) -> LLMRequest:

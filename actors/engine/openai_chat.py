@@ -14,9 +14,25 @@ survives a crash.
   turn aborts). A cut stream's partial reply is dropped: the retry
   asks again from the same transcript.
 * 400 with code ``context_length_exceeded`` is :class:`~bus.errors.ContextLengthError`
-  (compaction, then one more try). So is ``finish_reason = "length"``: a reply cut at the token
-  limit is never used, since its tool call arguments may be cut too.
+  (compaction, then one more try): only the endpoint's own error means the prompt is too long.
+* ``finish_reason = "length"`` is the caller's ``max_tokens`` cap, not the context: the reply
+  comes back marked ``truncated`` and the loop decides (a cut text reply is kept, a cut tool
+  call is asked again once with twice the cap).
 * ``finish_reason = "content_filter"`` and every other 4xx are :class:`~bus.errors.FatalLLMError`.
+
+Every error carries the HTTP status, the provider's code, an excerpt of its message and the
+request id, which the loop keeps in the turn's record (``Counters.last_error``).
+
+What real servers do, and what this client does about it (each seen against llama.cpp's server):
+
+* An assistant message that carries tool calls is sent with ``"content": ""``, never ``null``
+  or absent: llama.cpp's server answers 500 to both.
+* A stream that ends with nothing in it (no text, no call, no finish reason) is an endpoint
+  that cannot stream this request (llama.cpp with tools offered; any prompt too long for its
+  context): the call is made again without streaming, and the endpoint is remembered for the
+  rest of the process (one log line), so later calls with tools go straight to JSON.
+* A streamed tool call's name is set once: a server that repeats it in every delta does not
+  make ``addaddadd``. Arguments accumulate across deltas.
 
 The watchdog's hard cancel cancels the task awaiting the request; the SDK closes the HTTP
 connection under it, so the endpoint stops generating.
@@ -29,9 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +69,18 @@ from store.records import Message, ToolCall, Usage
 
 __all__ = ["OpenAIChat", "OpenAIChatClient"]
 
+log = logging.getLogger(__name__)
+
+#: Endpoints (base URL, model) that answered an empty stream when tools were offered: in this
+#: process, their calls with tools are made without streaming.
+_NO_TOOL_STREAMS: set[tuple[str, str]] = set()
+
+#: What looks like an API key inside an endpoint's error message (OpenAI quotes a masked one).
+_KEYLIKE = re.compile(r"\b(sk|key|pk)-[A-Za-z0-9_\-*]{6,}")
+
+#: The host of OpenAI's own API: the one endpoint that always needs a key.
+OPENAI_HOST = "api.openai.com"
+
 #: HTTP statuses worth asking again (OpenAI's own guidance, and what its SDK retries).
 RETRYABLE_STATUS = frozenset({408, 409, 429})
 
@@ -69,6 +99,9 @@ class OpenAIChat:
     """The endpoint (``http://host:8000/v1``); None: ``$OPENAI_BASE_URL``, else OpenAI's."""
     api_key_env: str | None = "OPENAI_API_KEY"
     """Environment variable holding the API key; None for an endpoint that wants none."""
+    require_key: bool | None = None
+    """Refuse to call without the key. None: only OpenAI's own API requires one; a local
+    server (llama.cpp, Ollama, vLLM) is called without a key when the variable is unset."""
     timeout_s: float = 120.0
     """Seconds one request may take (a stream: between reads)."""
     temperature: float | None = None
@@ -83,15 +116,25 @@ class OpenAIChat:
     def __call__(self, ctx: ModelContext) -> OpenAIChatClient:
         return OpenAIChatClient(self, _sdk_client(self))
 
+    def endpoint(self) -> str:
+        """The base URL calls go to, as this process resolves it."""
+        return self.base_url or os.environ.get("OPENAI_BASE_URL") or f"https://{OPENAI_HOST}/v1"
+
     def api_key(self) -> str:
         if self.api_key_env is None:
             return "unused"  # the SDK wants a string; such endpoints ignore it
         key = os.environ.get(self.api_key_env)
-        if not key:
+        if key:
+            return key
+        required = self.require_key
+        if required is None:
+            required = OPENAI_HOST in self.endpoint()
+        if required:
             raise ConfigError(
                 f"model {self.model!r}: the API key variable ${self.api_key_env} is not set here"
             )
-        return key
+        log.info("$%s is not set: calling %s without a key", self.api_key_env, self.endpoint())
+        return "unused"
 
 
 _CLIENTS: weakref.WeakKeyDictionary[
@@ -107,7 +150,7 @@ def _sdk_client(cfg: OpenAIChat) -> openai.AsyncOpenAI:
     if client is None:
         client = of_loop[key] = openai.AsyncOpenAI(
             api_key=cfg.api_key(),
-            base_url=cfg.base_url or os.environ.get("OPENAI_BASE_URL") or None,
+            base_url=cfg.endpoint(),
             timeout=cfg.timeout_s,
             max_retries=0,  # retrying_llm owns retries
         )
@@ -131,7 +174,8 @@ def wire_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
                 }
                 for c in m.tool_calls
             ]
-            out.append({"role": "assistant", "content": m.text or None, "tool_calls": calls})
+            # "" rather than null or absent: llama.cpp's server answers 500 to both
+            out.append({"role": "assistant", "content": m.text, "tool_calls": calls})
         else:
             out.append({"role": m.role, "content": m.text})
     return out
@@ -166,7 +210,7 @@ class OpenAIChatClient:
         self.cfg = cfg
         self.sdk = sdk
 
-    def _request(self, request: LLMRequest) -> dict[str, Any]:
+    def _request(self, request: LLMRequest, *, stream: bool) -> dict[str, Any]:
         cfg = self.cfg
         body: dict[str, Any] = {"model": cfg.model, "messages": wire_messages(request.messages)}
         if request.tools:
@@ -175,25 +219,48 @@ class OpenAIChatClient:
         if cfg.temperature is not None:
             body["temperature"] = cfg.temperature
         if cfg.max_tokens is not None:
-            body["max_tokens"] = cfg.max_tokens
+            body["max_tokens"] = cfg.max_tokens * (2 if request.more_room else 1)
         if cfg.extra_body:
             body["extra_body"] = dict(cfg.extra_body)
-        if cfg.stream:
+        if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
 
+    def _streams(self, request: LLMRequest) -> bool:
+        """Stream this call, unless the endpoint showed it cannot stream a call with tools."""
+        no_tool_streams = (self.cfg.endpoint(), self.cfg.model) in _NO_TOOL_STREAMS
+        return self.cfg.stream and not (request.tools and no_tool_streams)
+
     async def complete(self, request: LLMRequest) -> LLMReply:
         try:
-            if self.cfg.stream:
-                return await self._streamed(self._request(request), request.on_text)
-            return self._whole(await self.sdk.chat.completions.create(**self._request(request)))
+            if self._streams(request):
+                try:
+                    return await self._streamed(self._request(request, stream=True), request)
+                except _EmptyStream:
+                    self._remember_empty_stream(request)
+            whole = await self.sdk.chat.completions.create(**self._request(request, stream=False))
+            return self._whole(whole)
         except openai.APIStatusError as exc:
             raise _status_error(exc) from None
         except openai.APIConnectionError as exc:  # APITimeoutError included
-            raise RetryableLLMError(f"{type(exc).__name__}: {exc}") from None
+            raise RetryableLLMError(f"{type(exc).__name__}: {_scrub(str(exc))}") from None
         except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
-            raise RetryableLLMError(f"{type(exc).__name__}: {exc}") from None
+            raise RetryableLLMError(f"{type(exc).__name__}: {_scrub(str(exc))}") from None
+
+    def _remember_empty_stream(self, request: LLMRequest) -> None:
+        where = (self.cfg.endpoint(), self.cfg.model)
+        if not request.tools:
+            log.info("%s answered an empty stream; asking again without streaming", where[0])
+            return
+        if where not in _NO_TOOL_STREAMS:
+            _NO_TOOL_STREAMS.add(where)
+            log.warning(
+                "%s (model %s) answered an empty stream to a request with tools: it cannot "
+                "stream tool calls, so calls with tools to it are made without streaming from "
+                "now on in this process",
+                where[0], where[1],
+            )  # fmt: skip
 
     def _whole(self, completion: Any) -> LLMReply:
         if not completion.choices:
@@ -201,15 +268,19 @@ class OpenAIChatClient:
         choice = completion.choices[0]
         msg = choice.message
         calls = tuple(
-            ToolCall(id=c.id, name=c.function.name, args=_arguments(c.function.arguments or ""))
-            for c in (msg.tool_calls or ())
+            ToolCall(
+                id=c.id or f"call_{i}",
+                name=c.function.name,
+                args=_arguments(c.function.arguments or ""),
+            )
+            for i, c in enumerate(msg.tool_calls or ())
         )
         return _reply(choice.finish_reason, msg.content or "", calls, completion.usage)
 
-    async def _streamed(
-        self, body: dict[str, Any], on_text: Callable[[str], None] | None
-    ) -> LLMReply:
+    async def _streamed(self, body: dict[str, Any], request: LLMRequest) -> LLMReply:
+        """The streamed reply; :class:`_EmptyStream` when the endpoint sent nothing at all."""
         stream = await self.sdk.chat.completions.create(**body)
+        on_text = request.on_text
         text: list[str] = []
         calls: dict[int, dict[str, str]] = {}
         finish: str | None = None
@@ -226,10 +297,11 @@ class OpenAIChatClient:
                             on_text(delta.content)
                     for d in delta.tool_calls or ():
                         call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-                        if d.id:
+                        if d.id and not call["id"]:
                             call["id"] = d.id
                         if d.function is not None:
-                            call["name"] += d.function.name or ""
+                            if d.function.name and not call["name"]:  # set once: some servers
+                                call["name"] = d.function.name  # repeat it in every delta
                             call["arguments"] += d.function.arguments or ""
                     finish = choice.finish_reason or finish
         except (LLMError, asyncio.CancelledError):
@@ -237,8 +309,11 @@ class OpenAIChatClient:
         except openai.APIStatusError:
             raise
         except Exception as exc:  # the transport's own errors: the stream was cut
-            raise RetryableLLMError(f"stream cut mid-way ({type(exc).__name__}: {exc})") from None
+            what = _scrub(f"{type(exc).__name__}: {exc}")
+            raise RetryableLLMError(f"stream cut mid-way ({what})") from None
         if finish is None:
+            if not text and not calls:
+                raise _EmptyStream()
             raise RetryableLLMError("stream ended without a finish reason (cut mid-way)")
         tool_calls = tuple(
             ToolCall(id=c["id"] or f"call_{i}", name=c["name"], args=_arguments(c["arguments"]))
@@ -247,9 +322,11 @@ class OpenAIChatClient:
         return _reply(finish, "".join(text), tool_calls, usage)
 
 
+class _EmptyStream(Exception):
+    """Internal: the endpoint answered 200 and a stream with nothing in it."""
+
+
 def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: Any) -> LLMReply:
-    if finish == "length":
-        raise ContextLengthError("the reply was cut at the token limit (finish_reason length)")
     if finish == "content_filter":
         raise FatalLLMError("the endpoint's content filter stopped the reply")
     used = None
@@ -257,13 +334,20 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
         used = Usage(
             prompt_tokens=usage.prompt_tokens or 0, completion_tokens=usage.completion_tokens or 0
         )
-    return LLMReply(Message(role="assistant", text=text, tool_calls=calls), usage=used)
+    message = Message(role="assistant", text=text, tool_calls=calls)
+    return LLMReply(message, usage=used, truncated=finish == "length")
+
+
+def _scrub(text: str) -> str:
+    """An endpoint's words without anything that looks like a key."""
+    return _KEYLIKE.sub(r"\1-***", text)
 
 
 def _status_error(exc: openai.APIStatusError) -> LLMError:
-    what = f"HTTP {exc.status_code}: {exc.message}"
+    what = _scrub(f"HTTP {exc.status_code}: {exc.message}")
+    kind: type[LLMError] = FatalLLMError
     if exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
-        return RetryableLLMError(what)
-    if exc.code == "context_length_exceeded" or "context_length_exceeded" in str(exc.body):
-        return ContextLengthError(what)
-    return FatalLLMError(what)
+        kind = RetryableLLMError
+    elif exc.code == "context_length_exceeded" or "context_length_exceeded" in str(exc.body):
+        kind = ContextLengthError
+    return kind(what, status=exc.status_code, code=exc.code, request_id=exc.request_id)

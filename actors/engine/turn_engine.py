@@ -338,6 +338,7 @@ class TurnEngine:
             settings or self.loop_settings,
             max_tool_rounds=limits.max_tool_rounds,
             compact_at_chars=limits.compact_at_chars,
+            loop_thresholds=limits.loop_thresholds,
         )
         return TurnLoop(
             record,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from actors.turn.llm import LLMClient
+from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolRegistry
 from store.records import TurnInput
@@ -47,6 +48,9 @@ class AgentSettings:
     compact_at_chars: int | None = None
     """Compact before a model call once the transcript holds this many characters, instead of
     waiting for the endpoint's context-length error. None: reactive compaction only."""
+    loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
+    """When a call that keeps returning the same result is skipped (and the model nudged), and
+    when the turn is stopped for it; a call whose result changes is never a loop."""
 
     def __post_init__(self) -> None:
         if self.max_tool_rounds is not None and self.max_tool_rounds < 0:

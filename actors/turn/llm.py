@@ -29,6 +29,9 @@ class LLMRequest:
     """0 for the first try of this call, then 1, 2, 3 for retries."""
     tools: tuple[ToolSpec, ...] = ()
     """The tools the model may call (their descriptions and argument schemas)."""
+    more_room: bool = False
+    """The last reply to this call was cut by the caller's ``max_tokens`` cap: a client with
+    such a cap asks for twice as many tokens this time."""
     on_text: Callable[[str], None] | None = None
     """A streaming client hands each piece of reply text here as it arrives (for watchers;
     advisory, must not block). A client that does not stream leaves it alone: the loop then
@@ -43,6 +46,9 @@ class LLMReply:
     """The assistant message: text and/or tool calls."""
     usage: Usage | None = None
     """Tokens the call used, if the endpoint said."""
+    truncated: bool = False
+    """The reply stopped at the caller's ``max_tokens`` cap (``finish_reason: length``): its
+    text is usable as far as it goes, its tool calls are not (their arguments may be cut)."""
 
 
 class LLMClient(Protocol):

@@ -29,7 +29,15 @@ from actors.turn.compaction import compact, size_chars
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
 from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
 from actors.turn.poison import step_name
-from actors.turn.recovery import Action, Decision, Problem, Situation, decide_recovery, nudge_text
+from actors.turn.recovery import (
+    MAX_RETRIES,
+    Action,
+    Decision,
+    Problem,
+    Situation,
+    decide_recovery,
+    nudge_text,
+)
 from actors.turn.tools import ToolRegistry
 from bus.errors import (
     ContextLengthError,
@@ -43,6 +51,7 @@ from bus.errors import (
 from bus.events import (
     LIVE_TEXT_LIMIT,
     LiveEvent,
+    Recovering,
     Restarted,
     TextDelta,
     ToolCalled,
@@ -60,6 +69,7 @@ from store.records import (
     Source,
     ToolCall,
     ToolResult,
+    TurnError,
     Usage,
 )
 
@@ -313,34 +323,25 @@ class TurnLoop:
         while True:
             await self._drain_inbox()
             await self._compact_if_large()
-            try:
-                answer = await self._call_llm(tools_enabled=True)
-            except LLMError as exc:
-                decision = self._decide(_problem_of(exc))
-                done = await self._apply(decision, _problem_of(exc))
-                if done is not None:
-                    return done
-                continue
-            self._counters = self._counters.model_copy(update={"retry_attempts": 0})
+            answer = await self._ask(tools_enabled=True)
+            if isinstance(answer, TurnOutcome):
+                return answer
             reply = answer.message
-            if not reply.text and not reply.tool_calls:
-                decision = self._decide(Problem.EMPTY_REPLY)
-                done = await self._apply(decision, Problem.EMPTY_REPLY)
-                if done is not None:
-                    return done
-                continue
             self._append(reply, "llm", usage=answer.usage)
             if not reply.tool_calls:
+                if answer.truncated:  # a text reply cut by the caller's cap: still the answer
+                    log.info("turn %s: the answer was cut by max_tokens; kept", self.turn_id)
+                    return await self._finish(Outcome.TRUNCATED)
                 return await self._finish(Outcome.ANSWERED)
             limit = self.settings.max_tool_rounds
             if limit is not None and self._counters.tool_batches >= limit:
                 self._skip_batch(reply.tool_calls, f"the agent's limit of {limit} tool rounds")
                 return await self._force_stop(checkpoint_first=True)
-            verdict = detect_loop(self._turn, self.settings.loop_thresholds)
-            if verdict is not LoopVerdict.OK:
-                self._skip_batch(reply.tool_calls, "this exact call was just repeated")
-                decision = self._decide(Problem.LOOP, loop_stop=verdict is LoopVerdict.STOP)
-                done = await self._apply(decision, Problem.LOOP)
+            found = detect_loop(self._turn, reply.tool_calls, self.settings.loop_thresholds)
+            if found.verdict is not LoopVerdict.OK:
+                self._skip_batch(reply.tool_calls, found.reason())
+                decision = self._decide(Problem.LOOP, loop_stop=found.verdict is LoopVerdict.STOP)
+                done = await self._apply(decision, Problem.LOOP, found.reason())
                 if done is not None:
                     return done
                 continue
@@ -348,6 +349,43 @@ class TurnLoop:
             await self._run_batch(reply.tool_calls)
             await self._checkpoint(SaveReason.TOOL_BATCH)
             self.tracker.to(P.AWAITING_LLM)
+
+    async def _ask(self, *, tools_enabled: bool) -> LLMReply | TurnOutcome:
+        """One model call under the recovery policy, whichever call it is (the force stop's
+        wrap-up too): retried, compacted or nudged as :func:`decide_recovery` says. Returns a
+        usable reply, or the outcome when the policy ended the turn."""
+        more_room = False
+        while True:
+            try:
+                answer = await self._call_llm(tools_enabled=tools_enabled, more_room=more_room)
+            except LLMError as exc:
+                problem = _problem_of(exc)
+                self._note_error(problem, str(exc), exc)
+                done = await self._apply(self._decide(problem), problem, str(exc))
+                if done is not None:
+                    return done
+                continue
+            reply = answer.message
+            if answer.truncated and reply.tool_calls:  # the calls' arguments may be cut
+                why = "the reply's tool call was cut by the max_tokens cap"
+                self._note_error(Problem.TRUNCATED, why)
+                decision = self._decide(Problem.TRUNCATED)
+                more_room = decision.more_room
+                done = await self._apply(decision, Problem.TRUNCATED, why)
+                if done is not None:
+                    return done
+                continue
+            if not reply.text and not reply.tool_calls:
+                done = await self._apply(
+                    self._decide(Problem.EMPTY_REPLY), Problem.EMPTY_REPLY, "an empty reply"
+                )
+                if done is not None:
+                    return done
+                continue
+            self._counters = self._counters.model_copy(
+                update={"retry_attempts": 0, "cut_retries": 0}
+            )
+            return answer
 
     def _decide(self, problem: Problem, *, loop_stop: bool = False) -> Decision:
         c = self._counters
@@ -358,21 +396,54 @@ class TurnLoop:
                 retry_attempts=c.retry_attempts,
                 loop_stop=loop_stop,
                 nudges=c.nudges,
+                cut_retries=c.cut_retries,
             )
         )
 
-    async def _apply(self, decision: Decision, problem: Problem) -> TurnOutcome | None:
-        """Carry out a recovery decision; returns the outcome when the turn ended."""
+    def _note_error(self, problem: Problem, message: str, exc: LLMError | None = None) -> None:
+        """Keep a model error in the record: what ``inspect``, ``watch`` and a run's summary
+        show for a turn that did not answer."""
+        self._counters = self._counters.model_copy(
+            update={
+                "last_error": TurnError(
+                    source="model",
+                    kind=problem.value,
+                    message=message[:500],
+                    status=getattr(exc, "status", None),
+                    code=getattr(exc, "code", None),
+                    request_id=getattr(exc, "request_id", None),
+                    attempt=self._counters.retry_attempts,
+                    at_ms=self._now_ms(),
+                )
+            }
+        )
+        self._dirty = True
+
+    async def _apply(self, decision: Decision, problem: Problem, detail: str) -> TurnOutcome | None:
+        """Carry out a recovery decision; returns the outcome when the turn ended. ``detail``
+        (the error, the skipped call) goes to the log and to watchers."""
         t = self.tracker
         c = self._counters
-        if decision.action is Action.RETRY:
+        back = t.phase  # awaiting_llm, or force_stop for the wrap-up call
+        action = decision.action
+        if action is Action.RETRY:
+            wait = decision.backoff_s * self.settings.backoff_scale
+            if decision.more_room:
+                note = "asking again with twice the max_tokens"
+                self._counters = c.model_copy(update={"cut_retries": c.cut_retries + 1})
+            else:
+                note = f"retry {c.retry_attempts + 1} of {MAX_RETRIES} in {wait:.1f} s"
+                self._counters = c.model_copy(update={"retry_attempts": c.retry_attempts + 1})
+            log.info("turn %s: %s (%s): %s", self.turn_id, problem.value, note, detail)
+            self._recovering(problem, action, f"{note}: {detail}")
             t.to(P.RETRYING_LLM)
-            self._counters = c.model_copy(update={"retry_attempts": c.retry_attempts + 1})
             self._dirty = True
-            await asyncio.sleep(decision.backoff_s * self.settings.backoff_scale)
-            t.to(P.AWAITING_LLM)
+            await asyncio.sleep(wait)
+            t.to(back)
             return None
-        if decision.action is Action.COMPACT:
+        if action is Action.COMPACT:
+            log.info("turn %s: %s; compacting: %s", self.turn_id, problem.value, detail)
+            self._recovering(problem, action, detail)
             t.to(P.COMPACTING)
             shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=_new_id())
             if shrunk is None:
@@ -380,27 +451,43 @@ class TurnLoop:
             self._turn, self._meta = shrunk
             self._counters = c.model_copy(update={"reactive_compacted": True})
             self._dirty = True
-            await self._checkpoint(SaveReason.COMPACTION)
-            t.to(P.AWAITING_LLM)
+            # a resume from a wrap-up's compaction wraps up again
+            reason = SaveReason.FORCE_STOP if back is P.FORCE_STOP else SaveReason.COMPACTION
+            await self._checkpoint(reason)
+            t.to(back)
             return None
-        if decision.action is Action.NUDGE:
+        if action is Action.NUDGE:
+            text = nudge_text(problem)
+            log.info("turn %s: %s; nudging the model: %s", self.turn_id, problem.value, detail)
+            self._recovering(problem, action, f"{detail}; told the model: {text}")
             t.to(P.INJECTING_MESSAGE)
-            self._append(Message(role="user", text=nudge_text(problem)), "system", injected=True)
+            self._append(Message(role="user", text=text), "system", injected=True)
             self._counters = self._counters.model_copy(update={"nudges": c.nudges + 1})
             t.restore()
             return None
-        if decision.action is Action.FORCE_STOP:
+        if action is Action.FORCE_STOP:
+            log.info("turn %s: %s; stopping the turn: %s", self.turn_id, problem.value, detail)
+            self._recovering(problem, action, detail)
             return await self._force_stop(checkpoint_first=True)
+        log.warning("turn %s: aborted (%s): %s", self.turn_id, decision.cause.value, detail)
+        self._recovering(problem, action, detail)
         return await self._finish(aborted(decision.cause))
+
+    def _recovering(self, problem: Problem, action: Action, detail: str) -> None:
+        self._emit(
+            Recovering(
+                self.turn_id, self.epoch, problem.value, action.value,
+                detail[:LIVE_TEXT_LIMIT], self._now_ms(),
+            )
+        )  # fmt: skip
 
     async def _force_stop(self, *, checkpoint_first: bool) -> TurnOutcome:
         if checkpoint_first:
             await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
-        try:
-            answer = await self._call_llm(tools_enabled=False)
-        except LLMError as exc:
-            return await self._finish(aborted(_problem_of(exc)))
+        answer = await self._ask(tools_enabled=False)
+        if isinstance(answer, TurnOutcome):
+            return answer
         self._append(answer.message, "llm", usage=answer.usage)
         return await self._finish(Outcome.FORCE_STOPPED)
 
@@ -463,7 +550,7 @@ class TurnLoop:
         await self._checkpoint(SaveReason.COMPACTION)
         self.tracker.to(P.AWAITING_LLM)
 
-    async def _call_llm(self, *, tools_enabled: bool) -> LLMReply:
+    async def _call_llm(self, *, tools_enabled: bool, more_room: bool = False) -> LLMReply:
         await self._note_step()
         streamed = False
 
@@ -478,6 +565,7 @@ class TurnLoop:
             tools_enabled=tools_enabled,
             attempt=self._counters.retry_attempts,
             tools=tuple(self.deps.registry),
+            more_room=more_room,
             on_text=on_text if self.deps.events is not None else None,
         )
         self._hard_cancelled = False
@@ -521,16 +609,27 @@ class TurnLoop:
             )
         except StaleOwner as exc:
             raise self._fenced(exc) from exc
-        now = self._now_ms()
         for res in results:
             self._append(Message(role="tool", tool_result=res), "tool")
-            self._emit(
-                ToolReturned(
-                    self.turn_id, self.epoch, res.call_id, res.name, res.status,
-                    res.output[:LIVE_TEXT_LIMIT], now,
-                )
-            )  # fmt: skip
+            self._returned(res)
+            if res.status in _TOOL_FAILURES:
+                self._counters = self._counters.model_copy(
+                    update={
+                        "last_error": TurnError(
+                            source="tool", kind=res.status, tool=res.name,
+                            message=res.output[:500], at_ms=self._now_ms(),
+                        )
+                    }
+                )  # fmt: skip
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
+
+    def _returned(self, res: ToolResult) -> None:
+        self._emit(
+            ToolReturned(
+                self.turn_id, self.epoch, res.call_id, res.name, res.status,
+                res.output[:LIVE_TEXT_LIMIT], self._now_ms(),
+            )
+        )  # fmt: skip
 
     async def _await_approval(self, key: str) -> bool:
         """Wait in the ``awaiting_approval`` transient; denied when the cap passes."""
@@ -554,12 +653,20 @@ class TurnLoop:
         return decided
 
     def _skip_batch(self, calls: Sequence[ToolCall], why: str) -> None:
-        """Answer a batch without running it, keeping the transcript well-formed."""
+        """Answer a batch without running it, keeping the transcript well-formed; a watcher
+        sees each call and why it was not run."""
         for call in calls:
             res = ToolResult(
                 call_id=call.id, name=call.name, status="skipped", output=f"not run: {why}"
             )
             self._append(Message(role="tool", tool_result=res), "tool")
+            self._emit(
+                ToolCalled(
+                    self.turn_id, self.epoch, call.id, call.name,
+                    call.arguments_json()[:LIVE_TEXT_LIMIT], self._now_ms(),
+                )
+            )  # fmt: skip
+            self._returned(res)
 
     async def _drain_inbox(self) -> None:
         offset = self._counters.inbox_offset
@@ -671,6 +778,10 @@ class TurnLoop:
     def _emit(self, event: LiveEvent) -> None:
         if self.deps.events is not None:
             self.deps.events(event)
+
+
+#: Tool result statuses kept as the turn's last error.
+_TOOL_FAILURES = frozenset({"error", "timeout", "outcome_unknown"})
 
 
 def _new_id() -> str:

@@ -1,66 +1,115 @@
-"""Loop detection over the turn's tool calls. Pure.
+"""Loop detection over the turn's tool calls, judged together with their results. Pure.
 
-Two signals: a *streak* of consecutive identical tool batches, and an *exact duplicate* count
-(the same call, name and arguments, anywhere in the turn). Either can make the detector suspect
-a loop (the policy nudges) or say stop (the policy force-stops).
+A loop is the same call getting the same result again, not the same call: an agent that polls
+``job_status(id)`` until it changes, re-runs the tests after a fix or re-reads a file it just
+edited repeats a call on purpose, and each answer differs. So the detector looks, for each call
+of the batch the model asks for now, at that call's earlier runs in the turn (same name, same
+arguments) and counts how many of the latest ones in a row returned the very same result
+(status and output). A call that was skipped as a suspected loop counts as one more of the
+same: asking again for a call that was refused does not break the run.
+
+That count against the agent's :class:`LoopThresholds` gives the verdict: at ``suspect_repeats``
+the batch is not run and the model is nudged; at ``stop_repeats`` the turn wraps up in
+``force_stop``.
 """
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from store.records import Message
+from store.records import Message, ToolCall, ToolResult, canonical_json
 
 
 class LoopVerdict(StrEnum):
     OK = "ok"
     """No sign of a loop."""
     SUSPECT = "suspect"
-    """Looks like a loop; worth a nudge."""
+    """Looks like a loop; the batch is skipped and the model nudged."""
     STOP = "stop"
     """A loop for sure; stop the turn."""
 
 
 @dataclass(frozen=True, slots=True)
 class LoopThresholds:
-    """When the detector suspects and when it stops."""
+    """When the detector suspects and when it stops (an agent sets its own in
+    ``AgentSettings.loop_thresholds``: a polling agent may want more patience)."""
 
-    suspect_streak: int = 2
-    """Consecutive identical batches that raise suspicion."""
-    stop_streak: int = 4
-    """Consecutive identical batches that stop the turn."""
-    suspect_duplicates: int = 3
-    """Occurrences of one exact call that raise suspicion."""
-    stop_duplicates: int = 6
-    """Occurrences of one exact call that stop the turn."""
+    suspect_repeats: int = 3
+    """Runs in a row of one call that returned the same result, after which asking for it again
+    is suspected: the batch is skipped and the model nudged."""
+    stop_repeats: int = 6
+    """Runs in a row (skipped asks included) after which asking again stops the turn."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.suspect_repeats <= self.stop_repeats:
+            raise ValueError(
+                "loop thresholds need 1 <= suspect_repeats <= stop_repeats, got "
+                f"{self.suspect_repeats} and {self.stop_repeats}"
+            )
 
 
-def _signature(m: Message) -> str:
-    return json.dumps(
-        [[c.name, c.args] for c in m.tool_calls], sort_keys=True, separators=(",", ":")
-    )
+@dataclass(frozen=True, slots=True)
+class LoopFinding:
+    """What the detector found about the batch the model asks for."""
+
+    verdict: LoopVerdict
+    """What to do about it."""
+    repeats: int = 0
+    """The longest run of identical results among the batch's calls."""
+    call: str = ""
+    """That call, as ``name(arguments)`` (for the skip reason and the logs)."""
+
+    def reason(self) -> str:
+        """Why the batch is not run, as the model (and a person) reads it."""
+        return f"{self.call} returned the same result {self.repeats} times in a row"
 
 
-def detect_loop(turn: Sequence[Message], t: LoopThresholds = LoopThresholds()) -> LoopVerdict:
-    """Verdict over the turn's messages, judged at the latest assistant batch."""
-    batches = [m for m in turn if m.role == "assistant" and m.tool_calls]
-    if not batches:
-        return LoopVerdict.OK
-    sigs = [_signature(m) for m in batches]
-    streak = 1
-    while streak < len(sigs) and sigs[-1 - streak] == sigs[-1]:
-        streak += 1
-    calls = Counter(
-        json.dumps([c.name, c.args], sort_keys=True) for m in batches for c in m.tool_calls
-    )
-    latest = {json.dumps([c.name, c.args], sort_keys=True) for c in batches[-1].tool_calls}
-    dup = max(calls[k] for k in latest)
-    if streak >= t.stop_streak or dup >= t.stop_duplicates:
-        return LoopVerdict.STOP
-    if streak >= t.suspect_streak or dup >= t.suspect_duplicates:
-        return LoopVerdict.SUSPECT
-    return LoopVerdict.OK
+def _key(call: ToolCall) -> str:
+    return f"{call.name}({canonical_json(call.args)})"
+
+
+def _history(turn: Sequence[Message]) -> dict[str, list[ToolResult]]:
+    """Every earlier run of each call (by name and arguments), in order, with its result."""
+    runs: dict[str, list[ToolResult]] = {}
+    pending: dict[str, str] = {}  # call id -> key, for the batch being answered
+    for m in turn:
+        if m.role == "assistant":
+            pending = {c.id: _key(c) for c in m.tool_calls}
+        elif m.tool_result is not None and m.tool_result.call_id in pending:
+            runs.setdefault(pending.pop(m.tool_result.call_id), []).append(m.tool_result)
+    return runs
+
+
+def _same_in_a_row(results: Sequence[ToolResult]) -> int:
+    """Length of the latest run of identical results (a skipped ask extends it)."""
+    run = 0
+    last: tuple[str, str] | None = None
+    for r in results:
+        if r.status == "skipped" and last is not None:
+            run += 1
+            continue
+        now = (r.status, r.output)
+        run = run + 1 if now == last else 1
+        last = now
+    return run
+
+
+def detect_loop(
+    turn: Sequence[Message], batch: Sequence[ToolCall], t: LoopThresholds = LoopThresholds()
+) -> LoopFinding:
+    """Verdict on running ``batch`` next, given the turn's messages so far (``batch``'s own
+    assistant message may be among them: its calls have no results yet)."""
+    runs = _history(turn)
+    worst = LoopFinding(LoopVerdict.OK)
+    for call in batch:
+        key = _key(call)
+        repeats = _same_in_a_row(runs.get(key, ()))
+        if repeats > worst.repeats:
+            worst = LoopFinding(LoopVerdict.OK, repeats, key)
+    if worst.repeats >= t.stop_repeats:
+        return LoopFinding(LoopVerdict.STOP, worst.repeats, worst.call)
+    if worst.repeats >= t.suspect_repeats:
+        return LoopFinding(LoopVerdict.SUSPECT, worst.repeats, worst.call)
+    return worst

@@ -2,14 +2,22 @@
 
 1. hard idle timeout                                   -> abort
 2. context-length error, not yet reactively compacted  -> compact, then retry
-3. retryable model error, attempts < 3                 -> retry after 1 s, 2 s, 4 s
-4. the loop detector says stop                         -> force stop
-5. a behaviour problem (empty reply, suspected loop),
+3. a reply with tool calls cut by the caller's
+   ``max_tokens`` cap, not yet retried                 -> retry at once with twice the room
+4. retryable model error, attempts < 3                 -> retry after 1 s, 2 s, 4 s
+5. the loop detector says stop                         -> force stop
+6. a behaviour problem (empty reply, suspected loop),
    nudges < 3                                          -> nudge and continue
-6. anything else                                       -> abort
+7. anything else                                       -> abort
 
-Rule 5 applies to problems a message to the model can fix; a fatal error, a retryable error
+Rule 6 applies to problems a message to the model can fix; a fatal error, a retryable error
 out of attempts or a second context-length error fall through to abort (docs/ARCHITECTURE.md).
+A reply cut by the caller's cap is not a context-length error (only the endpoint's own error
+means the transcript is too long): a cut *text* reply never reaches this policy, the loop keeps
+it as the answer (outcome ``truncated``); a cut tool call cannot be run (its arguments may be
+cut), so it is asked again once with room to finish (rule 3), and a second cut ends the turn
+``aborted:truncated``. Every model call of a turn, the force stop's wrap-up included, goes
+through this one policy.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from enum import StrEnum
 
 MAX_RETRIES = 3
 MAX_NUDGES = 3
+MAX_CUT_RETRIES = 1
 
 #: Every nudge starts with this, so a transcript reader (or the scripted model) can tell one.
 NUDGE_PREFIX = "[nudge]"
@@ -33,6 +42,8 @@ class Problem(StrEnum):
     """Transient model failure."""
     FATAL = "fatal"
     """Model failure that will not go away."""
+    TRUNCATED = "truncated"
+    """A reply with tool calls was cut by the caller's ``max_tokens`` cap."""
     EMPTY_REPLY = "empty_reply"
     """The model answered nothing."""
     LOOP = "loop"
@@ -66,6 +77,8 @@ class Situation:
     """The loop detector says stop."""
     nudges: int = 0
     """Nudges already sent this turn."""
+    cut_retries: int = 0
+    """Retries already spent on a cut tool-call reply of the current call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +89,8 @@ class Decision:
     """Why, for logs and the turn's outcome (``aborted:<problem>``)."""
     backoff_s: float = 0.0
     """Seconds to wait in ``retrying_llm`` (RETRY only)."""
+    more_room: bool = False
+    """Ask again with twice the reply's token cap (RETRY of a cut reply only)."""
 
 
 _NUDGEABLE = frozenset({Problem.EMPTY_REPLY, Problem.LOOP})
@@ -86,6 +101,8 @@ def decide_recovery(s: Situation) -> Decision:
         return Decision(Action.ABORT, s.problem)
     if s.problem is Problem.CONTEXT_LENGTH and not s.reactive_compacted:
         return Decision(Action.COMPACT, s.problem)
+    if s.problem is Problem.TRUNCATED and s.cut_retries < MAX_CUT_RETRIES:
+        return Decision(Action.RETRY, s.problem, more_room=True)
     if s.problem is Problem.RETRYABLE and s.retry_attempts < MAX_RETRIES:
         return Decision(Action.RETRY, s.problem, backoff_s=float(2**s.retry_attempts))
     if s.loop_stop:
