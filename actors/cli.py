@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +57,7 @@ from actors.harness.chaos import plot as plot_chaos
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.live import LiveView
 from actors.harness.status_view import render
+from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
 from actors.turn.poison import evidence
 from bus.errors import ConfigError, PhaselineError, RecordNotFound, TurnExists
@@ -91,6 +92,9 @@ class ExitStatus(enum.IntEnum):
     """``run``/``resume`` ended with turns left in progress, quarantined or suspended (counts
     printed); ``phaseline resume`` continues the in-progress ones, ``phaseline resume TURN``
     a suspended one."""
+    ABORTED = 4
+    """``run``/``resume``: every turn is final, but some ended ``aborted:*`` (the counts and
+    their errors printed; ``phaseline inspect TURN`` shows one)."""
 
 
 class BadInput(click.ClickException):
@@ -264,14 +268,19 @@ class _Bar:
             self.advance()
 
 
-def _summary(title: str, stats: RunStats, report: str | None) -> None:
+def _summary(title: str, stats: RunStats, report: str | None, turn_ids: Sequence[str] = ()) -> None:
+    """The run's table; ``--report`` gets the same as JSON, with the ids of its turns."""
     data = stats.as_dict()
     table = Table(title=title, show_header=False)
     for k, v in data.items():
+        if k == "errors":
+            continue  # printed below, one line each
         table.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
     out.print(table)
+    for line, n in stats.errors.most_common(10):
+        console.print(f"[red]{n} aborted with: {escape(line)}")
     if report:
-        Path(report).write_text(json.dumps(data, indent=2) + "\n")
+        Path(report).write_text(json.dumps({**data, "turn_ids": list(turn_ids)}, indent=2) + "\n")
 
 
 def _few(ids: list[str]) -> str:
@@ -279,8 +288,15 @@ def _few(ids: list[str]) -> str:
 
 
 def _exit_unless_final(stats: RunStats) -> None:
-    """Exit :attr:`ExitStatus.UNFINISHED`, with the counts, unless every turn is final."""
+    """Exit :attr:`ExitStatus.UNFINISHED`, with the counts, unless every turn is final; then
+    :attr:`ExitStatus.ABORTED` if any ended ``aborted:*``."""
     if stats.all_final:
+        if stats.aborted:
+            console.print(
+                f"[red]{stats.aborted} of {stats.turns} turns aborted "
+                "(phaseline inspect TURN says why)"
+            )
+            sys.exit(ExitStatus.ABORTED)
         return
     if stats.quarantined:
         console.print(
@@ -320,6 +336,14 @@ def _report_option(fn: F) -> F:
         help="Write the summary as JSON here.",
     )(fn)  # fmt: skip
 
+
+_verdict_option = click.option(
+    "--verdict", "verdict_mode", type=click.Choice([m.value for m in VerdictMode]),
+    default=VerdictMode.EXACT.value, show_default=True,
+    help="exact: every transcript equals a fault-free run's (modulo tool-call ids), for a "
+         "deterministic model; promises: what the runtime promises (every turn final, none "
+         "lost or aborted, no side effect twice, no meta drift), for any model.",
+)  # fmt: skip
 
 _nodes_option = click.option(
     "--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -385,6 +409,8 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
             stats.suspended.append(record.turn_id)
         stats.resumed += record.counters.resume_attempts > 0
         stats.checkpoints += record.seq
+        if record.counters.outcome is not None:
+            stats.note_error(record.counters.outcome, record.counters.last_error)
     return stats
 
 
@@ -440,6 +466,8 @@ def run(
     rid = check_turn_id(run_id) if run_id else new_run_id()
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
+    named = ids[0] if turns == 1 else f"{ids[0]} … {ids[-1]}"
+    console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
 
     async def in_proc(client: StoreClient) -> RunStats:
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
@@ -461,7 +489,7 @@ def run(
         return stats
 
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
-    _summary(f"run {rid}: {work.label}", stats, report)
+    _summary(f"run {rid}: {work.label}", stats, report, ids)
     _exit_unless_final(stats)
 
 
@@ -543,15 +571,19 @@ def resume(
               help="SIGKILL host 0 once this fraction of the turns has finished "
                    "(0: as soon as they are submitted).")  # fmt: skip
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@_verdict_option
 @_report_option
 def demo(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, nodes: int, kill_at: float, ray_address: str | None, report: str | None,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, verdict_mode: str,
+    report: str | None,
 ) -> None:  # fmt: skip
-    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis
-    against a fault-free run in this process: of a scenario (default tool_loop), or of an
-    agent on one input (its endpoint must answer each conversation deterministically)."""
+    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
+    of a scenario (default tool_loop), or of an agent on one input. The exact verdict compares
+    each transcript with a fault-free run in this process (the endpoint must answer each
+    conversation deterministically: a local model at temperature 0 does); --verdict promises
+    checks the runtime's promises for any model."""
     rid = f"demo{new_run_id()}"
     settings = _settings(config_path, redis_url, namespace or rid)
     if scenario_path is None and agent_path is None:
@@ -560,9 +592,19 @@ def demo(
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
 
+    mode = VerdictMode(verdict_mode)
+
+    def killed(pid: int) -> None:
+        console.print(
+            f"[yellow]SIGKILLed host 0 (pid {pid}) on purpose: the demo's kill. Ray reports "
+            "the worker's death next (it may guess the OOM killer); its turns resume elsewhere."
+        )
+
     async def go(rt: Runtime) -> DemoReport:
         with bar.progress:
-            return await run_demo(rt, work, ids, kill_at=kill_at, on_done=bar.advance)
+            return await run_demo(
+                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed
+            )
 
     with _ray_nodes(nodes, ray_address) as (address, _local):
         result = _run_on_ray(settings, hosts, address, go)
@@ -573,7 +615,7 @@ def demo(
               "turns_per_s"):  # fmt: skip
         value = data[k]
         table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
-    table.add_row("verdict", "[green]ok" if result.ok else "[red]NOT OK")
+    table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")
     out.print(table)
     for kind, examples in result.verdict.as_dict()["examples"].items():  # type: ignore[attr-defined]
         for line in examples:
@@ -603,6 +645,7 @@ def demo(
 @_nodes_option
 @_redis_cluster_option
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@_verdict_option
 @click.option("--report", type=click.Path(dir_okay=False), required=True,
               help="Write the JSON report here.")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
@@ -611,7 +654,8 @@ def chaos(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
     duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
-    nodes: int, redis_cluster: bool, ray_address: str | None, report: str, plot: str | None,
+    nodes: int, redis_cluster: bool, ray_address: str | None, verdict_mode: str, report: str,
+    plot: str | None,
 ) -> None:  # fmt: skip
     """Kill runtime processes at random under load, running a scenario or an agent on one
     input; exit 1 unless the evidence is clean."""
@@ -625,7 +669,9 @@ def chaos(
     )
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
-    cfg = ChaosSettings(work, turns, duration, kill_interval, chosen, seed, poison)
+    cfg = ChaosSettings(
+        work, turns, duration, kill_interval, chosen, seed, poison, VerdictMode(verdict_mode)
+    )
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
     async def go(
@@ -696,7 +742,7 @@ def chaos(
             "{p50}/{p99}/{max}".format(**lat),
         )
     table.add_row("turns/s", str(data["turns_per_s"]))
-    table.add_row("verdict", "[green]ok" if data["ok"] else "[red]NOT OK")
+    table.add_row(f"verdict ({cfg.verdict.value})", "[green]ok" if data["ok"] else "[red]NOT OK")
     out.print(table)
     if not data["ok"]:
         # The report holds the evidence; print it too, so a failed CI log says which turn.
@@ -771,8 +817,12 @@ def inspect(
                  "updated_at"):  # fmt: skip
         value = getattr(record, name)
         fields.add_row(name, value.value if isinstance(value, TurnPhase) else str(value))
-    fields.add_row("counters", json.dumps(dump_model(record.counters)))
     c = record.counters
+    fields.add_row("counters", json.dumps(dump_model(c.model_copy(update={"last_error": None}))))
+    if c.outcome is not None:
+        fields.add_row("outcome", c.outcome.value)
+    if c.last_error is not None:
+        fields.add_row("last error", escape(c.last_error.line()))
     if c.outcome is Outcome.SUSPENDED_POISON:
         fields.add_row(
             "suspended because",
@@ -784,14 +834,30 @@ def inspect(
     for col in ("#", "role", "source", "id", "content"):
         transcript.add_column(col)
     for i, (m, meta) in enumerate(zip(record.messages, record.meta, strict=True)):
-        content = m.text[:80]
+        content = _shown(m.text, INSPECT_TEXT)
         if m.tool_calls:
-            content += " " + ", ".join(f"{c.name}()" for c in m.tool_calls)
+            calls = ", ".join(
+                f"{c.name}({_shown(c.arguments_json(), INSPECT_ARGS)})" for c in m.tool_calls
+            )
+            content = f"{content} {calls}".strip()
         if m.tool_result is not None:
-            content = f"[{m.tool_result.status}] {m.tool_result.output[:70]}"
+            r = m.tool_result
+            content = f"[{r.status}] {_shown(r.output, INSPECT_TEXT)}"
         src = meta.source + (" (injected)" if meta.system_injected else "")
         transcript.add_row(str(i), m.role, src, meta.message_id[:12], escape(content))
     out.print(transcript)
+
+
+#: Characters of a message's text and of a call's arguments ``inspect`` shows (``--json`` has all).
+INSPECT_TEXT = 300
+INSPECT_ARGS = 120
+
+
+def _shown(text: str, limit: int) -> str:
+    """``text`` up to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [+{len(text) - limit:,} characters; --json has all]"
 
 
 async def _render(events: AsyncIterator[WatchEvent], view: LiveView) -> None:
@@ -802,7 +868,8 @@ async def _render(events: AsyncIterator[WatchEvent], view: LiveView) -> None:
 def _exit_for(view: LiveView) -> None:
     """0 for a turn that answered (or wrapped up in force_stop), 1 for one that ended else."""
     done = view.finished
-    if done is not None and done.outcome not in (Outcome.ANSWERED, Outcome.FORCE_STOPPED):
+    answered = (Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED)
+    if done is not None and done.outcome not in answered:
         sys.exit(ExitStatus.ERROR)
 
 

@@ -45,6 +45,9 @@ def _free_port() -> int:
 
 # The port of the tests' MCP server over streamable HTTP (the ``mcp_http_server`` fixture).
 os.environ.setdefault("PHASELINE_MCP_HTTP_PORT", str(_free_port()))
+# Where the real model server (the ``llama_server`` fixture) listens: chosen now, so the Ray
+# workers of the session cluster inherit it and the llama agents of the tests reach it.
+os.environ.setdefault("PHASELINE_LLAMA_URL", f"http://127.0.0.1:{_free_port()}/v1")
 
 
 def _wait_until_listening(proc: subprocess.Popen[bytes], url: str, what: str) -> None:
@@ -178,3 +181,28 @@ def mcp_http_server() -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real llama.cpp server (``tests/llama_server.py``) with a real model, in its own process;
+    its base URL. Skipped where it is not installed, except in CI, where that fails."""
+    from tests import llama_server
+
+    missing = llama_server.available()
+    if missing is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real model server is part of CI: {missing}")
+        pytest.skip(missing)
+    url = os.environ["PHASELINE_LLAMA_URL"]
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    proc = llama_server.start(port, log)
+    try:
+        _wait_until_listening(proc, url.removesuffix("/v1") + "/v1/models", "llama.cpp's server")
+    except BaseException:
+        print(log.read_text(errors="replace")[-4000:])
+        raise
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)

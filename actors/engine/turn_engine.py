@@ -52,6 +52,7 @@ from store.records import (
     CheckpointRecord,
     Outcome,
     SaveReason,
+    TurnError,
     TurnInput,
     TurnSpec,
 )
@@ -90,6 +91,24 @@ class RunStats:
     owner that had not finished yet, unreadable); ``phaseline resume`` picks them up."""
     suspended: list[str] = field(default_factory=list)
     """Turns parked as ``suspended:poison``; ``phaseline resume TURN`` runs one again."""
+    errors: Counter[str] = field(default_factory=Counter)
+    """The last error of each turn that ended ``aborted:*`` (one line each), counted: why the
+    turns that failed failed."""
+
+    @property
+    def aborted(self) -> int:
+        """Turns that ended ``aborted:*``."""
+        return sum(n for o, n in self.outcomes.items() if isinstance(o, Outcome) and o.aborted)
+
+    @property
+    def finished(self) -> int:
+        """Turns whose final record this run wrote or read (an outcome, not a stop)."""
+        return sum(n for o, n in self.outcomes.items() if isinstance(o, Outcome))
+
+    def note_error(self, outcome: Outcome | RunStop, error: TurnError | None) -> None:
+        """Count the error of a turn that ended ``aborted:*``."""
+        if isinstance(outcome, Outcome) and outcome.aborted:
+            self.errors[error.line() if error is not None else f"{outcome} (no error kept)"] += 1
 
     @property
     def all_final(self) -> bool:
@@ -103,6 +122,7 @@ class RunStats:
             self.suspended.append(outcome.turn_id)
         self.checkpoints += outcome.saves
         self.failed_saves += outcome.failed_saves
+        self.note_error(outcome.outcome, outcome.error)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -115,10 +135,14 @@ class RunStats:
             "hard_cancels": self.hard_cancels,
             "quarantined": self.quarantined,
             "wall_s": round(self.wall_s, 3),
-            "turns_per_s": round(self.turns / self.wall_s, 2) if self.wall_s else None,
+            "turns_per_s": (
+                round(self.finished / self.wall_s, 2) if self.wall_s and self.finished else None
+            ),
             "host_rss_mib": self.host_rss_mib,
             "unfinished": len(self.unfinished),
             "suspended": len(self.suspended),
+            "aborted": self.aborted,
+            "errors": dict(self.errors.most_common(10)),
         }
 
 

@@ -8,8 +8,14 @@
 
 Run it (``phaseline submit`` / ``phaseline chat`` name it ``actors.examples.assistant:agent``)
 against OpenAI with ``$OPENAI_API_KEY`` set, or any other endpoint with ``$OPENAI_BASE_URL``
-(``http://localhost:11434/v1`` for Ollama, ``http://localhost:8000/v1`` for vLLM) and
-``$PHASELINE_MODEL``.
+(``http://localhost:8080/v1`` for llama.cpp's server, ``http://localhost:11434/v1`` for Ollama,
+``http://localhost:8000/v1`` for vLLM; a local server needs no key) and ``$PHASELINE_MODEL``.
+``$PHASELINE_TEMPERATURE`` and ``$PHASELINE_MAX_TOKENS`` set the sampling temperature and the
+cap on each reply (unset: the endpoint's defaults); at temperature 0 a local model answers the
+same conversation the same way, which is what ``phaseline demo``'s exact verdict compares.
+``$PHASELINE_MAX_TOOL_ROUNDS`` (default 20) bounds the tool rounds of a turn: a small model
+with a small context (SmolLM2 on llama.cpp's server) keeps calling tools, and wraps up sooner.
+Every process that runs turns (each Ray worker too) reads these variables.
 """
 
 from __future__ import annotations
@@ -78,13 +84,29 @@ def calculate(expression: str) -> str:
     return f"{result:g}"
 
 
+def _number(name: str, kind: Callable[[str], float]) -> float | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a number, not {raw!r}") from None
+
+
+_max_tokens = _number("PHASELINE_MAX_TOKENS", int)
+
 agent = Agent(
-    model=OpenAIChat(model=os.environ.get("PHASELINE_MODEL", "gpt-4o-mini")),
+    model=OpenAIChat(
+        model=os.environ.get("PHASELINE_MODEL", "gpt-4o-mini"),
+        temperature=_number("PHASELINE_TEMPERATURE", float),
+        max_tokens=None if _max_tokens is None else int(_max_tokens),
+    ),
     tools=ToolRegistry([read_file, calculate]),
     system_prompt=(
         "You are a careful assistant. Use calculate for any arithmetic and read_file to look "
         "at files; say which file a fact came from."
     ),
-    settings=AgentSettings(max_tool_rounds=20),
+    settings=AgentSettings(max_tool_rounds=int(_number("PHASELINE_MAX_TOOL_ROUNDS", int) or 20)),
     model_name=os.environ.get("PHASELINE_MODEL", "gpt-4o-mini"),
 )

@@ -1,8 +1,9 @@
 """A turn's live events in a terminal (``phaseline watch``, ``phaseline chat``), drawn with rich.
 
-Text streams inline as it arrives; tool calls, results, watchdog notes and restarts get a line
-each. Phase transitions are shown when asked (``watch`` does, ``chat`` shows only the ones a
-person would wonder about: retries, compaction, waiting for approval).
+Text streams inline as it arrives; tool calls, results, watchdog notes, restarts and what the
+recovery policy does (a retry and its cause, a skipped call, a nudge, an abort and why) get a
+line each. Phase transitions are shown when asked (``watch`` does, ``chat`` shows only the ones
+a person would wonder about: retries, compaction, waiting for approval).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from rich.markup import escape
 
 from bus.events import (
     Finished,
+    Recovering,
     Restarted,
     StatusEvent,
     TextDelta,
@@ -67,8 +69,11 @@ class LiveView:
         if isinstance(event, ToolCalled):
             return f"[cyan]  ⚙ {escape(event.name)}({escape(_cut(event.arguments))})"
         if isinstance(event, ToolReturned):
-            colour = "green" if event.status == "ok" else "red"
+            colour = {"ok": "green", "skipped": "yellow"}.get(event.status, "red")
             return f"[{colour}]  ↳ {event.status}: {escape(_cut(event.output))}"
+        if isinstance(event, Recovering):
+            colour = "red" if event.action == "abort" else "yellow"
+            return f"[{colour}]! {event.problem}: {event.action}: {escape(_cut(event.detail))}"
         if isinstance(event, Restarted):
             return (
                 f"[bold red]↻ resumed by a new owner (epoch {event.epoch}) from its "
@@ -82,4 +87,5 @@ class LiveView:
             self.console.print(escape(event.answer), highlight=False, soft_wrap=True)
         if event.outcome == "answered":
             return "[dim]· answered"
-        return f"[bold red]· turn ended {event.outcome}"
+        why = f": {escape(event.error)}" if event.error else ""
+        return f"[bold red]· turn ended {event.outcome}{why}"

@@ -8,6 +8,16 @@ ids intact; no non-idempotent call ran twice (side-effect counters); and the che
 events show no write accepted out of order (an older epoch after a newer one, or a seq that
 did not increase), which is what a stale owner's accepted write would look like.
 
+Tool-call ids are the endpoint's (a real server makes new random ones for every reply), so
+transcripts are compared modulo them: each id is replaced by the call's position in its
+transcript, in the call and in the result that answers it.
+
+Two verdicts (:class:`VerdictMode`): ``exact`` compares every transcript with the fault-free
+one (for a model that answers a conversation deterministically: the scripted model, a local
+model at temperature 0); ``promises`` checks only what the runtime promises whatever the model
+says: every turn final and none lost, none aborted, nothing left in progress, no side effect
+twice, no meta drift, no stale write accepted, every tool call of a transcript answered once.
+
 Poison turns (``expect_suspended``) are judged the other way round: each must end parked as
 ``suspended:poison``, and no other turn may be suspended or aborted.
 """
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
@@ -26,6 +37,16 @@ from store.connection import StoreClient, read_range, text
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Message, Outcome
+
+
+class VerdictMode(StrEnum):
+    """What a verdict compares (``phaseline demo --verdict``, ``chaos --verdict``)."""
+
+    EXACT = "exact"
+    """Every transcript equals the fault-free run's, modulo tool-call ids."""
+    PROMISES = "promises"
+    """What the runtime promises, without transcript equality (a model that is not
+    deterministic)."""
 
 
 async def reference_transcript(
@@ -43,8 +64,44 @@ async def reference_transcript(
     return (await engine.store.load("reference")).messages
 
 
+def without_call_ids(messages: Sequence[Message]) -> list[Message]:
+    """The transcript with each tool-call id replaced by the call's position (``#0``, ``#1``
+    ...), in the call and in its result: what is left when the endpoint's random ids go."""
+    ids: dict[str, str] = {}
+    out = []
+    for m in messages:
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                ids[c.id] = f"#{len(ids)}"
+                calls.append(c.model_copy(update={"id": ids[c.id]}))
+            m = m.model_copy(update={"tool_calls": tuple(calls)})
+        elif m.tool_result is not None and m.tool_result.call_id in ids:
+            result = m.tool_result.model_copy(update={"call_id": ids[m.tool_result.call_id]})
+            m = m.model_copy(update={"tool_result": result})
+        out.append(m)
+    return out
+
+
+def unanswered_calls(messages: Sequence[Message]) -> str | None:
+    """None if every tool call is answered by exactly one result right after its message (what
+    the model must see); else the first that is not."""
+    expected: list[str] = []
+    for i, m in enumerate(messages):
+        if m.tool_result is not None:
+            if not expected or m.tool_result.call_id != expected.pop(0):
+                return f"message {i}: a result for {m.tool_result.call_id!r} out of place"
+            continue
+        if expected:
+            return f"message {i}: calls {expected} left unanswered"
+        expected = [c.id for c in m.tool_calls]
+    return f"calls {expected} left unanswered" if expected else None
+
+
 def first_difference(messages: Sequence[Message], expected: Sequence[Message]) -> str | None:
-    """None if the transcript matches; else where and how it first differs."""
+    """None if the transcript matches, modulo tool-call ids; else where and how it first
+    differs."""
+    messages, expected = without_call_ids(messages), without_call_ids(expected)
     for i, (got, want) in enumerate(zip(messages, expected, strict=False)):
         if got == want:
             continue
@@ -61,12 +118,14 @@ def first_difference(messages: Sequence[Message], expected: Sequence[Message]) -
 def _brief(m: Message) -> str:
     if m.tool_result is not None:
         return f"tool {m.tool_result.name}[{m.tool_result.status}] {m.tool_result.output[:40]!r}"
-    calls = ",".join(c.name for c in m.tool_calls)
+    calls = ",".join(f"{c.name}({c.arguments_json()[:60]})" for c in m.tool_calls)
     return f"{m.role} {m.text[:40]!r}" + (f" calls {calls}" if calls else "")
 
 
 @dataclass(slots=True)
 class Verdict:
+    mode: VerdictMode = VerdictMode.EXACT
+    """What was compared."""
     turns: int = 0
     lost: list[str] = field(default_factory=list)
     differ: list[str] = field(default_factory=list)
@@ -106,6 +165,7 @@ class Verdict:
     def as_dict(self) -> dict[str, object]:
         return {
             "ok": self.ok,
+            "verdict": self.mode.value,
             "turns": self.turns,
             "lost": len(self.lost),
             "transcripts_differ": len(self.differ),
@@ -152,14 +212,16 @@ async def judge(
     client: StoreClient,
     keys: KeyLayout,
     turn_ids: Sequence[str],
-    expected: Sequence[Message],
+    expected: Sequence[Message] | None,
     *,
     effects_client: StoreClient | None = None,
     expect_suspended: frozenset[str] = frozenset(),
 ) -> Verdict:
-    """``effects_client``: where the side effects were counted, if not in ``client``'s Redis;
-    ``expect_suspended``: the poison turns, which must end suspended."""
-    v = Verdict(turns=len(turn_ids))
+    """``expected``: the fault-free transcript (None: the ``promises`` verdict, no transcript
+    equality); ``effects_client``: where the side effects were counted, if not in ``client``'s
+    Redis; ``expect_suspended``: the poison turns, which must end suspended."""
+    mode = VerdictMode.PROMISES if expected is None else VerdictMode.EXACT
+    v = Verdict(mode=mode, turns=len(turn_ids))
     store = RedisCheckpointStore(client, keys)
     effects = EffectCounters(effects_client or client, keys)
     for tid in turn_ids:
@@ -203,7 +265,10 @@ async def judge(
             m.tool_result is not None and m.tool_result.status == "outcome_unknown"
             for m in record.messages
         )
-        diff = first_difference(record.messages, expected)
+        if expected is None:
+            diff = unanswered_calls(record.messages)
+        else:
+            diff = first_difference(record.messages, expected)
         if diff is not None:
             v.differ.append(f"{tid}: {diff} (outcome {record.counters.outcome})")
             v.flagged.add(tid)

@@ -212,6 +212,8 @@ class TurnOutcome:
     """Saves that failed and were retried at a later site."""
     messages: int
     """Transcript length at the end."""
+    error: TurnError | None = None
+    """The turn's last model or tool error (the record's ``Counters.last_error``)."""
 
     @property
     def leaves_in_progress(self) -> bool:
@@ -523,8 +525,9 @@ class TurnLoop:
 
     def _outcome(self, outcome: Outcome | RunStop) -> TurnOutcome:
         return TurnOutcome(
-            self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages)
-        )
+            self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages),
+            self._counters.last_error,
+        )  # fmt: skip
 
     # -- model, tools, inbox ------------------------------------------------------------------
 
