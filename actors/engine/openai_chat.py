@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx2
 import openai
 
 from actors.turn.agent import ModelContext
@@ -77,6 +78,14 @@ _NO_TOOL_STREAMS: set[tuple[str, str]] = set()
 
 #: What looks like an API key inside an endpoint's error message (OpenAI quotes a masked one).
 _KEYLIKE = re.compile(r"\b(sk|key|pk)-[A-Za-z0-9_\-*]{6,}")
+
+#: Idle connections are dropped after 2 s, before the server drops them: uvicorn (llama.cpp's
+#: Python server, vLLM) closes them at 5 s, httpx's own default, and a request sent on a
+#: connection the server is closing at that moment fails with "Server disconnected without
+#: sending a response" (seen against llama.cpp's server, with turns queued behind each other).
+CONNECTION_LIMITS = httpx2.Limits(
+    max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0
+)
 
 #: The host of OpenAI's own API: the one endpoint that always needs a key.
 OPENAI_HOST = "api.openai.com"
@@ -153,6 +162,7 @@ def _sdk_client(cfg: OpenAIChat) -> openai.AsyncOpenAI:
             base_url=cfg.endpoint(),
             timeout=cfg.timeout_s,
             max_retries=0,  # retrying_llm owns retries
+            http_client=openai.DefaultAsyncHttpxClient(limits=CONNECTION_LIMITS),
         )
     return client
 
@@ -239,14 +249,30 @@ class OpenAIChatClient:
                     return await self._streamed(self._request(request, stream=True), request)
                 except _EmptyStream:
                     self._remember_empty_stream(request)
+                    return await self._after_empty_stream(request)
             whole = await self.sdk.chat.completions.create(**self._request(request, stream=False))
             return self._whole(whole)
         except openai.APIStatusError as exc:
             raise _status_error(exc) from None
         except openai.APIConnectionError as exc:  # APITimeoutError included
-            raise RetryableLLMError(f"{type(exc).__name__}: {_scrub(str(exc))}") from None
+            raise RetryableLLMError(_scrub(_with_cause(exc))) from None
         except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
             raise RetryableLLMError(f"{type(exc).__name__}: {_scrub(str(exc))}") from None
+
+    async def _after_empty_stream(self, request: LLMRequest) -> LLMReply:
+        """The call again without streaming. llama.cpp's server ends an empty stream by
+        raising inside its response, and drops the connections of the requests that arrive
+        at that moment ("Server disconnected", a read error): a request that meets that is
+        sent once more at once, on a new connection, before the loop sees an error."""
+        body = self._request(request, stream=False)
+        try:
+            return self._whole(await self.sdk.chat.completions.create(**body))
+        except openai.APIConnectionError as exc:
+            if isinstance(exc, openai.APITimeoutError):
+                raise
+            log.info("%s dropped the request after an empty stream; sending it again: %s",
+                     self.cfg.endpoint(), _with_cause(exc))  # fmt: skip
+            return self._whole(await self.sdk.chat.completions.create(**body))
 
     def _remember_empty_stream(self, request: LLMRequest) -> None:
         where = (self.cfg.endpoint(), self.cfg.model)
@@ -336,6 +362,16 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
         )
     message = Message(role="assistant", text=text, tool_calls=calls)
     return LLMReply(message, usage=used, truncated=finish == "length")
+
+
+def _with_cause(exc: BaseException) -> str:
+    """The SDK's words and what is under them (its "Connection error." alone says nothing:
+    refused, reset, a name that does not resolve ...)."""
+    what = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) != str(exc):
+        what += f" ({type(cause).__name__}: {cause})"
+    return what
 
 
 def _scrub(text: str) -> str:
