@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from click.testing import CliRunner
 from actors.cli import main
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
-from actors.engine.turn_engine import TurnEngine
+from actors.engine.turn_engine import RunStats, TurnEngine
 from store.connection import check_redis_url, connect, redact_url, seed_urls
 from store.keys import KeyLayout
+from store.records import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")
@@ -222,3 +224,52 @@ def test_run_an_agent_by_import_path(redis_url: str, namespace: str, tmp_path: P
 def test_bad_agent_flags_exit_2(redis_url: str, args: list[str], message: str) -> None:
     code, out = invoke("run", "--in-process", "--redis-url", redis_url, *args)
     assert code == 2 and message in out, out
+
+
+def test_a_run_whose_turns_abort_exits_4_and_says_why(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    scenario = tmp_path / "fatal.toml"
+    scenario.write_text(
+        'name = "fatal"\nrounds = 2\npayload_bytes = 900\n[[faults]]\nat_call = 2\nkind = "fatal"\n'
+    )
+    report = tmp_path / "r.json"
+    code, out = invoke(
+        "run", "--in-process", "--redis-url", redis_url, "--namespace", namespace,
+        "--config", TEST_CONFIG, "--scenario", str(scenario), "--turns", "2", "--run-id", "ab",
+        "--report", str(report),
+    )  # fmt: skip
+    assert code == 4, out
+    assert "turns ab-t000000 … ab-t000001" in out
+    assert "2 aborted with: model fatal: scripted fatal error at call 2" in out
+    data = json.loads(report.read_text())
+    assert data["turn_ids"] == ["ab-t000000", "ab-t000001"]
+    assert data["aborted"] == 2 and data["outcomes"] == {"aborted:fatal": 2}
+    assert data["errors"] == {"model fatal: scripted fatal error at call 2": 2}
+    code, out = invoke("inspect", "ab-t000000", "--redis-url", redis_url, "--namespace", namespace)
+    assert code == 0, out
+    assert "last error" in out and "scripted fatal error at call 2" in out
+    assert "echo({" in out  # a call with its arguments, not echo()
+    assert "characters; --json has all]" in out  # a 900-character reply, cut and said so
+
+
+def test_turns_per_second_is_not_claimed_for_turns_that_never_finished() -> None:
+    stats = RunStats(turns=3, wall_s=2.0, unfinished=["a", "b", "c"])
+    assert stats.as_dict()["turns_per_s"] is None
+    stats.outcomes[Outcome.ANSWERED] += 1
+    assert stats.as_dict()["turns_per_s"] == 0.5
+
+
+def test_sourcing_bootstrap_leaves_the_shell_options_alone() -> None:
+    """``source scripts/bootstrap.sh`` (the README's way) must not leave ``set -euo pipefail``
+    on in the user's shell. The extras the venv was made with are kept (nothing installs)."""
+    stamp = ROOT / ".venv" / ".phaseline-installed"
+    if not stamp.exists():
+        pytest.skip("no .venv made by scripts/bootstrap.sh here")
+    extras = stamp.read_text().split()[-1]
+    script = f"set +euo pipefail; PHASELINE_EXTRAS={extras} source scripts/bootstrap.sh; set +o"
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    options = done.stdout.splitlines()
+    for name in ("errexit", "nounset", "pipefail"):
+        assert f"set +o {name}" in options, options

@@ -38,6 +38,11 @@ CASES = [
     (Situation(Pr.EMPTY_REPLY, nudges=0), A.NUDGE, "empty_reply", 0),
     (Situation(Pr.EMPTY_REPLY, nudges=3), A.ABORT, "empty_reply", 0),
     (Situation(Pr.FATAL), A.ABORT, "fatal", 0),
+    # a tool call cut by the caller's cap: asked again once at once (with more room), no
+    # transient attempt spent, never a compaction; a second cut aborts as truncated
+    (Situation(Pr.TRUNCATED), A.RETRY, "truncated", 0),
+    (Situation(Pr.TRUNCATED, retry_attempts=3), A.RETRY, "truncated", 0),
+    (Situation(Pr.TRUNCATED, cut_retries=1), A.ABORT, "truncated", 0),
     (Situation(Pr.FATAL, nudges=0), A.ABORT, "fatal", 0),
 ]
 

@@ -7,8 +7,9 @@ import redis.asyncio as aioredis
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.harness.verdict import judge, reference_transcript
+from actors.harness.verdict import VerdictMode, first_difference, judge, reference_transcript
 from actors.harness.work import Work
+from store.checkpoint import RedisCheckpointStore
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import Message, SaveReason, ToolResult
@@ -101,3 +102,57 @@ async def test_outcome_unknown_in_place_of_a_result_is_accepted(
     await put_record(real_client, keys, r.model_copy(update={"messages": msgs}))
     v = await judge(real_client, keys, IDS, expected)
     assert v.ok and v.outcome_unknown == 1
+
+
+def _with_ids(messages: tuple[Message, ...], prefix: str) -> list[Message]:
+    """The transcript as an endpoint with its own random ids would have written it."""
+    out = []
+    for m in messages:
+        if m.tool_calls:
+            calls = tuple(c.model_copy(update={"id": prefix + c.id}) for c in m.tool_calls)
+            m = m.model_copy(update={"tool_calls": calls})
+        elif m.tool_result is not None:
+            r = m.tool_result.model_copy(update={"call_id": prefix + m.tool_result.call_id})
+            m = m.model_copy(update={"tool_result": r})
+        out.append(m)
+    return out
+
+
+async def test_transcripts_are_compared_modulo_the_endpoints_tool_call_ids(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    expected = await clean_run(real_client, keys)
+    renamed = _with_ids(expected, "cmpl-9f2a-")
+    assert renamed != list(expected)
+    assert first_difference(renamed, expected) is None
+    # a call answered by another call's result is still a difference
+    swapped = list(renamed)
+    i = next(k for k, m in enumerate(swapped) if m.tool_result is not None)
+    other = next(m for m in swapped[i + 1 :] if m.tool_result is not None)
+    swapped[i] = other
+    assert first_difference(swapped, expected) is not None
+
+
+async def test_the_promises_verdict_skips_transcript_equality_and_keeps_the_rest(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await clean_run(real_client, keys)
+    record = await RedisCheckpointStore(real_client, keys).load("v0")
+    changed = list(record.messages)
+    changed[-1] = changed[-1].model_copy(update={"text": "another model's answer"})
+    await put_record(real_client, keys, record.model_copy(update={"messages": tuple(changed)}))
+    promised = await judge(real_client, keys, IDS, None)
+    assert promised.ok and promised.mode is VerdictMode.PROMISES
+    assert promised.as_dict()["verdict"] == "promises"
+    # what the runtime promises is still checked: a call left without its result is caught
+    j = next(k for k, m in enumerate(record.messages) if m.tool_result is not None)
+    broken = record.model_copy(
+        update={
+            "messages": record.messages[:j] + record.messages[j + 1 :],
+            "meta": record.meta[:j] + record.meta[j + 1 :],
+        }
+    )
+    await put_record(real_client, keys, broken)
+    v = await judge(real_client, keys, IDS, None)
+    assert not v.ok and len(v.differ) == 1, v.differ
+    assert v.differ[0].startswith("v0: message") and "unanswered" in v.differ[0], v.differ

@@ -7,14 +7,17 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
+from rich.console import Console
 
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
+from actors.harness.live import LiveView
 from actors.turn.loop import LoopSettings
 from bus.errors import RecordNotFound
 from bus.events import (
     Finished,
+    Recovering,
     Restarted,
     Status,
     StatusEvent,
@@ -161,3 +164,43 @@ async def test_deltas_of_one_flush_period_are_joined() -> None:
         ("TextDelta", " new epoch"),
     ]
     assert [e.text for e in bus.live["j2"]] == ["other"]  # type: ignore[union-attr]
+
+
+async def test_a_watcher_sees_skipped_calls_nudges_and_why_a_turn_ended(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """A loop: each skipped call is a ``skipped`` result with its reason, each nudge and the
+    stop a :class:`Recovering` event; a turn that aborts ends with its error."""
+    eng, publisher = publishing_engine(real_client, keys)
+    looping = parse_scenario(
+        {"name": "l", "rounds": 9, "tools_per_round": 1, "faults": [{"at_call": 2, "kind": "loop"}]}
+    )
+    await eng.run_new(*scripted_turn(looping), ["loopy"])
+    failing = parse_scenario(
+        {"name": "f", "rounds": 2, "faults": [{"at_call": 1, "kind": "fatal"}]}
+    )
+    await eng.run_new(*scripted_turn(failing), ["fails"])
+    await publisher.flush()
+    events = await watched(real_client, keys, "loopy")
+    skipped = [e for e in events if isinstance(e, ToolReturned) and e.status == "skipped"]
+    assert len(skipped) == 4 and "same result 3 times in a row" in skipped[0].output
+    acts = [(e.problem, e.action) for e in events if isinstance(e, Recovering)]
+    assert acts == [("loop", "nudge")] * 3 + [("loop", "force_stop")]
+    nudge = next(e for e in events if isinstance(e, Recovering))
+    assert "told the model: [nudge]" in nudge.detail
+    assert isinstance(events[-1], Finished) and events[-1].outcome == "force_stopped"
+    ended = (await watched(real_client, keys, "fails"))[-1]
+    assert isinstance(ended, Finished) and ended.outcome == "aborted:fatal"
+    assert ended.error == "model fatal: scripted fatal error at call 1"
+
+
+def test_the_live_view_prints_recovery_and_the_reason_a_turn_ended() -> None:
+    console = Console(record=True, width=200)
+    view = LiveView(console)
+    view.show(Recovering("t", 1, "retryable", "retry", "retry 1 of 3 in 1.0 s: HTTP 500", 5))
+    view.show(ToolReturned("t", 1, "c1", "poll", "skipped", "not run: poll({}) returned ...", 6))
+    view.show(Finished("t", 1, "aborted:retryable", "", 7, "model retryable HTTP 503: down"))
+    shown = console.export_text()
+    assert "! retryable: retry: retry 1 of 3 in 1.0 s: HTTP 500" in shown
+    assert "↳ skipped: not run: poll({}) returned" in shown
+    assert "turn ended aborted:retryable: model retryable HTTP 503: down" in shown

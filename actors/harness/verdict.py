@@ -84,13 +84,14 @@ def without_call_ids(messages: Sequence[Message]) -> list[Message]:
 
 
 def unanswered_calls(messages: Sequence[Message]) -> str | None:
-    """None if every tool call is answered by exactly one result right after its message (what
-    the model must see); else the first that is not."""
+    """None if every tool call is answered by exactly one result after its message and before
+    the next one (what the model must see); else the first that is not."""
     expected: list[str] = []
     for i, m in enumerate(messages):
         if m.tool_result is not None:
-            if not expected or m.tool_result.call_id != expected.pop(0):
+            if m.tool_result.call_id not in expected:
                 return f"message {i}: a result for {m.tool_result.call_id!r} out of place"
+            expected.remove(m.tool_result.call_id)
             continue
         if expected:
             return f"message {i}: calls {expected} left unanswered"
