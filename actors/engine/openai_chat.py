@@ -53,7 +53,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx2
 import openai
 
 from actors.turn.agent import ModelContext
@@ -78,14 +77,6 @@ _NO_TOOL_STREAMS: set[tuple[str, str]] = set()
 
 #: What looks like an API key inside an endpoint's error message (OpenAI quotes a masked one).
 _KEYLIKE = re.compile(r"\b(sk|key|pk)-[A-Za-z0-9_\-*]{6,}")
-
-#: Idle connections are dropped after 2 s, before the server drops them: uvicorn (llama.cpp's
-#: Python server, vLLM) closes them at 5 s, httpx's own default, and a request sent on a
-#: connection the server is closing at that moment fails with "Server disconnected without
-#: sending a response" (seen against llama.cpp's server, with turns queued behind each other).
-CONNECTION_LIMITS = httpx2.Limits(
-    max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0
-)
 
 #: The host of OpenAI's own API: the one endpoint that always needs a key.
 OPENAI_HOST = "api.openai.com"
@@ -162,7 +153,6 @@ def _sdk_client(cfg: OpenAIChat) -> openai.AsyncOpenAI:
             base_url=cfg.endpoint(),
             timeout=cfg.timeout_s,
             max_retries=0,  # retrying_llm owns retries
-            http_client=openai.DefaultAsyncHttpxClient(limits=CONNECTION_LIMITS),
         )
     return client
 

@@ -411,9 +411,9 @@ class TurnLoop:
                     source="model",
                     kind=problem.value,
                     message=message[:500],
-                    status=getattr(exc, "status", None),
-                    code=getattr(exc, "code", None),
-                    request_id=getattr(exc, "request_id", None),
+                    status=None if exc is None else exc.status,
+                    code=None if exc is None else exc.code,
+                    request_id=None if exc is None else exc.request_id,
                     attempt=self._counters.retry_attempts,
                     at_ms=self._now_ms(),
                 )
