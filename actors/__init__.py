@@ -28,6 +28,7 @@ _EXPORTS = {
     "Agent": "actors.turn.agent",
     "AgentSettings": "actors.turn.agent",
     "ModelContext": "actors.turn.agent",
+    "LoopThresholds": "actors.turn.loopdetect",
     "tool": "actors.turn.tools",
     "MCPServer": "actors.turn.mcp",
     "LLMReply": "actors.turn.llm",
@@ -50,6 +51,7 @@ _EXPORTS = {
     "InboxItem": "store.records",
     "Outcome": "store.records",
     "SaveReason": "store.records",
+    "TurnError": "store.records",
     "TurnPhase": "bus.phase",
     # live events (Runtime.watch)
     "WatchEvent": "bus.events",
@@ -58,6 +60,7 @@ _EXPORTS = {
     "ToolReturned": "bus.events",
     "Restarted": "bus.events",
     "Finished": "bus.events",
+    "Recovering": "bus.events",
     "StatusEvent": "bus.events",
     # errors
     "PhaselineError": "bus.errors",
@@ -91,6 +94,7 @@ __all__ = [
     "LLMError",
     "LLMReply",
     "LLMRequest",
+    "LoopThresholds",
     "MCPServer",
     "Message",
     "MessageMeta",
@@ -100,6 +104,7 @@ __all__ = [
     "PhaselineError",
     "RecordError",
     "RecordNotFound",
+    "Recovering",
     "Restarted",
     "RetryableLLMError",
     "RunStats",
@@ -122,6 +127,7 @@ __all__ = [
     "ToolReturned",
     "ToolSpec",
     "TurnEngine",
+    "TurnError",
     "TurnExists",
     "TurnInput",
     "TurnPhase",
@@ -146,6 +152,7 @@ if TYPE_CHECKING:
     from actors.engine.turn_engine import RunStats, TurnEngine
     from actors.turn.agent import Agent, AgentSettings, ModelContext
     from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+    from actors.turn.loopdetect import LoopThresholds
     from actors.turn.mcp import MCPServer
     from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, tool
     from bus.errors import (
@@ -166,6 +173,7 @@ if TYPE_CHECKING:
     )
     from bus.events import (
         Finished,
+        Recovering,
         Restarted,
         StatusEvent,
         TextDelta,
@@ -184,6 +192,7 @@ if TYPE_CHECKING:
         SaveReason,
         ToolCall,
         ToolResult,
+        TurnError,
         TurnInput,
         TurnSpec,
         Usage,
