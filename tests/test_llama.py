@@ -61,6 +61,27 @@ async def test_a_tool_agent_answers_in_process(
         assert_answered(await engine.store.load(tid))
 
 
+async def test_a_prompt_too_long_is_the_endpoints_context_error_not_a_transient_one(
+    real_client: aioredis.Redis, keys: KeyLayout, llama_server: str
+) -> None:
+    """Streamed, the server answers a prompt over its 2,048 tokens with 200 and an empty
+    stream; asked again without streaming, with its 400 ``context_length_exceeded``. Nothing
+    of the turn's own can be compacted (the input alone is too long): the turn ends
+    ``aborted:context_length`` at once, with the server's words, not after three retries."""
+    engine = TurnEngine(
+        real_client, keys, watchdog=None,
+        loop_settings=LoopSettings(strict=True, checkpoint_min_interval_s=0),
+    )  # fmt: skip
+    long = TurnInput(message="Add 2 and 3. " + "Numbers are fun. " * 700)
+    stats = await engine.run_new(ADDER, long, ["too-long"])
+    assert stats.outcomes == {Outcome.ABORTED_CONTEXT_LENGTH: 1}
+    record = await engine.store.load("too-long")
+    error = record.counters.last_error
+    assert error is not None and (error.status, error.code) == (400, "context_length_exceeded")
+    assert "maximum context length is 2048 tokens" in error.message and error.request_id
+    assert record.counters.retry_attempts == 0
+
+
 async def test_a_tool_agent_answers_on_ray(
     redis_url: str, namespace: str, ray_cluster: object, llama_server: str
 ) -> None:
