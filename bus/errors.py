@@ -107,6 +107,26 @@ class RetryableLLMError(LLMError):
     """A transient model failure (rate limit, 5xx, timeout); the same request may succeed."""
 
 
+class RateLimitedLLMError(RetryableLLMError):
+    """The endpoint refused the call for its rate limit (HTTP 429, or the provider's rate-limit
+    code): not a failure of the call, a turn to wait. The recovery policy waits as long as the
+    endpoint asked, without spending the attempts meant for transient errors."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        status: int | None = None,
+        code: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message, status=status, code=code, request_id=request_id)
+        self.retry_after_s = retry_after_s
+        """How long the endpoint asked to wait (``retry-after-ms``, ``retry-after``,
+        ``x-ratelimit-reset-*``); None when it did not say."""
+
+
 class ContextLengthError(LLMError):
     """The transcript no longer fits the model's context window; compaction may help."""
 

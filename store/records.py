@@ -46,6 +46,8 @@ class Outcome(StrEnum):
     """The watchdog cancelled a model call that went silent past the hard timeout."""
     ABORTED_CONTEXT_LENGTH = "aborted:context_length"
     """The transcript still did not fit after a reactive compaction (or could not shrink)."""
+    ABORTED_RATE_LIMITED = "aborted:rate_limited"
+    """The endpoint's rate limit outlasted the per-call cap on waiting for it."""
     ABORTED_RETRYABLE = "aborted:retryable"
     """A transient model error outlasted its retries."""
     ABORTED_FATAL = "aborted:fatal"
@@ -236,6 +238,11 @@ class Counters(_Frozen):
     cut_retries: int = 0
     """Retries of the current model call whose reply with tool calls was cut by the caller's
     ``max_tokens`` cap (reset when a call succeeds)."""
+    rate_limit_waits: int = 0
+    """Rate-limit waits of the current model call (reset when a call succeeds)."""
+    rate_limit_waited_ms: int = 0
+    """Milliseconds the current model call has waited on the endpoint's rate limit (reset when
+    a call succeeds); capped by ``LoopSettings.rate_limit_max_wait_s``."""
     last_error: TurnError | None = None
     """The last model or tool error of the turn: kept so that ``inspect``, ``watch``, ``chat``
     and a run's summary can say why a turn failed, not just that it did."""

@@ -38,6 +38,13 @@ It also behaves as real servers were seen to (llama.cpp's, through ``llama-cpp-p
   without streaming a 400 ``context_length_exceeded`` (until the transcript is compacted);
 * every error answer carries an ``x-request-id``.
 
+A provider-like rate limit for the whole server: ``POST /_limit`` with ``{"rpm": 600, "burst":
+100, "headers": true}`` (``{}`` lifts it) sets a token bucket of ``burst`` requests refilled at
+``rpm`` a minute; a request over it gets 429 ``rate_limit_exceeded`` with OpenAI's headers
+(``retry-after``, ``retry-after-ms``, ``x-ratelimit-limit-requests``,
+``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``), or with none of them when
+``"headers": false``. ``/_stats`` counts ``accepted`` and ``refused``.
+
 ``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
 request's ``Authorization`` header). Run: ``python -m tests.openai_server PORT``.
 """
@@ -46,8 +53,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -67,6 +76,44 @@ class Stats:
         self.bodies: list[dict[str, Any]] = []
         self.errors = 0
         self.drop_next = 0
+        self.accepted = 0
+        self.refused = 0
+
+
+class Bucket:
+    """A provider's request limit: ``burst`` requests, refilled at ``rpm`` a minute."""
+
+    def __init__(self, rpm: float, burst: int, headers: bool) -> None:
+        self.rate = rpm / 60.0
+        self.rpm = rpm
+        self.burst = burst
+        self.headers = headers
+        self.tokens = float(burst)
+        self.at = time.monotonic()
+
+    def take(self) -> float:
+        """0 if a request may go now (and takes its token), else the seconds until it may."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+    def refusal_headers(self, wait_s: float) -> list[tuple[bytes, bytes]]:
+        if not self.headers:
+            return []
+        return [
+            (b"retry-after", str(math.ceil(wait_s)).encode()),
+            (b"retry-after-ms", str(math.ceil(wait_s * 1000)).encode()),
+            (b"x-ratelimit-limit-requests", str(int(self.rpm)).encode()),
+            (b"x-ratelimit-remaining-requests", b"0"),
+            (b"x-ratelimit-reset-requests", f"{wait_s:.3f}s".encode()),
+        ]
+
+
+LIMIT: list[Bucket] = []
 
 
 STATS = Stats()
@@ -262,7 +309,15 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
                                 "disconnects": STATS.disconnects,
                                 "authorization": STATS.authorization,
                                 "errors": STATS.errors,
+                                "accepted": STATS.accepted, "refused": STATS.refused,
                                 "bodies": STATS.bodies[-20:]})  # fmt: skip
+        return
+    if scope["method"] == "POST" and scope["path"] == "/_limit":
+        spec = json.loads(await _read_body(receive) or b"{}")
+        LIMIT[:] = [Bucket(float(spec["rpm"]), int(spec["burst"]), bool(spec.get("headers", True)))
+                    ] if spec else []  # fmt: skip
+        STATS.accepted = STATS.refused = 0
+        await _json(send, 200, {"limit": spec})
         return
     if scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
         await _json(send, 404, _error("not found", "invalid_request_error", None))
@@ -280,6 +335,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         head = [(b"content-type", b"application/json"), (b"content-length", b"100")]
         await send({"type": "http.response.start", "status": 200, "headers": head})
         raise ConnectionAbortedError("dropped after an empty stream")  # uvicorn cuts it
+    if LIMIT and (wait_s := LIMIT[0].take()) > 0:
+        STATS.refused += 1
+        err = _error("Rate limit reached for requests", "requests", "rate_limit_exceeded")
+        await _json(send, 429, err, LIMIT[0].refusal_headers(wait_s))
+        return
+    STATS.accepted += 1
     if _refused_null_content(body):
         await _json(send, 500, _error("Internal Server Error", "server_error", None))
         return

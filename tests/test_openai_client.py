@@ -3,8 +3,10 @@ that speaks the protocol (JSON and SSE): tool calls, usage, and the error mappin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -289,3 +291,50 @@ async def test_a_local_endpoint_is_called_without_a_key_when_none_is_set(
     stats, _ = await run(real_client, keys, STREAM, ask(1), "keyless")
     assert stats.outcomes == {"answered": 1}
     assert stats_of(endpoint)["authorization"] == "Bearer unused"
+
+
+@pytest.fixture
+def rate_limit(endpoint: str) -> Iterator[Callable[..., None]]:
+    """Sets the test endpoint's provider-like limit; lifted after the test."""
+
+    def limit(**spec: Any) -> None:
+        url = endpoint.removesuffix("/v1") + "/_limit"
+        req = urllib.request.Request(url, json.dumps(spec).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+    yield limit
+    limit()
+
+
+@pytest.mark.parametrize("headers", [True, False])
+async def test_a_burst_over_the_rate_limit_waits_and_every_turn_answers(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str,
+    rate_limit: Callable[..., None], headers: bool,
+) -> None:  # fmt: skip
+    """20 turns of 3 calls at once against 600 requests a minute with a burst of 5: most calls
+    are refused at first; each waits as long as the endpoint asks (or backs off when it says
+    nothing) without spending a transient-error attempt, and every turn answers."""
+    rate_limit(rpm=600, burst=5, headers=headers)
+    ids = [f"rl{headers:d}-{i}" for i in range(20)]
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    stats = await engine.run_new(JSON, ask(2), ids)
+    seen = stats_of(endpoint)
+    assert stats.outcomes == {"answered": 20}
+    assert seen["refused"] > 0 and seen["accepted"] >= 60
+    waited = [r for r in [await engine.store.load(t) for t in ids] if r.counters.last_error]
+    assert waited, "no turn was refused"
+    for record in waited:
+        error = record.counters.last_error
+        assert error is not None and (error.kind, error.status) == ("rate_limited", 429)
+        assert error.code == "rate_limit_exceeded"
+
+
+async def test_a_rate_limit_past_the_cap_aborts_the_turn_rate_limited(
+    real_client: aioredis.Redis, keys: KeyLayout, rate_limit: Callable[..., None]
+) -> None:
+    rate_limit(rpm=1, burst=1, headers=True)  # the next request in a minute
+    settings = dataclasses.replace(FAST, rate_limit_max_wait_s=0.2)
+    engine = TurnEngine(real_client, keys, loop_settings=settings, watchdog=None)
+    stats = await engine.run_new(JSON, ask(0), ["capped1", "capped2"])  # one call each
+    assert stats.outcomes == {"aborted:rate_limited": 1, "answered": 1}

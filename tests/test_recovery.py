@@ -10,6 +10,7 @@ from store.records import Outcome
 
 Pr = Problem
 A = Action
+RL = "rate_limited"
 
 CASES = [
     # (situation, action, cause, backoff)
@@ -44,6 +45,17 @@ CASES = [
     (Situation(Pr.TRUNCATED, retry_attempts=3), A.RETRY, "truncated", 0),
     (Situation(Pr.TRUNCATED, cut_retries=1), A.ABORT, "truncated", 0),
     (Situation(Pr.FATAL, nudges=0), A.ABORT, "fatal", 0),
+    # rule 2: a rate limit waits as asked, spends no attempt, beats everything but rule 1
+    (Situation(Pr.RATE_LIMITED, retry_after_s=7.5), A.WAIT, "rate_limited", 7.5),
+    (Situation(Pr.RATE_LIMITED, retry_after_s=2, retry_attempts=3), A.WAIT, "rate_limited", 2),
+    (Situation(Pr.RATE_LIMITED, retry_after_s=2, loop_stop=True), A.WAIT, "rate_limited", 2),
+    # no wait named: 1 s doubling, times 0.5-1.0 (jitter 1.0 here), at most 60 s
+    (Situation(Pr.RATE_LIMITED, rate_limit_waits=0), A.WAIT, "rate_limited", 1),
+    (Situation(Pr.RATE_LIMITED, rate_limit_waits=3, jitter=0.0), A.WAIT, "rate_limited", 4),
+    (Situation(Pr.RATE_LIMITED, rate_limit_waits=12), A.WAIT, "rate_limited", 60),
+    # never past the call's cap, and past it an abort
+    (Situation(Pr.RATE_LIMITED, retry_after_s=900, rate_limit_waited_s=500), A.WAIT, RL, 100),
+    (Situation(Pr.RATE_LIMITED, retry_after_s=1, rate_limit_waited_s=600), A.ABORT, RL, 0),
 ]
 
 

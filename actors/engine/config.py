@@ -190,7 +190,11 @@ class LoopSectionSettings(_Section):
     strict: bool = False
     """Raise on illegal phase transitions instead of logging them."""
     backoff_scale: float = Field(default=1.0, ge=0)
-    """Multiplier of the 1/2/4 s retry backoff."""
+    """Multiplier of the 1/2/4 s retry backoff (and of a rate-limit backoff the endpoint did
+    not name)."""
+    rate_limit_max_wait_s: float = Field(default=600.0, gt=0, le=86_400)
+    """Seconds one model call may wait on the endpoint's rate limit before its turn aborts
+    ``rate_limited`` (minutes, not seconds: waiting is what a rate limit asks)."""
 
 
 class Settings(_Section):
@@ -222,6 +226,7 @@ class Settings(_Section):
             approval_timeout_s=self.approvals.timeout_s,
             approval_poll_s=self.approvals.poll_s,
             backoff_scale=self.loop.backoff_scale,
+            rate_limit_max_wait_s=self.loop.rate_limit_max_wait_s,
         )
 
     def with_overrides(self, **redis: Any) -> Settings:

@@ -9,7 +9,11 @@ Errors map onto the recovery policy, and the SDK's own retries are off (``max_re
 loop's ``retrying_llm`` phase owns retries and their backoff, so a retry is visible, counted and
 survives a crash.
 
-* 408, 409, 429, any 5xx, a connection error, a timeout, a stream cut mid-way and a reply the
+* 429, or a 4xx with the code ``rate_limit_exceeded``, is :class:`~bus.errors.RateLimitedLLMError`
+  carrying how long the endpoint asked to wait (``retry-after-ms``, ``retry-after``,
+  ``x-ratelimit-reset-requests`` / ``-tokens``): the loop waits that long (bounded per call)
+  without spending a transient-error attempt.
+* 408, 409, any 5xx, a connection error, a timeout, a stream cut mid-way and a reply the
   SDK cannot read are :class:`~bus.errors.RetryableLLMError` (retried up to 3 times, then the
   turn aborts). A cut stream's partial reply is dropped: the retry
   asks again from the same transcript.
@@ -44,10 +48,12 @@ the call; it is never part of a record, a spec, a log line or a report.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import logging
 import os
 import re
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +69,7 @@ from bus.errors import (
     ContextLengthError,
     FatalLLMError,
     LLMError,
+    RateLimitedLLMError,
     RetryableLLMError,
 )
 from store.records import Message, ToolCall, Usage
@@ -81,8 +88,17 @@ _KEYLIKE = re.compile(r"\b(sk|key|pk)-[A-Za-z0-9_\-*]{6,}")
 #: The host of OpenAI's own API: the one endpoint that always needs a key.
 OPENAI_HOST = "api.openai.com"
 
-#: HTTP statuses worth asking again (OpenAI's own guidance, and what its SDK retries).
-RETRYABLE_STATUS = frozenset({408, 409, 429})
+#: HTTP statuses worth asking again (OpenAI's own guidance, and what its SDK retries); 429 is
+#: a rate limit, its own case.
+RETRYABLE_STATUS = frozenset({408, 409})
+
+#: The provider codes of a rate-limit refusal (OpenAI's; others answer 429).
+RATE_LIMIT_CODES = frozenset({"rate_limit_exceeded", "rate_limit_error"})
+
+#: One part of a duration as OpenAI writes ``x-ratelimit-reset-*``: ``6m0s``, ``1.5s``, ``20ms``.
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens")
 
 #: Key of the arguments of a tool call whose arguments were not a JSON object: the tool's
 #: validation refuses it, so the model reads why instead of the turn failing.
@@ -369,8 +385,43 @@ def _scrub(text: str) -> str:
     return _KEYLIKE.sub(r"\1-***", text)
 
 
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """How long a rate-limit refusal asks to wait, from its headers, in the order a provider
+    means them: ``retry-after-ms``, ``retry-after`` (seconds or an HTTP date), the longest of
+    ``x-ratelimit-reset-requests`` and ``-tokens`` (``1s``, ``6m0s``, ``20ms``). None when no
+    header says (or none can be read)."""
+    lower = {k.lower(): v.strip() for k, v in headers.items()}
+    try:
+        if "retry-after-ms" in lower:
+            return max(0.0, float(lower["retry-after-ms"]) / 1000)
+        if "retry-after" in lower:
+            value = lower["retry-after"]
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                when = email.utils.parsedate_to_datetime(value)
+                return max(0.0, when.timestamp() - time.time())
+    except (ValueError, TypeError, OverflowError):
+        pass
+    resets = [_duration_s(lower[k]) for k in _RESET_HEADERS if k in lower]
+    known = [r for r in resets if r is not None]
+    return max(known) if known else None
+
+
+def _duration_s(text: str) -> float | None:
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        return None
+    return sum(float(n) * _SECONDS[u] for n, u in parts)
+
+
 def _status_error(exc: openai.APIStatusError) -> LLMError:
     what = _scrub(f"HTTP {exc.status_code}: {exc.message}")
+    if exc.status_code == 429 or exc.code in RATE_LIMIT_CODES:
+        return RateLimitedLLMError(
+            what, retry_after_s=retry_after_s(exc.response.headers), status=exc.status_code,
+            code=exc.code, request_id=exc.request_id,
+        )  # fmt: skip
     kind: type[LLMError] = FatalLLMError
     if exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
         kind = RetryableLLMError

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from bus.errors import (
     ContextLengthError,
     HardIdleTimeout,
     LLMError,
+    RateLimitedLLMError,
     RecordTooLarge,
     RetryableLLMError,
     StaleOwner,
@@ -134,7 +136,11 @@ class LoopSettings:
     approval_poll_s: float = 0.2
     """How often a pending approval is re-read from Redis."""
     backoff_scale: float = 1.0
-    """Multiplier of the 1 s / 2 s / 4 s retry backoff (tests shrink it)."""
+    """Multiplier of the 1 s / 2 s / 4 s retry backoff and of a rate-limit backoff the endpoint
+    did not name (tests shrink it); a wait the endpoint asked for is kept as asked."""
+    rate_limit_max_wait_s: float = 600.0
+    """Cap on the seconds one model call waits on the endpoint's rate limit; past it the turn
+    aborts ``rate_limited``."""
     loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
     """When the loop detector suspects and stops."""
     max_tool_rounds: int | None = None
@@ -363,7 +369,9 @@ class TurnLoop:
             except LLMError as exc:
                 problem = _problem_of(exc)
                 self._note_error(problem, str(exc), exc)
-                done = await self._apply(self._decide(problem), problem, str(exc))
+                asked = exc.retry_after_s if isinstance(exc, RateLimitedLLMError) else None
+                decision = self._decide(problem, retry_after_s=asked)
+                done = await self._apply(decision, problem, str(exc), asked=asked is not None)
                 if done is not None:
                     return done
                 continue
@@ -385,11 +393,16 @@ class TurnLoop:
                     return done
                 continue
             self._counters = self._counters.model_copy(
-                update={"retry_attempts": 0, "cut_retries": 0}
-            )
+                update={
+                    "retry_attempts": 0, "cut_retries": 0,
+                    "rate_limit_waits": 0, "rate_limit_waited_ms": 0,
+                }
+            )  # fmt: skip
             return answer
 
-    def _decide(self, problem: Problem, *, loop_stop: bool = False) -> Decision:
+    def _decide(
+        self, problem: Problem, *, loop_stop: bool = False, retry_after_s: float | None = None
+    ) -> Decision:
         c = self._counters
         return decide_recovery(
             Situation(
@@ -399,6 +412,11 @@ class TurnLoop:
                 loop_stop=loop_stop,
                 nudges=c.nudges,
                 cut_retries=c.cut_retries,
+                retry_after_s=retry_after_s,
+                rate_limit_waits=c.rate_limit_waits,
+                rate_limit_waited_s=c.rate_limit_waited_ms / 1000,
+                rate_limit_max_wait_s=self.settings.rate_limit_max_wait_s,
+                jitter=random.random(),
             )
         )
 
@@ -421,13 +439,33 @@ class TurnLoop:
         )
         self._dirty = True
 
-    async def _apply(self, decision: Decision, problem: Problem, detail: str) -> TurnOutcome | None:
+    async def _apply(
+        self, decision: Decision, problem: Problem, detail: str, *, asked: bool = False
+    ) -> TurnOutcome | None:
         """Carry out a recovery decision; returns the outcome when the turn ended. ``detail``
-        (the error, the skipped call) goes to the log and to watchers."""
+        (the error, the skipped call) goes to the log and to watchers; ``asked``: the endpoint
+        named the wait itself (kept as asked, not scaled)."""
         t = self.tracker
         c = self._counters
         back = t.phase  # awaiting_llm, or force_stop for the wrap-up call
         action = decision.action
+        if action is Action.WAIT:
+            wait = decision.backoff_s * (1.0 if asked else self.settings.backoff_scale)
+            how = "as the endpoint asked" if asked else "backing off"
+            note = f"waiting {wait:.1f} s for the endpoint's rate limit ({how})"
+            self._counters = c.model_copy(
+                update={
+                    "rate_limit_waits": c.rate_limit_waits + 1,
+                    "rate_limit_waited_ms": c.rate_limit_waited_ms + int(wait * 1000),
+                }
+            )
+            log.info("turn %s: %s: %s", self.turn_id, note, detail)
+            self._recovering(problem, action, f"{note}: {detail}")
+            t.to(P.RETRYING_LLM)
+            self._dirty = True
+            await asyncio.sleep(wait)
+            t.to(back)
+            return None
         if action is Action.RETRY:
             wait = decision.backoff_s * self.settings.backoff_scale
             if decision.more_room:
@@ -796,6 +834,8 @@ def _problem_of(exc: LLMError) -> Problem:
         return Problem.HARD_IDLE_TIMEOUT
     if isinstance(exc, ContextLengthError):
         return Problem.CONTEXT_LENGTH
+    if isinstance(exc, RateLimitedLLMError):
+        return Problem.RATE_LIMITED
     if isinstance(exc, RetryableLLMError):
         return Problem.RETRYABLE
     return Problem.FATAL  # FatalLLMError and any other LLMError
