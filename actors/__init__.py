@@ -32,6 +32,7 @@ _EXPORTS = {
     "tool": "actors.turn.tools",
     "MCPServer": "actors.turn.mcp",
     "LLMReply": "actors.turn.llm",
+    "ModelLimits": "actors.turn.llm",
     "TurnInput": "store.records",
     "Usage": "store.records",
     # the model and tool interfaces
@@ -99,6 +100,7 @@ __all__ = [
     "Message",
     "MessageMeta",
     "ModelContext",
+    "ModelLimits",
     "OpenAIChat",
     "Outcome",
     "PhaselineError",
@@ -151,7 +153,7 @@ if TYPE_CHECKING:
     from actors.engine.scripted import scripted_turn
     from actors.engine.turn_engine import RunStats, TurnEngine
     from actors.turn.agent import Agent, AgentSettings, ModelContext
-    from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+    from actors.turn.llm import LLMClient, LLMReply, LLMRequest, ModelLimits
     from actors.turn.loopdetect import LoopThresholds
     from actors.turn.mcp import MCPServer
     from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, tool

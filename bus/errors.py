@@ -127,6 +127,12 @@ class RateLimitedLLMError(RetryableLLMError):
         ``x-ratelimit-reset-*``); None when it did not say."""
 
 
+class AwaitingAdmission(RateLimitedLLMError):
+    """The cluster's limiter for the endpoint holds the call back (a declared limit, or the
+    provider's pause after a 429): nothing was sent. Waited for like a rate-limit refusal, but
+    not an error of the turn."""
+
+
 class ContextLengthError(LLMError):
     """The transcript no longer fits the model's context window; compaction may help."""
 

@@ -32,6 +32,11 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             supervisor's; hosts route calls by it)
     {ns}:{global}:lease:<slot>:<gen> string a host generation's lease, renewed by the host,
                                             expiring when it stops (store.leases)
+    {ns}:{m:<endpoint>}:limit       hash    a model endpoint's admission state: request and
+                                            token schedules, the provider's pause, waiters'
+                                            last asks (store.limiter)
+    {ns}:{m:<endpoint>}:line        zset    calls waiting for that endpoint -> first held back
+    {ns}:{m:<endpoint>}:flight      zset    its admitted calls -> when their place expires
 
 The ``{s<N>}`` hash tag puts every key of one turn, and the shard-wide index and stream it is
 written with, in one Redis Cluster slot, so one save script can touch them all. The turns of a
@@ -164,6 +169,24 @@ class KeyLayout:
 
     def lease(self, slot: int, generation: int) -> str:
         return f"{self.namespace}:{{global}}:lease:{slot}:{generation}"
+
+    def _model(self, endpoint: str, kind: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{1,64}", endpoint):
+            raise ConfigError(f"invalid model endpoint id {endpoint!r}")
+        return f"{self.namespace}:{{m:{endpoint}}}:{kind}"
+
+    def model_limit(self, endpoint: str) -> str:
+        return self._model(endpoint, "limit")
+
+    def model_line(self, endpoint: str) -> str:
+        return self._model(endpoint, "line")
+
+    def model_flight(self, endpoint: str) -> str:
+        return self._model(endpoint, "flight")
+
+    def model_pattern(self) -> str:
+        """SCAN pattern of the model endpoints' state hashes."""
+        return f"{self.namespace}:{{m:*}}:limit"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

@@ -11,7 +11,7 @@ from pathlib import Path
 from actors.engine import scripted
 from actors.engine.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
-from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
@@ -120,6 +120,9 @@ http_small_context = _http("small-context")
 #: A cap on every reply: 4 tokens (16 characters on the test server), then 2.
 http_capped = _http("capped", max_tokens=4, stream=False)
 http_tight = _http("tight", max_tokens=2, stream=False)
+#: Declares the tests' endpoint's limit (set by ``POST /_limit``): 600 requests a minute, 5 at
+#: once; every host admits its calls through the cluster's limiter.
+http_limited = _http("limited", stream=False, limits=ModelLimits(requests_per_minute=600, burst=5))
 #: Needs its key even on a local endpoint.
 http_keyed = _http("keyed", require_key=True)
 #: An endpoint where nothing listens (port 9, discard, is closed here).

@@ -30,6 +30,7 @@ DEAD = "tests.agents_for_tests:http_dead"
 NO_TOOL_STREAMS = "tests.agents_for_tests:http_no_tool_streams"
 SMALL_CONTEXT = "tests.agents_for_tests:http_small_context"
 POLLER = "tests.agents_for_tests:http_poller"
+LIMITED = "tests.agents_for_tests:http_limited"
 
 
 @pytest.fixture(autouse=True)
@@ -338,3 +339,20 @@ async def test_a_rate_limit_past_the_cap_aborts_the_turn_rate_limited(
     engine = TurnEngine(real_client, keys, loop_settings=settings, watchdog=None)
     stats = await engine.run_new(JSON, ask(0), ["capped1", "capped2"])  # one call each
     assert stats.outcomes == {"aborted:rate_limited": 1, "answered": 1}
+
+
+async def test_with_the_limit_declared_the_cluster_keeps_to_it(
+    real_client: aioredis.Redis, keys: KeyLayout, endpoint: str, rate_limit: Callable[..., None]
+) -> None:
+    """The same burst, the agent declaring the endpoint's limit: calls wait in the cluster's
+    limiter instead of being refused (at most 10 % refused), and every turn answers."""
+    rate_limit(rpm=600, burst=5, headers=True)
+    ids = [f"decl-{i}" for i in range(20)]
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    stats = await engine.run_new(LIMITED, ask(2), ids)
+    seen = stats_of(endpoint)
+    assert stats.outcomes == {"answered": 20}
+    assert seen["accepted"] >= 60 and seen["refused"] <= 0.1 * seen["accepted"], seen
+    for tid in ids:  # held back by the limiter is no error of the turn
+        error = (await engine.store.load(tid)).counters.last_error
+        assert error is None or error.status == 429, error

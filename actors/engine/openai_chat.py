@@ -62,9 +62,10 @@ from typing import Any
 import openai
 
 from actors.turn.agent import ModelContext
-from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.tools import ToolSpec
 from bus.errors import (
+    AwaitingAdmission,
     ConfigError,
     ContextLengthError,
     FatalLLMError,
@@ -72,6 +73,7 @@ from bus.errors import (
     RateLimitedLLMError,
     RetryableLLMError,
 )
+from store.limiter import endpoint_id
 from store.records import Message, ToolCall, Usage
 
 __all__ = ["OpenAIChat", "OpenAIChatClient"]
@@ -128,9 +130,13 @@ class OpenAIChat:
     """Stream the reply (SSE) rather than wait for it whole."""
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     """Extra JSON fields of every request, for what a server adds (``top_k``, ...)."""
+    limits: ModelLimits | None = None
+    """What the endpoint allows (requests and tokens a minute, calls in flight): the whole
+    cluster keeps to it through one limiter in Redis. None: no declared limit; a provider's
+    429 still pauses the endpoint for every host for as long as it asks."""
 
     def __call__(self, ctx: ModelContext) -> OpenAIChatClient:
-        return OpenAIChatClient(self, _sdk_client(self))
+        return OpenAIChatClient(self, _sdk_client(self), ctx)
 
     def endpoint(self) -> str:
         """The base URL calls go to, as this process resolves it."""
@@ -222,9 +228,14 @@ def _arguments(raw: str) -> dict[str, Any]:
 class OpenAIChatClient:
     """One turn's :class:`~actors.turn.llm.LLMClient` on a shared SDK client."""
 
-    def __init__(self, cfg: OpenAIChat, sdk: openai.AsyncOpenAI) -> None:
+    def __init__(
+        self, cfg: OpenAIChat, sdk: openai.AsyncOpenAI, ctx: ModelContext | None = None
+    ) -> None:
         self.cfg = cfg
         self.sdk = sdk
+        self.admission = None if ctx is None else ctx.admission
+        self.ticket = "" if ctx is None else ctx.turn_id
+        self.endpoint_id = endpoint_id(cfg.endpoint(), cfg.model)
 
     def _request(self, request: LLMRequest, *, stream: bool) -> dict[str, Any]:
         cfg = self.cfg
@@ -249,6 +260,34 @@ class OpenAIChatClient:
         return self.cfg.stream and not (request.tools and no_tool_streams)
 
     async def complete(self, request: LLMRequest) -> LLMReply:
+        admission = self.admission
+        if admission is None:
+            return await self._complete(request)
+        cfg = self.cfg
+        estimate = estimate_tokens(request, cfg.max_tokens)
+        wait = await admission.admit(
+            self.endpoint_id, self.ticket, cfg.limits, estimate, cfg.timeout_s
+        )
+        if wait > 0:
+            raise AwaitingAdmission(
+                f"the cluster's limiter holds calls to {cfg.endpoint()} back for {wait:.2f} s",
+                retry_after_s=wait,
+            )
+        used: int | None = None
+        try:
+            reply = await self._complete(request)
+            if reply.usage is not None:
+                used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+            return reply
+        except RateLimitedLLMError as exc:
+            if exc.retry_after_s:  # the provider's word holds every host back
+                await admission.pause(self.endpoint_id, exc.retry_after_s)
+            raise
+        finally:
+            delta = 0 if used is None else used - estimate
+            await admission.settle(self.endpoint_id, self.ticket, cfg.limits, delta)
+
+    async def _complete(self, request: LLMRequest) -> LLMReply:
         try:
             if self._streams(request):
                 try:
@@ -368,6 +407,19 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
         )
     message = Message(role="assistant", text=text, tool_calls=calls)
     return LLMReply(message, usage=used, truncated=finish == "length")
+
+
+def estimate_tokens(request: LLMRequest, max_tokens: int | None) -> int:
+    """A call's tokens before it is made: its text at 4 characters a token, and the reply's cap
+    (256 when there is none); the reply's usage corrects it afterwards."""
+    size = sum(
+        len(m.text)
+        + len(m.tool_result.output if m.tool_result else "")
+        + sum(len(c.arguments_json()) for c in m.tool_calls)
+        for m in request.messages
+    )
+    reply = max_tokens or 256
+    return size // 4 + reply * (2 if request.more_room else 1)  # fmt: skip
 
 
 def _with_cause(exc: BaseException) -> str:

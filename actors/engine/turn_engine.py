@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.engine.admission import RedisAdmission
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
@@ -178,6 +179,7 @@ class TurnEngine:
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
+        self.admission = RedisAdmission(client, keys)
         self.isolation = Isolation(client, keys)
         self.sessions = Sessions(self.store)
         self.checkpoints: Checkpointer = checkpoints or self.store
@@ -348,7 +350,9 @@ class TurnEngine:
         agent = load_agent(spec.agent)
         registry = await self.runner.registry(spec.agent, agent, spec.input)
         wired = TurnDeps(
-            llm=agent.client(ModelContext(record.turn_id, spec.input, record.baseline)),
+            llm=agent.client(
+                ModelContext(record.turn_id, spec.input, record.baseline, self.admission)
+            ),
             tools=BatchExecutor(registry, self.runner, self.ledger, self.effects, agent=spec.agent),
             registry=registry,
             checkpoints=self.checkpoints,

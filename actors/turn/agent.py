@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from actors.turn.llm import LLMClient
+from actors.turn.llm import Admission, LLMClient
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolRegistry
@@ -30,6 +30,9 @@ class ModelContext:
     """The turn's input (the scripted agent reads its scenario from the context)."""
     baseline: int
     """Messages before the turn's own (the system prompt, earlier turns of the session)."""
+    admission: Admission | None = None
+    """The cluster's admission to model endpoints (rate limits shared by every host); None
+    where there is none (a unit test)."""
 
 
 ModelFactory = Callable[[ModelContext], LLMClient]

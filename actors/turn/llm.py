@@ -51,6 +51,53 @@ class LLMReply:
     text is usable as far as it goes, its tool calls are not (their arguments may be cut)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What an endpoint allows, declared by the agent (``OpenAIChat(limits=...)``): every host
+    and process of the cluster admits its calls through one limiter in Redis that keeps them."""
+
+    requests_per_minute: float | None = None
+    """Requests a minute; None: no request limit."""
+    burst: int = 1
+    """Requests that may go at once (what the provider's bucket holds); the rest are spaced
+    at the rate."""
+    tokens_per_minute: float | None = None
+    """Tokens a minute (prompt and reply, estimated before the call from its size and
+    ``max_tokens``, corrected from the reply's usage); None: no token limit."""
+    max_in_flight: int | None = None
+    """Calls in flight at once; None: no limit."""
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute", "max_in_flight"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelLimits.{name} must be > 0 (or None), got {value!r}")
+        if self.burst < 1:
+            raise ValueError(f"ModelLimits.burst must be >= 1, got {self.burst}")
+
+
+class Admission(Protocol):
+    """The cluster's admission to model endpoints (``actors.engine.admission`` on Redis). A
+    model client asks before each call; ``endpoint`` is a stable id of the endpoint and model,
+    ``ticket`` the call (asked again with each retry of it, so it keeps its place in line)."""
+
+    async def admit(
+        self, endpoint: str, ticket: str, limits: ModelLimits | None, tokens: int, hold_s: float
+    ) -> float:
+        """0 when the call may go now, else the seconds to wait before asking again."""
+        ...
+
+    async def settle(
+        self, endpoint: str, ticket: str, limits: ModelLimits | None, token_delta: int
+    ) -> None:
+        """The admitted call ended (``token_delta``: tokens used minus estimated)."""
+        ...
+
+    async def pause(self, endpoint: str, seconds: float) -> None:
+        """The provider refused a call for its rate limit: hold every host back this long."""
+        ...
+
+
 class LLMClient(Protocol):
     async def complete(self, request: LLMRequest) -> LLMReply:
         """Return one assistant reply or raise a typed LLMError."""

@@ -41,6 +41,7 @@ from actors.turn.recovery import (
 )
 from actors.turn.tools import ToolRegistry
 from bus.errors import (
+    AwaitingAdmission,
     ContextLengthError,
     HardIdleTimeout,
     LLMError,
@@ -368,7 +369,8 @@ class TurnLoop:
                 answer = await self._call_llm(tools_enabled=tools_enabled, more_room=more_room)
             except LLMError as exc:
                 problem = _problem_of(exc)
-                self._note_error(problem, str(exc), exc)
+                if not isinstance(exc, AwaitingAdmission):  # held back here: no error
+                    self._note_error(problem, str(exc), exc)
                 asked = exc.retry_after_s if isinstance(exc, RateLimitedLLMError) else None
                 decision = self._decide(problem, retry_after_s=asked)
                 done = await self._apply(decision, problem, str(exc), asked=asked is not None)
@@ -451,7 +453,7 @@ class TurnLoop:
         action = decision.action
         if action is Action.WAIT:
             wait = decision.backoff_s * (1.0 if asked else self.settings.backoff_scale)
-            how = "as the endpoint asked" if asked else "backing off"
+            how = "as asked" if asked else "backing off"
             note = f"waiting {wait:.1f} s for the endpoint's rate limit ({how})"
             self._counters = c.model_copy(
                 update={

@@ -1,0 +1,113 @@
+"""Admission of model calls to an endpoint, one limiter in Redis shared by the whole cluster.
+
+Every host and process asks :meth:`EndpointLimiter.admit` before it sends a model call; the
+answer comes from one atomic script (``store/lua/model_admit.lua``) over three keys of the
+endpoint, which share a hash tag so the script runs on Redis Cluster too::
+
+    {ns}:{m:<endpoint>}:limit    hash   GCRA schedules (requests, tokens), the provider's pause,
+                                        each waiter's last ask
+    {ns}:{m:<endpoint>}:line     zset   waiting calls -> when they were first held back
+    {ns}:{m:<endpoint>}:flight   zset   admitted calls -> when their place in flight expires
+
+A declared limit (requests and tokens per minute, calls in flight) is kept by the schedules; a
+provider's 429 pauses the endpoint for everyone for the time it asked (:meth:`pause`), declared
+limits or not. Waiting calls are served in the order they were first held back. Nothing here
+knows the model client: it deals in numbers, ``actors.engine.admission`` binds them to an
+agent's ``ModelLimits``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from store.connection import StoreClient, text, translated
+from store.keys import KeyLayout
+from store.lua import lua_script
+
+__all__ = ["EndpointLimiter", "Schedule", "endpoint_id"]
+
+#: How long an admitted call holds its place in flight at most, beyond its own timeout.
+HOLD_SLACK_MS = 30_000
+#: A waiter that has not asked again for this long (its host died) leaves the line.
+STALE_WAITER_MS = 120_000
+
+
+def endpoint_id(base_url: str, model: str) -> str:
+    """A short stable name of an endpoint and model, for its keys (no URL in a key)."""
+    return hashlib.sha256(f"{base_url}|{model}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """An endpoint's declared limits, as the script reads them (0: none)."""
+
+    request_ms: float = 0.0
+    """Milliseconds between requests (60,000 / requests per minute)."""
+    burst: int = 1
+    """Requests that may go at once."""
+    token_ms: float = 0.0
+    """Milliseconds per token (60,000 / tokens per minute)."""
+    max_in_flight: int = 0
+    """Calls in flight at most."""
+    hold_ms: int = 120_000 + HOLD_SLACK_MS
+    """How long an admitted call holds its place in flight at most (its timeout and a slack)."""
+
+
+class EndpointLimiter:
+    """The cluster's admission to model endpoints."""
+
+    def __init__(self, client: StoreClient, keys: KeyLayout) -> None:
+        self.client = client
+        self.keys = keys
+        self._admit = client.register_script(lua_script("model_admit.lua"))
+        self._settle = client.register_script(lua_script("model_settle.lua"))
+        self._pause = client.register_script(lua_script("model_pause.lua"))
+
+    async def admit(self, endpoint: str, ticket: str, schedule: Schedule, tokens: int) -> float:
+        """0 when the call may go now (it takes its place), else the seconds to wait before
+        asking again with the same ``ticket`` (its place in the line is kept)."""
+        k = self.keys
+        args: list[str | int | float] = [
+            ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
+            max(0, tokens), schedule.max_in_flight, schedule.hold_ms, STALE_WAITER_MS,
+        ]  # fmt: skip
+        with translated(f"admit a call to model endpoint {endpoint}"):
+            wait_ms = await self._admit(
+                keys=[k.model_limit(endpoint), k.model_line(endpoint), k.model_flight(endpoint)],
+                args=args,
+            )
+        return int(wait_ms) / 1000
+
+    async def settle(
+        self, endpoint: str, ticket: str, schedule: Schedule, token_delta: int
+    ) -> None:
+        """The admitted call ended: free its place, correct the token schedule by
+        ``token_delta`` (used minus estimated; 0 when the reply said nothing)."""
+        k = self.keys
+        with translated(f"settle a call to model endpoint {endpoint}"):
+            await self._settle(
+                keys=[k.model_limit(endpoint), k.model_flight(endpoint)],
+                args=[ticket, schedule.token_ms, token_delta],
+            )
+
+    async def pause(self, endpoint: str, seconds: float) -> None:
+        """The provider refused a call for its rate limit and asked to wait ``seconds``: no
+        host sends it anything before then."""
+        with translated(f"pause model endpoint {endpoint}"):
+            await self._pause(
+                keys=[self.keys.model_limit(endpoint)], args=[max(1, int(seconds * 1000))]
+            )
+
+    async def waiting(self, endpoint: str) -> int:
+        """Calls waiting in the endpoint's line right now."""
+        with translated(f"read the line of model endpoint {endpoint}"):
+            return int(await self.client.zcard(self.keys.model_line(endpoint)))
+
+    async def endpoints(self) -> list[str]:
+        """Endpoints with a limiter state in this namespace."""
+        found = []
+        with translated("list model endpoints"):
+            async for key in self.client.scan_iter(match=self.keys.model_pattern()):
+                found.append(text(key).split("{m:", 1)[1].split("}", 1)[0])
+        return sorted(set(found))

@@ -1,0 +1,81 @@
+-- Admission of one model call to an endpoint, shared by every host and process
+-- (store/limiter.py, EndpointLimiter.admit). Times are the server's (TIME), so hosts whose
+-- clocks differ still share one schedule.
+--
+-- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit): tat_req, tat_tok (ms, GCRA
+--          theoretical arrival times), paused_until (ms), ask:<ticket> (ms of its last ask)
+-- KEYS[2]  the endpoint's waiting line, a zset: ticket -> ms of its first refusal
+-- KEYS[3]  the endpoint's calls in flight, a zset: ticket -> ms its hold expires
+-- ARGV[1]  ticket (one model call of one turn; asked again with each retry of that call)
+-- ARGV[2]  ms between requests (60000 / requests per minute); 0: no request limit
+-- ARGV[3]  requests that may go at once (the burst, >= 1)
+-- ARGV[4]  ms per token (60000 / tokens per minute); 0: no token limit
+-- ARGV[5]  the call's estimated tokens
+-- ARGV[6]  calls in flight at most; 0: no limit
+-- ARGV[7]  ms an admitted call holds its in-flight place at most (a caller that died)
+-- ARGV[8]  ms after which a waiter that has not asked again leaves the line (it died)
+--
+-- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
+-- request and token schedules have room (GCRA: one minute of tokens may go at once), a place
+-- in flight is free, and no one who waited longer is still waiting: the line is served in the
+-- order of first refusal, so new calls do not starve old ones. Returns 0 when admitted (the
+-- schedules advance, the ticket takes a place in flight), else the ms to wait before asking
+-- again (the ticket keeps its place in the line).
+local state, line, flight = KEYS[1], KEYS[2], KEYS[3]
+local ticket = ARGV[1]
+local req_ms, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
+local tok_ms, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_flight, hold_ms, stale_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local keep_ms = 3600000
+
+-- waiters that stopped asking (their host died) leave the head of the line
+while true do
+  local head = redis.call('ZRANGE', line, 0, 0)[1]
+  if not head then break end
+  local seen = tonumber(redis.call('HGET', state, 'ask:' .. head) or '0')
+  if head == ticket or now - seen <= stale_ms then break end
+  redis.call('ZREM', line, head)
+  redis.call('HDEL', state, 'ask:' .. head)
+end
+redis.call('ZREMRANGEBYSCORE', flight, '-inf', now)
+
+local wait = 0
+local paused = tonumber(redis.call('HGET', state, 'paused_until') or '0')
+if paused > now then wait = paused - now end
+local tat_req = math.max(tonumber(redis.call('HGET', state, 'tat_req') or '0'), now)
+if req_ms > 0 then
+  wait = math.max(wait, tat_req - req_ms * (burst - 1) - now)
+end
+local tat_tok = math.max(tonumber(redis.call('HGET', state, 'tat_tok') or '0'), now)
+local cost = tok_ms * tokens
+if tok_ms > 0 then
+  wait = math.max(wait, tat_tok + cost - 60000 - now)
+end
+if max_flight > 0 and redis.call('ZCARD', flight) >= max_flight then
+  wait = math.max(wait, 200)  -- calls finish at their own pace: ask again soon
+end
+local rank = redis.call('ZRANK', line, ticket)
+local ahead = rank
+if not ahead then ahead = redis.call('ZCARD', line) end
+if ahead > 0 then
+  -- everyone ahead goes first: at least one request interval each (a short beat without one)
+  wait = math.max(wait, 0) + ahead * math.max(req_ms, 10)
+end
+
+if wait <= 0 then
+  if req_ms > 0 then redis.call('HSET', state, 'tat_req', tat_req + req_ms) end
+  if tok_ms > 0 then redis.call('HSET', state, 'tat_tok', tat_tok + cost) end
+  if max_flight > 0 then redis.call('ZADD', flight, now + hold_ms, ticket) end
+  redis.call('ZREM', line, ticket)
+  redis.call('HDEL', state, 'ask:' .. ticket)
+  redis.call('PEXPIRE', state, keep_ms)
+  redis.call('PEXPIRE', flight, keep_ms)
+  return 0
+end
+if not rank then redis.call('ZADD', line, now, ticket) end
+redis.call('HSET', state, 'ask:' .. ticket, now)
+redis.call('PEXPIRE', state, keep_ms)
+redis.call('PEXPIRE', line, keep_ms)
+return math.max(1, math.ceil(wait))

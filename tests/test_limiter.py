@@ -1,0 +1,74 @@
+"""The cluster's admission to a model endpoint (``store/limiter.py``): the same assertions on
+fakeredis, a real server and a real Redis Cluster (the scripts' keys share a hash tag)."""
+
+from __future__ import annotations
+
+import pytest
+
+from store.connection import StoreClient
+from store.keys import KeyLayout
+from store.limiter import EndpointLimiter, Schedule, endpoint_id
+
+EP = endpoint_id("http://127.0.0.1:1/v1", "m")
+#: 600 requests a minute (one every 100 ms), two at once.
+RATE = Schedule(request_ms=100.0, burst=2)
+
+
+@pytest.fixture
+def limiter(any_client: StoreClient, keys: KeyLayout) -> EndpointLimiter:
+    return EndpointLimiter(any_client, keys)
+
+
+async def test_a_declared_rate_admits_its_burst_then_spaces_calls(limiter: EndpointLimiter) -> None:
+    assert await limiter.admit(EP, "a", RATE, 10) == 0
+    assert await limiter.admit(EP, "b", RATE, 10) == 0
+    wait = await limiter.admit(EP, "c", RATE, 10)
+    assert 0 < wait <= 0.2  # the next place on the schedule
+    assert await limiter.waiting(EP) == 1
+
+
+async def test_the_line_is_served_in_the_order_calls_were_first_held_back(
+    limiter: EndpointLimiter,
+) -> None:
+    slow = Schedule(request_ms=60_000.0, burst=1)  # one a minute
+    assert await limiter.admit(EP, "first", slow, 1) == 0
+    early = await limiter.admit(EP, "early", slow, 1)
+    late = await limiter.admit(EP, "late", slow, 1)
+    assert 0 < early < late  # the later one waits behind the earlier one
+    again = await limiter.admit(EP, "early", slow, 1)  # asking again keeps its place
+    assert again < await limiter.admit(EP, "late", slow, 1)
+    assert await limiter.waiting(EP) == 2
+
+
+async def test_a_providers_pause_holds_every_caller_back(limiter: EndpointLimiter) -> None:
+    free = Schedule()
+    assert await limiter.admit(EP, "x", free, 1) == 0
+    await limiter.pause(EP, 5.0)
+    await limiter.pause(EP, 1.0)  # a shorter pause never shortens a longer one
+    wait = await limiter.admit(EP, "y", free, 1)
+    assert 4.0 < wait <= 5.0
+
+
+async def test_calls_in_flight_are_capped_and_freed_when_settled(limiter: EndpointLimiter) -> None:
+    one = Schedule(max_in_flight=1)
+    assert await limiter.admit(EP, "a", one, 1) == 0
+    assert await limiter.admit(EP, "b", one, 1) > 0
+    await limiter.settle(EP, "a", one, 0)
+    assert await limiter.admit(EP, "b", one, 1) == 0
+
+
+async def test_a_token_rate_counts_each_calls_tokens(limiter: EndpointLimiter) -> None:
+    tokens = Schedule(token_ms=60_000 / 1_000)  # 1,000 tokens a minute, a minute's worth at once
+    assert await limiter.admit(EP, "a", tokens, 900) == 0
+    wait = await limiter.admit(EP, "b", tokens, 900)
+    assert 40 < wait <= 48.7  # 800 tokens over: 48 s
+    await limiter.settle(EP, "a", tokens, -800)  # the reply said it used 100
+    assert await limiter.admit(EP, "b", tokens, 900) == 0
+    assert await limiter.endpoints() == [EP]
+
+
+def test_endpoint_ids_are_stable_and_keys_refuse_anything_else(keys: KeyLayout) -> None:
+    assert endpoint_id("http://a/v1", "m") == endpoint_id("http://a/v1", "m") != EP
+    assert keys.model_limit(EP).endswith(f"{{m:{EP}}}:limit")
+    with pytest.raises(Exception, match="invalid model endpoint"):
+        keys.model_limit("x}:{y")
