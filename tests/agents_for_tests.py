@@ -123,6 +123,10 @@ http_tight = _http("tight", max_tokens=2, stream=False)
 #: Declares the tests' endpoint's limit (set by ``POST /_limit``): 600 requests a minute, 5 at
 #: once; every host admits its calls through the cluster's limiter.
 http_limited = _http("limited", stream=False, limits=ModelLimits(requests_per_minute=600, burst=5))
+#: The limit of scripts/rate_limit_bench.py's endpoint, declared: 600 a minute, 100 at once.
+http_limited_bench = _http(
+    "limited-bench", stream=False, limits=ModelLimits(requests_per_minute=600, burst=100)
+)
 #: Needs its key even on a local endpoint.
 http_keyed = _http("keyed", require_key=True)
 #: An endpoint where nothing listens (port 9, discard, is closed here).

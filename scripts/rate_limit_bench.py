@@ -1,0 +1,119 @@
+"""A burst of turns against an endpoint that limits the way providers do: the rate-limit figure.
+
+200 concurrent turns of a 2-round tool agent (3 model calls each, 600 requests) against the
+tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
+it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``). Each variant is one
+``phaseline run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
+(``tests.agents_for_tests:http_json``) and declared
+(``tests.agents_for_tests:http_limited_bench``). Reported per variant: outcomes, wall time
+against the ideal (requests beyond the burst divided by the rate: 50 s), the endpoint's
+accepted and refused requests.
+
+Run from a checkout: ``.venv/bin/python scripts/rate_limit_bench.py [--turns 200] [--tree DIR]
+[--only in_process] [--report FILE]``; ``--tree`` runs another checkout's ``phaseline`` (the
+same command before and after a change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RPM, BURST, ROUNDS = 600, 100, 2
+AGENTS = {
+    "undeclared": "tests.agents_for_tests:http_json",
+    "declared": "tests.agents_for_tests:http_limited_bench",
+}
+MODES = {"in_process": ["--in-process"], "ray_2_hosts": ["--hosts", "2"]}
+
+
+def _call(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=10) as reply:
+        return dict(json.loads(reply.read()))
+
+
+def run_variant(tree: Path, base: str, mode: str, agent: str, turns: int) -> dict[str, object]:
+    _call(f"{base}/_limit", {"rpm": RPM, "burst": BURST, "headers": True})  # a full bucket
+    script = {"rounds": ROUNDS, "tool": "add", "quote": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "run.json"
+        cmd = [
+            sys.executable, "-m", "actors.cli", "run", "--namespace", f"rl{int(time.time())}",
+            "--agent", agent, "--input", f"#script {json.dumps(script)}\nAdd, please.",
+            "--turns", str(turns), "--report", str(report), *MODES[mode],
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": f"{base}/v1",
+            "PHASELINE_TEST_OPENAI_KEY": "k",
+            "PYTHONPATH": str(tree),
+            "RAY_TMPDIR": tempfile.mkdtemp(prefix="rb", dir="/tmp"),
+        }
+        started = time.monotonic()
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)  # fmt: skip
+        wall = time.monotonic() - started
+        data = json.loads(report.read_text()) if report.exists() else {}
+    seen = _call(f"{base}/_stats")
+    requests = turns * (ROUNDS + 1)
+    ideal = max(0, requests - BURST) / (RPM / 60)
+    accepted, refused = int(seen["accepted"]), int(seen["refused"])  # type: ignore[call-overload]
+    return {
+        "exit": done.returncode,
+        "outcomes": data.get("outcomes"),
+        "run_wall_s": data.get("wall_s"),
+        "command_wall_s": round(wall, 1),
+        "ideal_s": ideal,
+        "wall_over_ideal": round(float(data["wall_s"]) / ideal, 2) if data and ideal else None,
+        "accepted": accepted,
+        "refused": refused,
+        "refused_per_accepted": round(refused / accepted, 3) if accepted else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--tree", type=Path, default=ROOT)
+    parser.add_argument("--only", choices=sorted(MODES), default=None)
+    parser.add_argument("--agents", default=",".join(AGENTS))
+    parser.add_argument("--report", type=Path, default=None)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                _call(f"{base}/_stats")
+                break
+            except OSError:
+                time.sleep(0.05)  # waiting for the endpoint to listen
+        figures: dict[str, object] = {"tree": str(args.tree), "turns": args.turns, "rpm": RPM,
+                                      "burst": BURST}  # fmt: skip
+        for mode in [args.only] if args.only else list(MODES):
+            for name in args.agents.split(","):
+                figures[f"{mode}/{name}"] = fig = run_variant(
+                    args.tree, base, mode, AGENTS[name], args.turns
+                )
+                print(f"{mode}/{name}: {json.dumps(fig)}", flush=True)
+    finally:
+        endpoint.terminate()
+    if args.report:
+        args.report.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
