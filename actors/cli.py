@@ -868,7 +868,9 @@ async def _render(events: AsyncIterator[WatchEvent], view: LiveView) -> None:
 def _exit_for(view: LiveView) -> None:
     """0 for a turn that answered (or wrapped up in force_stop), 1 for one that ended else."""
     done = view.finished
-    answered = (Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED)
+    answered = (
+        Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED, Outcome.BUDGET_EXHAUSTED
+    )  # fmt: skip
     if done is not None and done.outcome not in answered:
         sys.exit(ExitStatus.ERROR)
 

@@ -39,6 +39,8 @@ class Outcome(StrEnum):
     """The model gave its final answer."""
     FORCE_STOPPED = "force_stopped"
     """The loop detector stopped the turn; the model wrapped up without tools."""
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    """The turn reached its agent's token budget; the model wrapped up without tools."""
     TRUNCATED = "truncated"
     """The final answer was cut by the agent's own ``max_tokens`` cap; it is kept as it came
     (a text reply is usable, cut or not; raise the cap to get it whole)."""
@@ -157,6 +159,13 @@ class Usage(_Frozen):
     """Tokens of the request."""
     completion_tokens: int = Field(default=0, ge=0)
     """Tokens of the reply."""
+    cached_tokens: int = Field(default=0, ge=0)
+    """Of the request's tokens, those the endpoint served from its prompt cache (when it
+    says)."""
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class MessageMeta(_Frozen):
@@ -238,6 +247,12 @@ class Counters(_Frozen):
     cut_retries: int = 0
     """Retries of the current model call whose reply with tool calls was cut by the caller's
     ``max_tokens`` cap (reset when a call succeeds)."""
+    tokens: Usage = Field(default_factory=lambda: Usage())
+    """Tokens of the turn's model calls, summed from each reply's usage as the reply enters the
+    transcript (so a call whose reply was lost with its host is not counted; see
+    ``unmetered_calls``)."""
+    unmetered_calls: int = 0
+    """Model calls whose tokens are not in ``tokens``: the endpoint reported no usage."""
     rate_limit_waits: int = 0
     """Rate-limit waits of the current model call (reset when a call succeeds)."""
     rate_limit_waited_ms: int = 0

@@ -127,6 +127,10 @@ http_limited = _http("limited", stream=False, limits=ModelLimits(requests_per_mi
 http_limited_bench = _http(
     "limited-bench", stream=False, limits=ModelLimits(requests_per_minute=600, burst=100)
 )
+#: A budget of 100 tokens a turn (the tests' endpoint counts 4 characters a token).
+http_budget = dataclasses.replace(
+    _http("budget", stream=False), settings=AgentSettings(max_tokens_per_turn=100)
+)
 #: Needs its key even on a local endpoint.
 http_keyed = _http("keyed", require_key=True)
 #: An endpoint where nothing listens (port 9, discard, is closed here).

@@ -31,6 +31,7 @@ NO_TOOL_STREAMS = "tests.agents_for_tests:http_no_tool_streams"
 SMALL_CONTEXT = "tests.agents_for_tests:http_small_context"
 POLLER = "tests.agents_for_tests:http_poller"
 LIMITED = "tests.agents_for_tests:http_limited"
+BUDGET = "tests.agents_for_tests:http_budget"
 
 
 @pytest.fixture(autouse=True)
@@ -356,3 +357,19 @@ async def test_with_the_limit_declared_the_cluster_keeps_to_it(
     for tid in ids:  # held back by the limiter is no error of the turn
         error = (await engine.store.load(tid)).counters.last_error
         assert error is None or error.status == 429, error
+
+
+async def test_tokens_are_summed_per_turn_and_a_budget_wraps_the_turn_up(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    stats, final = await run(real_client, keys, JSON, ask(2), "metered")
+    used = [m.usage for m in final.meta if m.usage is not None]
+    assert len(used) == 3 and final.counters.unmetered_calls == 0
+    assert final.counters.tokens.total == sum(u.total for u in used) > 0
+    # a budget of 100 tokens: the batch asked for once it is spent is not run
+    stats, final = await run(real_client, keys, BUDGET, ask(4), "budget")
+    assert stats.outcomes == {"budget_exhausted": 1}
+    results = [m.tool_result for m in final.messages if m.tool_result is not None]
+    assert [r.status for r in results] == ["ok"] * (len(results) - 1) + ["skipped"]
+    assert len(results) < 4 and "budget of 100 tokens" in results[-1].output
+    assert final.messages[-1].role == "assistant" and final.counters.tokens.total >= 100

@@ -277,7 +277,7 @@ class OpenAIChatClient:
         try:
             reply = await self._complete(request)
             if reply.usage is not None:
-                used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                used = reply.usage.total
             return reply
         except RateLimitedLLMError as exc:
             if exc.retry_after_s:  # the provider's word holds every host back
@@ -402,8 +402,11 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
         raise FatalLLMError("the endpoint's content filter stopped the reply")
     used = None
     if usage is not None:
+        details = getattr(usage, "prompt_tokens_details", None)
         used = Usage(
-            prompt_tokens=usage.prompt_tokens or 0, completion_tokens=usage.completion_tokens or 0
+            prompt_tokens=usage.prompt_tokens or 0,
+            completion_tokens=usage.completion_tokens or 0,
+            cached_tokens=getattr(details, "cached_tokens", None) or 0,
         )
     message = Message(role="assistant", text=text, tool_calls=calls)
     return LLMReply(message, usage=used, truncated=finish == "length")

@@ -367,6 +367,7 @@ class TurnEngine:
             max_tool_rounds=limits.max_tool_rounds,
             compact_at_chars=limits.compact_at_chars,
             loop_thresholds=limits.loop_thresholds,
+            max_tokens_per_turn=limits.max_tokens_per_turn,
         )
         return TurnLoop(
             record,

@@ -51,6 +51,10 @@ class AgentSettings:
     compact_at_chars: int | None = None
     """Compact before a model call once the transcript holds this many characters, instead of
     waiting for the endpoint's context-length error. None: reactive compaction only."""
+    max_tokens_per_turn: int | None = None
+    """A turn's token budget (prompt and reply of all its model calls, as the endpoint reports
+    them): once a reply takes it there, the turn runs no more tools and wraps up in
+    ``force_stop`` (outcome ``budget_exhausted``). None: no budget."""
     loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
     """When a call that keeps returning the same result is skipped (and the model nudged), and
     when the turn is stopped for it; a call whose result changes is never a loop."""
@@ -58,6 +62,8 @@ class AgentSettings:
     def __post_init__(self) -> None:
         if self.max_tool_rounds is not None and self.max_tool_rounds < 0:
             raise ValueError("max_tool_rounds must be >= 0")
+        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
+            raise ValueError("max_tokens_per_turn must be >= 1")
         if self.compact_at_chars is not None and self.compact_at_chars < 1:
             raise ValueError("compact_at_chars must be >= 1")
         bad = {k: v for k, v in self.tool_timeouts.items() if not v > 0}

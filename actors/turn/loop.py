@@ -149,6 +149,8 @@ class LoopSettings:
     limit)."""
     compact_at_chars: int | None = None
     """Compact before a model call once the transcript holds this many characters."""
+    max_tokens_per_turn: int | None = None
+    """The agent's token budget per turn; past it the turn wraps up (``budget_exhausted``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +344,10 @@ class TurnLoop:
                     log.info("turn %s: the answer was cut by max_tokens; kept", self.turn_id)
                     return await self._finish(Outcome.TRUNCATED)
                 return await self._finish(Outcome.ANSWERED)
+            budget = self.settings.max_tokens_per_turn
+            if budget is not None and self._counters.tokens.total >= budget:
+                self._skip_batch(reply.tool_calls, f"the turn's budget of {budget:,} tokens")
+                return await self._force_stop(checkpoint_first=True)
             limit = self.settings.max_tool_rounds
             if limit is not None and self._counters.tool_batches >= limit:
                 self._skip_batch(reply.tool_calls, f"the agent's limit of {limit} tool rounds")
@@ -394,10 +400,18 @@ class TurnLoop:
                 if done is not None:
                     return done
                 continue
-            self._counters = self._counters.model_copy(
+            c = self._counters
+            usage = answer.usage
+            self._counters = c.model_copy(
                 update={
                     "retry_attempts": 0, "cut_retries": 0,
                     "rate_limit_waits": 0, "rate_limit_waited_ms": 0,
+                    "tokens": c.tokens if usage is None else Usage(
+                        prompt_tokens=c.tokens.prompt_tokens + usage.prompt_tokens,
+                        completion_tokens=c.tokens.completion_tokens + usage.completion_tokens,
+                        cached_tokens=c.tokens.cached_tokens + usage.cached_tokens,
+                    ),
+                    "unmetered_calls": c.unmetered_calls + (usage is None),
                 }
             )  # fmt: skip
             return answer
@@ -527,11 +541,13 @@ class TurnLoop:
         if checkpoint_first:
             await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
+        budget = self.settings.max_tokens_per_turn
+        spent = budget is not None and self._counters.tokens.total >= budget  # why it stops
         answer = await self._ask(tools_enabled=False)
         if isinstance(answer, TurnOutcome):
             return answer
         self._append(answer.message, "llm", usage=answer.usage)
-        return await self._finish(Outcome.FORCE_STOPPED)
+        return await self._finish(Outcome.BUDGET_EXHAUSTED if spent else Outcome.FORCE_STOPPED)
 
     async def _finish(self, outcome: Outcome) -> TurnOutcome:
         self.tracker.to(P.DONE)
