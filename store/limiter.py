@@ -25,7 +25,7 @@ from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 
-__all__ = ["EndpointLimiter", "Schedule", "endpoint_id"]
+__all__ = ["EndpointLimiter", "EndpointState", "Schedule", "endpoint_id"]
 
 #: How long an admitted call holds its place in flight at most, beyond its own timeout.
 HOLD_SLACK_MS = 30_000
@@ -54,6 +54,22 @@ class Schedule:
     """How long an admitted call holds its place in flight at most (its timeout and a slack)."""
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One endpoint's admission as ``phaseline status`` shows it."""
+
+    endpoint: str
+    """Its id (a hash of base URL and model)."""
+    label: str
+    """Model and base URL."""
+    waiting: int
+    """Calls held back right now (turns waiting on its rate limit)."""
+    in_flight: int
+    """Calls holding a place in flight (only counted under a declared ``max_in_flight``)."""
+    paused_s: float
+    """Seconds left of the provider's pause (0: not paused)."""
+
+
 class EndpointLimiter:
     """The cluster's admission to model endpoints."""
 
@@ -64,13 +80,17 @@ class EndpointLimiter:
         self._settle = client.register_script(lua_script("model_settle.lua"))
         self._pause = client.register_script(lua_script("model_pause.lua"))
 
-    async def admit(self, endpoint: str, ticket: str, schedule: Schedule, tokens: int) -> float:
+    async def admit(
+        self, endpoint: str, ticket: str, schedule: Schedule, tokens: int, label: str = ""
+    ) -> float:
         """0 when the call may go now (it takes its place), else the seconds to wait before
-        asking again with the same ``ticket`` (its place in the line is kept)."""
+        asking again with the same ``ticket`` (its place in the line is kept). ``label`` names
+        the endpoint for a person (``phaseline status``)."""
         k = self.keys
         args: list[str | int | float] = [
             ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
             max(0, tokens), schedule.max_in_flight, schedule.hold_ms, STALE_WAITER_MS,
+            label or endpoint,
         ]  # fmt: skip
         with translated(f"admit a call to model endpoint {endpoint}"):
             wait_ms = await self._admit(
@@ -98,6 +118,23 @@ class EndpointLimiter:
             await self._pause(
                 keys=[self.keys.model_limit(endpoint)], args=[max(1, int(seconds * 1000))]
             )
+
+    async def snapshot(self) -> list[EndpointState]:
+        """Every endpoint with a limiter state in this namespace, as it is now."""
+        states = []
+        for endpoint in await self.endpoints():
+            k = self.keys
+            with translated(f"read model endpoint {endpoint}"):  # a few reads, not hot
+                label, paused = await self.client.hmget(
+                    k.model_limit(endpoint), ["label", "paused_until"]
+                )
+                line = await self.client.zcard(k.model_line(endpoint))
+                flight = await self.client.zcard(k.model_flight(endpoint))
+                sec, usec = await self.client.time()  # the pause is in the server's time
+            left = max(0, int(paused or 0) - (int(sec) * 1000 + int(usec) // 1000)) / 1000
+            name = text(label) if label else endpoint
+            states.append(EndpointState(endpoint, name, int(line), int(flight), left))
+        return states
 
     async def waiting(self, endpoint: str) -> int:
         """Calls waiting in the endpoint's line right now."""

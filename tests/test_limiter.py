@@ -72,3 +72,15 @@ def test_endpoint_ids_are_stable_and_keys_refuse_anything_else(keys: KeyLayout) 
     assert keys.model_limit(EP).endswith(f"{{m:{EP}}}:limit")
     with pytest.raises(Exception, match="invalid model endpoint"):
         keys.model_limit("x}:{y")
+
+
+async def test_a_snapshot_names_each_endpoint_with_its_waiters_and_pause(
+    limiter: EndpointLimiter,
+) -> None:
+    slow = Schedule(request_ms=60_000.0, burst=1)
+    assert await limiter.admit(EP, "a", slow, 1, label="m at http://127.0.0.1:1/v1") == 0
+    assert await limiter.admit(EP, "b", slow, 1) > 0
+    await limiter.pause(EP, 30)
+    (state,) = await limiter.snapshot()
+    assert (state.endpoint, state.label, state.waiting) == (EP, "m at http://127.0.0.1:1/v1", 1)
+    assert 25 < state.paused_s <= 30

@@ -20,6 +20,7 @@ from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.runtime import Runtime
 from bus.events import decode_event
 from bus.phase import Transition
+from store.limiter import EndpointLimiter, EndpointState
 from store.pools import PoolSizes
 
 
@@ -87,6 +88,8 @@ class DeploymentStatus:
     """Its tool worker pools."""
     mcp: list[MCPRow] = field(default_factory=list)
     """MCP servers the workers hold sessions with."""
+    models: list[EndpointState] = field(default_factory=list)
+    """Model endpoints: calls waiting on each one's rate limit, its pause."""
     checkpoints_per_s: float = 0.0
     """Saves the CheckpointActor wrote per second over the sample."""
     respawns: int = 0
@@ -177,6 +180,7 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
         in_progress=len(await rt.store.list_in_progress()),
         pools=pool_rows,
         mcp=[MCPRow(p, s, c, n) for (p, s), (c, n) in sorted(mcp.items())],
+        models=await EndpointLimiter(rt.client, dep.keys).snapshot(),
         checkpoints_per_s=round((saves1 - saves0) / span, 1),
         respawns=await rt.respawns(),
     )

@@ -33,9 +33,16 @@ class RedisAdmission(Admission):
         self.limiter = EndpointLimiter(client, keys)
 
     async def admit(
-        self, endpoint: str, ticket: str, limits: ModelLimits | None, tokens: int, hold_s: float
+        self,
+        endpoint: str,
+        ticket: str,
+        limits: ModelLimits | None,
+        tokens: int,
+        hold_s: float,
+        label: str = "",
     ) -> float:
-        return await self.limiter.admit(endpoint, ticket, schedule_of(limits, hold_s), tokens)
+        schedule = schedule_of(limits, hold_s)
+        return await self.limiter.admit(endpoint, ticket, schedule, tokens, label)
 
     async def settle(
         self, endpoint: str, ticket: str, limits: ModelLimits | None, token_delta: int

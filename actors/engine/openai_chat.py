@@ -266,8 +266,9 @@ class OpenAIChatClient:
         cfg = self.cfg
         estimate = estimate_tokens(request, cfg.max_tokens)
         wait = await admission.admit(
-            self.endpoint_id, self.ticket, cfg.limits, estimate, cfg.timeout_s
-        )
+            self.endpoint_id, self.ticket, cfg.limits, estimate, cfg.timeout_s,
+            f"{cfg.model} at {cfg.endpoint()}",
+        )  # fmt: skip
         if wait > 0:
             raise AwaitingAdmission(
                 f"the cluster's limiter holds calls to {cfg.endpoint()} back for {wait:.2f} s",

@@ -48,4 +48,11 @@ def render(status: DeploymentStatus) -> Group:
         for m in status.mcp:
             mcp.add_row(m.pool, m.server, str(m.connected), str(m.starts))
         parts.append(mcp)
+    if status.models:
+        models = Table(title="model endpoints", title_justify="left")
+        for col in ("model", "waiting on its rate limit", "in flight", "paused s"):
+            models.add_column(col, justify="left" if col == "model" else "right")
+        for e in status.models:
+            models.add_row(e.label, str(e.waiting), str(e.in_flight), f"{e.paused_s:g}")
+        parts.append(models)
     return Group(*parts)

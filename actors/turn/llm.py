@@ -82,9 +82,16 @@ class Admission(Protocol):
     ``ticket`` the call (asked again with each retry of it, so it keeps its place in line)."""
 
     async def admit(
-        self, endpoint: str, ticket: str, limits: ModelLimits | None, tokens: int, hold_s: float
+        self,
+        endpoint: str,
+        ticket: str,
+        limits: ModelLimits | None,
+        tokens: int,
+        hold_s: float,
+        label: str = "",
     ) -> float:
-        """0 when the call may go now, else the seconds to wait before asking again."""
+        """0 when the call may go now, else the seconds to wait before asking again
+        (``label``: the endpoint as a person reads it)."""
         ...
 
     async def settle(

@@ -14,6 +14,7 @@
 -- ARGV[6]  calls in flight at most; 0: no limit
 -- ARGV[7]  ms an admitted call holds its in-flight place at most (a caller that died)
 -- ARGV[8]  ms after which a waiter that has not asked again leaves the line (it died)
+-- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
 -- request and token schedules have room (GCRA: one minute of tokens may go at once), a place
@@ -29,6 +30,7 @@ local max_flight, hold_ms, stale_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonu
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local keep_ms = 3600000
+redis.call('HSETNX', state, 'label', ARGV[9])
 
 -- waiters that stopped asking (their host died) leave the head of the line
 while true do
