@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.polling import eventually
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 AGENT = "tests.agents_for_tests:http_bump"
+LIMITED = "tests.agents_for_tests:http_limited"
 SCRIPT = {"rounds": 4, "tool": "bump", "latency_ms": 150}
 
 
@@ -111,3 +113,39 @@ async def test_http_turns_survive_killed_hosts_and_tool_workers(
             else:
                 assert (role, text, calls) == want[:3], tid
         assert all(n == 1 for n in (await effects.counts(tid)).values()), tid  # never twice
+
+
+def _limit(base_url: str, **spec: Any) -> dict[str, Any]:
+    """Set the test endpoint's limit (none: lift it)."""
+    url = base_url.removesuffix("/v1") + "/_limit"
+    req = urllib.request.Request(url, json.dumps(spec).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as reply:
+        return dict(json.loads(reply.read()))
+
+
+def _stats(base_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/_stats", timeout=5) as reply:
+        return dict(json.loads(reply.read()))
+
+
+async def test_two_hosts_keep_to_one_declared_limit(
+    redis_url: str, namespace: str, openai_server: str
+) -> None:
+    """20 turns on 2 hosts against an endpoint limited to 600 requests a minute, 5 at once, by
+    an agent that declares it: both hosts admit their calls through the one limiter in Redis,
+    so the endpoint refuses at most 10 % of what it accepts, and every turn answers."""
+    _limit(openai_server, rpm=600, burst=5, headers=True)
+    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=2)
+    try:
+        ids = [f"lim{i:02d}" for i in range(20)]
+        script = {"rounds": 2, "tool": "add", "quote": False}
+        await rt.submit(LIMITED, TurnInput(message=f"#script {json.dumps(script)}\nAdd."), ids)
+        finals = await rt.wait(ids, timeout=180)
+        assert {rt.dep.slot_of(t) for t in ids} == {0, 1}  # both hosts had turns
+    finally:
+        await rt.shutdown()
+        seen = _stats(openai_server)
+        _limit(openai_server)
+    assert {f.counters.outcome for f in finals.values()} == {"answered"}
+    assert seen["accepted"] >= 60 and seen["refused"] <= 0.1 * seen["accepted"], seen
