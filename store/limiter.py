@@ -5,7 +5,7 @@ answer comes from one atomic script (``store/lua/model_admit.lua``) over three k
 endpoint, which share a hash tag so the script runs on Redis Cluster too::
 
     {ns}:{m:<endpoint>}:limit    hash   GCRA schedules (requests, tokens), the provider's pause,
-                                        each waiter's last ask
+                                        a label, when each waiter said it would ask again
     {ns}:{m:<endpoint>}:line     zset   waiting calls -> when they were first held back
     {ns}:{m:<endpoint>}:flight   zset   admitted calls -> when their place in flight expires
 
@@ -29,8 +29,9 @@ __all__ = ["EndpointLimiter", "EndpointState", "Schedule", "endpoint_id"]
 
 #: How long an admitted call holds its place in flight at most, beyond its own timeout.
 HOLD_SLACK_MS = 30_000
-#: A waiter that has not asked again for this long (its host died) leaves the line.
-STALE_WAITER_MS = 120_000
+#: How late a waiter may ask again (a busy host) before it leaves the line: a waiter whose turn
+#: ended or whose host died must not hold up everyone behind it.
+WAITER_GRACE_MS = 10_000
 
 
 def endpoint_id(base_url: str, model: str) -> str:
@@ -89,7 +90,7 @@ class EndpointLimiter:
         k = self.keys
         args: list[str | int | float] = [
             ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
-            max(0, tokens), schedule.max_in_flight, schedule.hold_ms, STALE_WAITER_MS,
+            max(0, tokens), schedule.max_in_flight, schedule.hold_ms, WAITER_GRACE_MS,
             label or endpoint,
         ]  # fmt: skip
         with translated(f"admit a call to model endpoint {endpoint}"):

@@ -84,3 +84,17 @@ async def test_a_snapshot_names_each_endpoint_with_its_waiters_and_pause(
     (state,) = await limiter.snapshot()
     assert (state.endpoint, state.label, state.waiting) == (EP, "m at http://127.0.0.1:1/v1", 1)
     assert 25 < state.paused_s <= 30
+
+
+async def test_a_waiter_that_does_not_come_back_leaves_the_line(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout
+) -> None:
+    """A turn that ended (or whose host died) while held back must not hold up the line."""
+    slow = Schedule(request_ms=60_000.0, burst=1)
+    assert await limiter.admit(EP, "first", slow, 1) == 0
+    assert await limiter.admit(EP, "gone", slow, 1) > 0
+    alone = await limiter.admit(EP, "next", slow, 1)
+    # "gone" said it would ask again by now: make that long past, as if it never came back
+    await any_client.hset(keys.model_limit(EP), "back:gone", 1)
+    assert await limiter.admit(EP, "next", slow, 1) < alone
+    assert await limiter.waiting(EP) == 1

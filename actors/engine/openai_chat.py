@@ -48,6 +48,7 @@ the call; it is never part of a record, a spec, a log line or a report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import logging
@@ -55,7 +56,7 @@ import os
 import re
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ from bus.errors import (
     LLMError,
     RateLimitedLLMError,
     RetryableLLMError,
+    StoreError,
 )
 from store.limiter import endpoint_id
 from store.records import Message, ToolCall, Usage
@@ -282,11 +284,13 @@ class OpenAIChatClient:
             return reply
         except RateLimitedLLMError as exc:
             if exc.retry_after_s:  # the provider's word holds every host back
-                await admission.pause(self.endpoint_id, exc.retry_after_s)
+                with _advisory("pause"):
+                    await admission.pause(self.endpoint_id, exc.retry_after_s)
             raise
         finally:
             delta = 0 if used is None else used - estimate
-            await admission.settle(self.endpoint_id, self.ticket, cfg.limits, delta)
+            with _advisory("settle"):  # a place not freed expires with its hold
+                await admission.settle(self.endpoint_id, self.ticket, cfg.limits, delta)
 
     async def _complete(self, request: LLMRequest) -> LLMReply:
         try:
@@ -411,6 +415,15 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
         )
     message = Message(role="assistant", text=text, tool_calls=calls)
     return LLMReply(message, usage=used, truncated=finish == "length")
+
+
+@contextlib.contextmanager
+def _advisory(what: str) -> Iterator[None]:
+    """A limiter write after the call: Redis failing it must not hide the call's own result."""
+    try:
+        yield
+    except StoreError as exc:
+        log.warning("could not %s a model call in the cluster's limiter: %s", what, exc)
 
 
 def estimate_tokens(request: LLMRequest, max_tokens: int | None) -> int:

@@ -3,7 +3,8 @@
 -- clocks differ still share one schedule.
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit): tat_req, tat_tok (ms, GCRA
---          theoretical arrival times), paused_until (ms), ask:<ticket> (ms of its last ask)
+--          theoretical arrival times), paused_until (ms), label, back:<ticket> (ms by which a
+--          waiter said it would ask again)
 -- KEYS[2]  the endpoint's waiting line, a zset: ticket -> ms of its first refusal
 -- KEYS[3]  the endpoint's calls in flight, a zset: ticket -> ms its hold expires
 -- ARGV[1]  ticket (one model call of one turn; asked again with each retry of that call)
@@ -13,7 +14,7 @@
 -- ARGV[5]  the call's estimated tokens
 -- ARGV[6]  calls in flight at most; 0: no limit
 -- ARGV[7]  ms an admitted call holds its in-flight place at most (a caller that died)
--- ARGV[8]  ms after which a waiter that has not asked again leaves the line (it died)
+-- ARGV[8]  ms a waiter may be late asking again before it leaves the line (it ended or died)
 -- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
@@ -26,20 +27,21 @@ local state, line, flight = KEYS[1], KEYS[2], KEYS[3]
 local ticket = ARGV[1]
 local req_ms, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
 local tok_ms, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
-local max_flight, hold_ms, stale_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local max_flight, hold_ms, grace_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local keep_ms = 3600000
 redis.call('HSETNX', state, 'label', ARGV[9])
 
--- waiters that stopped asking (their host died) leave the head of the line
+-- a waiter that did not come back when it said it would (its turn ended, its host died)
+-- leaves the head of the line, so it holds no one up
 while true do
   local head = redis.call('ZRANGE', line, 0, 0)[1]
   if not head then break end
-  local seen = tonumber(redis.call('HGET', state, 'ask:' .. head) or '0')
-  if head == ticket or now - seen <= stale_ms then break end
+  local back = tonumber(redis.call('HGET', state, 'back:' .. head) or '0')
+  if head == ticket or now <= back + grace_ms then break end
   redis.call('ZREM', line, head)
-  redis.call('HDEL', state, 'ask:' .. head)
+  redis.call('HDEL', state, 'back:' .. head)
 end
 redis.call('ZREMRANGEBYSCORE', flight, '-inf', now)
 
@@ -71,13 +73,14 @@ if wait <= 0 then
   if tok_ms > 0 then redis.call('HSET', state, 'tat_tok', tat_tok + cost) end
   if max_flight > 0 then redis.call('ZADD', flight, now + hold_ms, ticket) end
   redis.call('ZREM', line, ticket)
-  redis.call('HDEL', state, 'ask:' .. ticket)
+  redis.call('HDEL', state, 'back:' .. ticket)
   redis.call('PEXPIRE', state, keep_ms)
   redis.call('PEXPIRE', flight, keep_ms)
   return 0
 end
+wait = math.max(1, math.ceil(wait))
 if not rank then redis.call('ZADD', line, now, ticket) end
-redis.call('HSET', state, 'ask:' .. ticket, now)
+redis.call('HSET', state, 'back:' .. ticket, now + wait)
 redis.call('PEXPIRE', state, keep_ms)
 redis.call('PEXPIRE', line, keep_ms)
-return math.max(1, math.ceil(wait))
+return wait
