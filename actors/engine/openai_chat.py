@@ -75,6 +75,7 @@ from bus.errors import (
     RetryableLLMError,
     StoreError,
 )
+from store.connection import redact_url
 from store.limiter import endpoint_id
 from store.records import Message, ToolCall, Usage
 
@@ -157,7 +158,8 @@ class OpenAIChat:
             raise ConfigError(
                 f"model {self.model!r}: the API key variable ${self.api_key_env} is not set here"
             )
-        log.info("$%s is not set: calling %s without a key", self.api_key_env, self.endpoint())
+        where = redact_url(self.endpoint())
+        log.info("$%s is not set: calling %s without a key", self.api_key_env, where)
         return "unused"
 
 
@@ -269,11 +271,11 @@ class OpenAIChatClient:
         estimate = estimate_tokens(request, cfg.max_tokens)
         wait = await admission.admit(
             self.endpoint_id, self.ticket, cfg.limits, estimate, cfg.timeout_s,
-            f"{cfg.model} at {cfg.endpoint()}",
+            f"{cfg.model} at {redact_url(cfg.endpoint())}",
         )  # fmt: skip
         if wait > 0:
             raise AwaitingAdmission(
-                f"the cluster's limiter holds calls to {cfg.endpoint()} back for {wait:.2f} s",
+                f"the cluster's limiter holds calls to {cfg.model} back for {wait:.2f} s",
                 retry_after_s=wait,
             )
         used: int | None = None
@@ -321,13 +323,14 @@ class OpenAIChatClient:
             if isinstance(exc, openai.APITimeoutError):
                 raise
             log.info("%s dropped the request after an empty stream; sending it again: %s",
-                     self.cfg.endpoint(), _with_cause(exc))  # fmt: skip
+                     redact_url(self.cfg.endpoint()), _with_cause(exc))  # fmt: skip
             return self._whole(await self.sdk.chat.completions.create(**body))
 
     def _remember_empty_stream(self, request: LLMRequest) -> None:
         where = (self.cfg.endpoint(), self.cfg.model)
         if not request.tools:
-            log.info("%s answered an empty stream; asking again without streaming", where[0])
+            log.info("%s answered an empty stream; asking again without streaming",
+                     redact_url(where[0]))  # fmt: skip
             return
         if where not in _NO_TOOL_STREAMS:
             _NO_TOOL_STREAMS.add(where)
@@ -335,7 +338,7 @@ class OpenAIChatClient:
                 "%s (model %s) answered an empty stream to a request with tools: it cannot "
                 "stream tool calls, so calls with tools to it are made without streaming from "
                 "now on in this process",
-                where[0], where[1],
+                redact_url(where[0]), where[1],
             )  # fmt: skip
 
     def _whole(self, completion: Any) -> LLMReply:
