@@ -137,7 +137,7 @@ class Finished:
     at_ms: int
     """Unix milliseconds."""
     error: str = ""
-    """The turn's last error, one line, for a turn that did not simply answer (empty if none)."""
+    """The error an aborted turn ended with, one line (empty for any other outcome)."""
 
 
 @dataclass(frozen=True, slots=True)

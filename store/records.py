@@ -323,7 +323,7 @@ class CheckpointRecord(_Frozen):
             outcome="" if outcome is None else outcome.value,
             answer=self.answer,
             at_ms=self.updated_at,
-            error="" if error is None or outcome is Outcome.ANSWERED else error.line(),
+            error=error.line() if error is not None and outcome and outcome.aborted else "",
         )
 
 
