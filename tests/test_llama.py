@@ -153,18 +153,21 @@ def test_the_example_agent_answers_in_process(
 def test_demo_of_the_example_agent_survives_its_host_kill(
     llama_server: str, sandbox: Path, tmp_path: Path
 ) -> None:
-    """``phaseline demo --agent`` on a local Ray of its own, against the real server: the
-    exact verdict (transcripts equal to a fault-free run's, modulo the server's random
-    tool-call ids) passes with host 0 SIGKILLed mid-run."""
+    """``phaseline demo --agent`` on a local Ray of its own, against the real server, host 0
+    SIGKILLed mid-run: the promises verdict (every turn final, none lost or aborted, no side
+    effect twice, no meta drift, every call answered). Not the exact one: llama.cpp's server
+    does not answer the same conversation the same way every time even at temperature 0 (its
+    prompt cache starts each request from the previous one's prefix; seen: 6 of 10 turns
+    differing from the reference in one run of three)."""
     report = tmp_path / "demo.json"
     done = phaseline(
         "demo", "--config", str(ROOT / "configs" / "local_model.toml"), "--agent", EXAMPLE,
         "--input", "Read notes.txt and tell me the launch code.", "--turns", "10",
-        "--report", str(report),
+        "--verdict", "promises", "--report", str(report),
         cwd=tmp_path, env=example_env(llama_server, sandbox),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     data = json.loads(report.read_text())
-    assert data["ok"] and data["verdict"]["verdict"] == "exact", data
-    assert data["correct"] == 10 and len(data["kills"]) == 1
+    assert data["ok"] and data["verdict"]["verdict"] == "promises", data
+    assert data["completed"] == 10 and len(data["kills"]) == 1
     assert "the demo's kill" in done.stdout + done.stderr
