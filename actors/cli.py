@@ -69,7 +69,7 @@ from store.connection import StoreClient, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout, check_session_id, check_turn_id
-from store.records import CheckpointRecord, Outcome, TurnInput
+from store.records import ANSWER_OUTCOMES, CheckpointRecord, Outcome, TurnInput
 from store.sessions import Sessions
 from store.watch import watch_turn
 
@@ -866,12 +866,9 @@ async def _render(events: AsyncIterator[WatchEvent], view: LiveView) -> None:
 
 
 def _exit_for(view: LiveView) -> None:
-    """0 for a turn that answered (or wrapped up in force_stop), 1 for one that ended else."""
+    """0 for a turn that ended with the model's text (``ANSWER_OUTCOMES``), 1 otherwise."""
     done = view.finished
-    answered = (
-        Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED, Outcome.BUDGET_EXHAUSTED
-    )  # fmt: skip
-    if done is not None and done.outcome not in answered:
+    if done is not None and done.outcome not in ANSWER_OUTCOMES:
         sys.exit(ExitStatus.ERROR)
 
 

@@ -73,6 +73,14 @@ class Outcome(StrEnum):
         return self.value.startswith("aborted:")
 
 
+#: The outcomes of a turn that ended with the model's own text: answered, wrapped up after a
+#: stop or a budget, or an answer cut by the caller's cap. Members compare equal to their string
+#: values, so an event's ``outcome`` string is found here too.
+ANSWER_OUTCOMES = frozenset(
+    {Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED, Outcome.BUDGET_EXHAUSTED}
+)
+
+
 class SaveReason(StrEnum):
     """Why a record was written (the record's ``reason`` field)."""
 

@@ -57,7 +57,7 @@ from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves
-from actors.harness.verdict import Verdict, VerdictMode, judge, reference_transcript
+from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
 from actors.turn.loop import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
@@ -565,10 +565,7 @@ async def run_chaos(
     on_submitted: Callable[[int], None],
     on_done: Callable[[str], None],
 ) -> ChaosReport:
-    expected = None
-    if cfg.verdict is VerdictMode.EXACT:
-        ref_ns = f"{rt.dep.keys.namespace}-ref"
-        expected = await reference_transcript(rt.client, cfg.work, ref_ns)
+    expected = await expected_for(cfg.verdict, rt.client, cfg.work, f"{rt.dep.keys.namespace}-ref")
     ids = [f"chaos{cfg.seed}-t{i:06d}" for i in range(cfg.turns)]
     poisoned = frozenset(poison_ids(ids, cfg.poison)) if cfg.poison else frozenset()
     scenario = cfg.work.scenario

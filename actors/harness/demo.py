@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.cluster.runtime import Runtime
-from actors.harness.verdict import Verdict, VerdictMode, judge, reference_transcript
+from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
 
 
@@ -65,9 +65,7 @@ async def run_demo(
 ) -> DemoReport:
     """``on_kill`` hears the pid of the host just killed, before Ray's own report of the death
     reaches the driver (the CLI says it is the demo's kill)."""
-    expected = None
-    if mode is VerdictMode.EXACT:
-        expected = await reference_transcript(rt.client, work, f"{rt.dep.keys.namespace}-ref")
+    expected = await expected_for(mode, rt.client, work, f"{rt.dep.keys.namespace}-ref")
     started = time.monotonic()
     done = 0
     due = asyncio.Event()

@@ -64,6 +64,16 @@ async def reference_transcript(
     return (await engine.store.load("reference")).messages
 
 
+async def expected_for(
+    mode: VerdictMode, client: StoreClient, work: Work, namespace: str
+) -> tuple[Message, ...] | None:
+    """What ``mode`` compares transcripts with: the fault-free transcript (``exact``, run in
+    ``namespace``), or None (``promises``, which needs none)."""
+    if mode is VerdictMode.PROMISES:
+        return None
+    return await reference_transcript(client, work, namespace)
+
+
 def without_call_ids(messages: Sequence[Message]) -> list[Message]:
     """The transcript with each tool-call id replaced by the call's position (``#0``, ``#1``
     ...), in the call and in its result: what is left when the endpoint's random ids go."""
