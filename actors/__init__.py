@@ -78,12 +78,14 @@ _EXPORTS = {
     "FatalLLMError": "bus.errors",
     "ToolError": "bus.errors",
     "SessionBusy": "bus.errors",
+    "BudgetExhausted": "bus.errors",
 }
 
 __all__ = [
     "BUILTIN_TOOLS",
     "Agent",
     "AgentSettings",
+    "BudgetExhausted",
     "CheckpointRecord",
     "ConfigError",
     "ContextLengthError",
@@ -158,6 +160,7 @@ if TYPE_CHECKING:
     from actors.turn.mcp import MCPServer
     from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, tool
     from bus.errors import (
+        BudgetExhausted,
         ConfigError,
         ContextLengthError,
         FatalLLMError,

@@ -177,6 +177,18 @@ class SessionBusy(PhaselineError):
         """The session's turn that is not final."""
 
 
+class BudgetExhausted(PhaselineError):
+    """A session has spent its agent's token budget (``AgentSettings.max_tokens_per_session``):
+    it opens no more turns."""
+
+    def __init__(self, message: str, spent: int, budget: int) -> None:
+        super().__init__(message)
+        self.spent = spent
+        """Tokens the session's turns used, as their endpoints reported them."""
+        self.budget = budget
+        """The agent's budget per session."""
+
+
 class ToolExecutorLost(ToolError):
     """What ran a tool call went away mid-call (an MCP server process died, its connection
     dropped): nobody can tell whether the call took effect. An idempotent tool is re-run, any

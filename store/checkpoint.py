@@ -64,6 +64,7 @@ from store.lua import lua_script
 from store.records import CheckpointRecord, SaveAck, TurnSpec
 from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
 from store.transcript import KnownBodies
+from store.usage import tally_args
 
 log = logging.getLogger(__name__)
 
@@ -370,11 +371,12 @@ class RedisCheckpointStore:
         """KEYS and ARGV of the save script (its contract is on top of the script)."""
         turn_id = record.turn_id
         keys = [self.keys.turn(turn_id), self.keys.bodies(turn_id), self.keys.events_of(turn_id)]
-        keys += [self.keys.in_progress_of(turn_id)] + ([spec[0]] if spec else [])
+        keys += [self.keys.in_progress_of(turn_id), self.keys.usage_of(turn_id)]
+        keys += [spec[0]] if spec else []
         args: list[bytes | str | int] = [
             record.epoch, record.seq, turn_id, record.phase, record.reason,
             int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
-            int(record.replace), len(record.puts), len(record.drops),
+            int(record.replace), len(record.puts), len(record.drops), *tally_args(record),
         ]  # fmt: skip
         for address, body in record.puts.items():
             args += (address, body)

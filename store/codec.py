@@ -36,9 +36,11 @@ M = TypeVar("M", bound=BaseModel)
 
 #: The hash fields of a checkpoint record; every save writes all of them (and nothing else).
 RECORD_FIELDS = (
-    "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
+    "schema", "turn_id", "session_id", "agent", "epoch", "seq", "phase", "in_progress", "reason",
     "chunks", "tail", "length", "baseline", "counters", "updated_at",
 )  # fmt: skip
+#: The fields of a schema-2 record (no agent), still read.
+SCHEMA2_FIELDS = tuple(f for f in RECORD_FIELDS if f != "agent")
 #: The fields of a schema-1 record (the whole transcript inline), still read.
 SCHEMA1_FIELDS = (
     "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
@@ -83,6 +85,7 @@ def encode_record(
         "schema": SCHEMA_VERSION,
         "turn_id": record.turn_id,
         "session_id": record.session_id,
+        "agent": record.agent,
         "epoch": record.epoch,
         "seq": record.seq,
         "phase": record.phase.value,
@@ -115,7 +118,7 @@ def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:
 
 
 _INT_FIELDS = ("schema", "epoch", "seq", "length", "baseline", "updated_at")
-_STR_FIELDS = ("turn_id", "session_id", "phase", "reason")
+_STR_FIELDS = ("turn_id", "session_id", "agent", "phase", "reason")
 _BLOB_FIELDS = ("chunks", "tail", "counters")
 _WIRE_PARTS = {"fields", "puts", "drops", "replace", "nbytes"}
 
@@ -255,9 +258,9 @@ def decode_record(
         raise RecordError(key, "missing fields ['schema']") from None
     except ValueError as exc:
         raise RecordError(key, f"schema is not an integer: {fields['schema']!r}") from exc
-    if schema not in (1, SCHEMA_VERSION):
+    expected = _FIELDS_OF.get(schema)
+    if expected is None:
         raise UnknownSchema(key, f"unknown schema {schema} (this build reads 1..{SCHEMA_VERSION})")
-    expected = SCHEMA1_FIELDS if schema == 1 else RECORD_FIELDS
     missing = [f for f in expected if f not in fields]
     if missing:
         raise RecordError(key, f"missing fields {missing}")
@@ -266,6 +269,7 @@ def decode_record(
         raise RecordError(key, f"unexpected fields {extra}")
     try:
         text = {f: fields[f].decode() for f in ("turn_id", "session_id", "phase", "reason")}
+        agent = fields["agent"].decode() if "agent" in fields else ""
         if schema == 1:
             messages, meta = _schema1_transcript(fields)
         else:
@@ -277,6 +281,7 @@ def decode_record(
             schema_version=schema,
             turn_id=text["turn_id"],
             session_id=text["session_id"],
+            agent=agent,
             epoch=int(fields["epoch"]),
             seq=int(fields["seq"]),
             phase=TurnPhase(text["phase"]),
@@ -291,6 +296,9 @@ def decode_record(
     except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as exc:
         # pydantic.ValidationError is a ValueError.
         raise RecordError(key, f"undecodable record: {exc}") from exc
+
+
+_FIELDS_OF = {1: SCHEMA1_FIELDS, 2: SCHEMA2_FIELDS, SCHEMA_VERSION: RECORD_FIELDS}
 
 
 def _schema1_transcript(

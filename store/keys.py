@@ -20,6 +20,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
     {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
+    {ns}:{s<N>}:usage               hash    "<counter>|<agent>" -> the shard's finished turns'
+                                            tokens per agent, added by final saves (store.usage)
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
@@ -142,6 +144,12 @@ class KeyLayout:
 
     def in_progress(self, shard: int) -> str:
         return f"{self._prefix(shard)}:inprogress"
+
+    def usage(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:usage"
+
+    def usage_of(self, turn_id: str) -> str:
+        return self.usage(self.shard_of(turn_id))
 
     def quarantine(self, shard: int) -> str:
         return f"{self._prefix(shard)}:quarantine"

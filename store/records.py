@@ -17,9 +17,10 @@ from bus.events import Finished
 from bus.phase import TurnPhase
 
 #: Version of the checkpoint record layout. Bump on any incompatible change; readers
-#: quarantine records whose schema they do not know. 2: the transcript is content-addressed
-#: (store.transcript); 1 (the whole transcript inline) is still read.
-SCHEMA_VERSION = 2
+#: quarantine records whose schema they do not know. 3: the record names its agent; 2: the
+#: transcript is content-addressed (store.transcript); 1 (the whole transcript inline). All
+#: three are read.
+SCHEMA_VERSION = 3
 
 #: Largest epoch and seq a record may carry: the save script compares them as Lua numbers
 #: (doubles), exact only up to 2^53. A record past it is quarantined on read.
@@ -175,6 +176,14 @@ class Usage(_Frozen):
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def plus(self, other: Usage) -> Usage:
+        """Both calls' tokens together."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens,
+            cached_tokens=self.cached_tokens + other.cached_tokens,
+        )
+
 
 class MessageMeta(_Frozen):
     """Bookkeeping beside a message (index-aligned), never shown to the model."""
@@ -260,7 +269,12 @@ class Counters(_Frozen):
     transcript (so a call whose reply was lost with its host is not counted; see
     ``unmetered_calls``)."""
     unmetered_calls: int = 0
-    """Model calls whose tokens are not in ``tokens``: the endpoint reported no usage."""
+    """Model calls whose tokens are not in ``tokens``: the endpoint reported no usage. Calls
+    lost with a host are not counted here: each of ``resume_attempts`` stands for the calls its
+    lost incarnation made after its last checkpoint (usually one), whose usage is unknown."""
+    session_prior: Usage = Field(default_factory=lambda: Usage())
+    """Tokens of the session's earlier turns, fixed when this turn opened (so the session's
+    total is this plus ``tokens``, and its budget holds across turns and crashes)."""
     rate_limit_waits: int = 0
     """Rate-limit waits of the current model call (reset when a call succeeds)."""
     rate_limit_waited_ms: int = 0
@@ -285,6 +299,8 @@ class CheckpointRecord(_Frozen):
     """The turn."""
     session_id: str
     """Conversation the turn belongs to."""
+    agent: str = ""
+    """The agent's import path (``pkg.mod:agent``); empty in records of schema 1 and 2."""
     epoch: int = Field(ge=1, le=MAX_FENCE)
     """Owner incarnation; the fencing token. A resume bumps it (at most :data:`MAX_FENCE`)."""
     seq: int = Field(ge=0, le=MAX_FENCE)

@@ -35,6 +35,7 @@ from store.connection import (
     roundtrip,
 )
 from store.keys import KeyLayout
+from store.usage import TALLY_COUNTERS, tally_args
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
 
@@ -83,13 +84,24 @@ def fence(
 
 
 def save_commands(
-    keys: KeyLayout, record: EncodedRecord, spec: tuple[str, bytes] | None, maxlen: int
+    keys: KeyLayout,
+    record: EncodedRecord,
+    spec: tuple[str, bytes] | None,
+    maxlen: int,
+    *,
+    ends_turn: bool = False,
 ) -> list[tuple[Any, ...]]:
     """The writes of one accepted save, in the script's order; the XADD is third from last
-    (second from last without a spec)."""
+    (second from last without a spec). ``ends_turn``: the stored record is in progress, so a
+    final save adds its tally (:mod:`store.usage`)."""
     turn = record.turn_id
     bodies, key = keys.bodies(turn), keys.turn(turn)
     out: list[tuple[Any, ...]] = []
+    agent, *counts = tally_args(record)
+    if agent and ends_turn:
+        for name, n in zip(TALLY_COUNTERS, counts, strict=True):
+            if n:
+                out.append(("HINCRBY", keys.usage_of(turn), f"{name}|{agent!s}", n))
     if record.replace:
         out.append(("DEL", bodies))
     if record.puts:
@@ -167,7 +179,7 @@ class ShardBatch:
             stored = got[at]
             at += 3 if spec is not None else 2
             if isinstance(stored, list):
-                refusal = fence(stored, r.epoch, r.seq, same=True)
+                refusal = fence(stored[:2], r.epoch, r.seq, same=True)
                 if refusal is not None and refusal[0] == "already":
                     candidates.append(i)
         if not candidates:
@@ -181,7 +193,7 @@ class ShardBatch:
         keys = self.keys
         reads: list[tuple[Any, ...]] = [("WATCH", *(keys.turn(r.turn_id) for r in self.records))]
         for r, spec in zip(self.records, self.specs, strict=True):
-            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq"))
+            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq", "in_progress"))
             reads.append(("HLEN", keys.bodies(r.turn_id)))
             if spec is not None:
                 reads.append(("EXISTS", keys.turn(r.turn_id), spec[0]))
@@ -205,11 +217,12 @@ class ShardBatch:
                 replies.append(["exists"])
                 continue
             assert isinstance(stored, list)
-            refusal = fence(stored, r.epoch, r.seq, same=replays.get(i, False))
+            refusal = fence(stored[:2], r.epoch, r.seq, same=replays.get(i, False))
             if refusal is not None:
                 replies.append(refusal)
                 continue
-            commands = save_commands(keys, r, spec, self.maxlen)
+            ends_turn = stored[2] in (b"1", "1")
+            commands = save_commands(keys, r, spec, self.maxlen, ends_turn=ends_turn)
             xadd = len(writes) + len(commands) - (3 if spec is not None else 2)
             accepted.append((i, len(writes), xadd))
             writes += commands

@@ -131,6 +131,10 @@ http_limited_bench = _http(
 http_budget = dataclasses.replace(
     _http("budget", stream=False), settings=AgentSettings(max_tokens_per_turn=100)
 )
+#: A budget of 150 tokens a session.
+http_session_budget = dataclasses.replace(
+    _http("session-budget", stream=False), settings=AgentSettings(max_tokens_per_session=150)
+)
 #: Needs its key even on a local endpoint.
 http_keyed = _http("keyed", require_key=True)
 #: An endpoint where nothing listens (port 9, discard, is closed here).

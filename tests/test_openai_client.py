@@ -4,6 +4,7 @@ that speaks the protocol (JSON and SSE): tool calls, usage, and the error mappin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -12,11 +13,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.submission import session_tokens
 from actors.engine.turn_engine import RunStats, TurnEngine
 from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
+from bus.errors import BudgetExhausted
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from store.usage import agent_usage
 from tests.agents_for_tests import TEST_KEY_ENV
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
@@ -32,6 +36,7 @@ SMALL_CONTEXT = "tests.agents_for_tests:http_small_context"
 POLLER = "tests.agents_for_tests:http_poller"
 LIMITED = "tests.agents_for_tests:http_limited"
 BUDGET = "tests.agents_for_tests:http_budget"
+SESSION_BUDGET = "tests.agents_for_tests:http_session_budget"
 
 
 @pytest.fixture(autouse=True)
@@ -373,3 +378,27 @@ async def test_tokens_are_summed_per_turn_and_a_budget_wraps_the_turn_up(
     assert [r.status for r in results] == ["ok"] * (len(results) - 1) + ["skipped"]
     assert len(results) < 4 and "budget of 100 tokens" in results[-1].output
     assert final.messages[-1].role == "assistant" and final.counters.tokens.total >= 100
+
+
+async def test_a_sessions_tokens_add_up_across_turns_and_its_budget_ends_it(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    finals: list[CheckpointRecord] = []
+    with pytest.raises(BudgetExhausted) as refused:
+        for _ in range(10):  # 150 tokens a session: a few turns of one round each
+            done = await engine.run_in_session(SESSION_BUDGET, ask(1), "metered-session")
+            finals.append(await engine.store.load(done.turn_id))
+    assert 2 <= len(finals) < 10
+    # each turn starts from its predecessors' tokens; the session's total is counted once
+    for before, after in itertools.pairwise(finals):
+        assert after.counters.session_prior == session_tokens(before)
+    total = session_tokens(finals[-1])
+    assert refused.value.spent == total.total >= 150 and refused.value.budget == 150
+    assert total.total == sum(f.counters.tokens.total for f in finals)
+    # the session opened turns while it was under its budget, and no more
+    assert session_tokens(finals[-2]).total < 150 <= total.total
+    assert {f.counters.outcome for f in finals} <= {"answered", "budget_exhausted"}
+    # the agent's totals are the finished turns', added once each
+    (usage,) = [u for u in await agent_usage(real_client, keys) if u.agent == SESSION_BUDGET]
+    assert (usage.turns, usage.tokens) == (len(finals), total)

@@ -28,6 +28,7 @@ from store.codec import EncodedRecord
 from store.connection import connect
 from store.keys import KeyLayout
 from store.records import (
+    SCHEMA_VERSION,
     CheckpointRecord,
     Counters,
     Message,
@@ -42,6 +43,7 @@ from store.records import (
 )
 from store.transaction import AtomicSave
 from store.transcript import CHUNK, KnownBodies, Plan, Transcript
+from store.usage import agent_usage
 from tests.records_helpers import record
 
 
@@ -74,8 +76,8 @@ async def test_every_field_is_written_on_every_save(
     await store.save(record())
     raw = await any_client.hgetall(keys.turn("t1"))
     assert sorted(k.decode() for k in raw) == sorted(
-        ["schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
-         "chunks", "tail", "length", "baseline", "counters", "updated_at"]
+        ["schema", "turn_id", "session_id", "agent", "epoch", "seq", "phase", "in_progress",
+         "reason", "chunks", "tail", "length", "baseline", "counters", "updated_at"]
     )  # fmt: skip
 
 
@@ -617,10 +619,11 @@ async def test_a_schema_1_record_is_read_and_its_next_save_migrates_it(
     claim = old.model_copy(update={"epoch": 3, "seq": 4, "reason": SaveReason.RESUME})
     await store.save(claim)
     raw = await any_client.hgetall(keys.turn("legacy-1"))
-    assert raw[b"schema"] == b"2" and b"messages" not in raw and b"meta" not in raw
+    assert raw[b"schema"] == str(SCHEMA_VERSION).encode()
+    assert b"messages" not in raw and b"meta" not in raw
     again = await store.load("legacy-1")
-    assert again.schema_version == 2
-    assert again == claim.model_copy(update={"schema_version": 2})
+    assert again.schema_version == SCHEMA_VERSION
+    assert again == claim.model_copy(update={"schema_version": SCHEMA_VERSION})
     # A schema-1 writer's late save is fenced like any other.
     with pytest.raises(StaleOwner):
         await store.save(old.model_copy(update={"seq": 9}))
@@ -665,3 +668,64 @@ async def test_a_server_that_lost_its_scripts_still_saves(
     answers = await store.save_many([record("ns", seq=2), record("ns2", seq=1)])
     assert all(isinstance(a, SaveAck) for a in answers), answers
     assert (await store.load("ns")).seq == 2
+
+
+async def test_a_schema_2_record_without_an_agent_is_read(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    rec = record(n_turn_messages=2).model_copy(update={"agent": "pkg.mod:agent"})
+    await store.save(rec)
+    await any_client.hdel(keys.turn("t1"), "agent")
+    await any_client.hset(keys.turn("t1"), "schema", 2)
+    got = await store.load("t1")
+    assert (got.schema_version, got.agent) == (2, "")
+    assert got.messages == rec.messages
+
+
+def _finished(
+    rec: CheckpointRecord, seq: int, outcome: Outcome, **counters: Any
+) -> CheckpointRecord:
+    c = rec.counters.model_copy(update={"outcome": outcome, **counters})
+    return rec.model_copy(
+        update={"seq": seq, "in_progress": False, "reason": SaveReason.FINAL, "counters": c}
+    )
+
+
+async def test_a_final_save_adds_the_turns_tokens_to_its_agent_once(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    used = Usage(prompt_tokens=100, completion_tokens=20, cached_tokens=64)
+    for turn in ("a1", "a2"):
+        rec = record(turn).model_copy(update={"agent": "pkg.mod:agent"})
+        await store.save(rec)
+        await store.save(rec.model_copy(update={"seq": 2, "counters": Counters(tokens=used)}))
+        final = _finished(rec, 3, Outcome.ANSWERED, tokens=used, unmetered_calls=1,
+                          resume_attempts=2)  # fmt: skip
+        await store.save(final)
+        assert (await store.save(final)).event_id == REPLAYED  # a resend adds nothing
+        with pytest.raises(StaleOwner):  # nor does a zombie's late final save
+            await store.save(final.model_copy(update={"seq": 3, "updated_at": 5}))
+    other = record("b1").model_copy(update={"agent": "other:agent"})
+    await store.save(other)
+    await store.save(_finished(other, 2, Outcome.ANSWERED, tokens=Usage(prompt_tokens=7)))
+    (a, b) = await agent_usage(any_client, keys)
+    assert (a.agent, a.turns, a.unmetered_calls, a.lost_incarnations) == ("other:agent", 1, 0, 0)
+    assert a.tokens == Usage(prompt_tokens=7)
+    assert (b.agent, b.turns, b.unmetered_calls, b.lost_incarnations) == ("pkg.mod:agent", 2, 2, 4)
+    assert b.tokens == Usage(prompt_tokens=200, completion_tokens=40, cached_tokens=128)
+
+
+async def test_a_suspended_turn_is_added_when_it_finishes_not_when_it_parks(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    rec = record("p1").model_copy(update={"agent": "pkg.mod:agent"})
+    await store.save(rec)
+    used = Usage(prompt_tokens=10)
+    parked = _finished(rec, 2, Outcome.SUSPENDED_POISON, tokens=used)
+    await store.save(parked.model_copy(update={"reason": SaveReason.SUSPENDED}))
+    assert await agent_usage(any_client, keys) == []
+    back = rec.model_copy(update={"epoch": 2, "seq": 3, "counters": Counters(tokens=used)})
+    await store.save(back)
+    await store.save(_finished(back, 4, Outcome.ANSWERED, tokens=used))
+    (a,) = await agent_usage(any_client, keys)
+    assert (a.turns, a.tokens) == (1, used)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from actors.engine.agents import check_agent
 from actors.turn.agent import Agent
+from bus.errors import BudgetExhausted
 from bus.phase import TurnPhase
 from store.keys import check_turn_id
 from store.records import (
@@ -21,14 +22,21 @@ from store.records import (
     SaveReason,
     TurnInput,
     TurnSpec,
+    Usage,
 )
 from store.sessions import Builder
 
-__all__ = ["initial_record", "new_turns", "session_turn"]
+__all__ = ["initial_record", "new_turns", "session_tokens", "session_turn"]
 
 
 def initial_record(
-    turn_id: str, session_id: str, agent: Agent, turn_input: TurnInput, *, now_ms: int
+    turn_id: str,
+    session_id: str,
+    agent: Agent,
+    turn_input: TurnInput,
+    *,
+    now_ms: int,
+    agent_path: str = "",
 ) -> CheckpointRecord:
     """The record a turn is created with: the pre-turn baseline, nothing run yet."""
     messages: list[Message] = []
@@ -38,22 +46,25 @@ def initial_record(
         meta.append(MessageMeta(source="prompt", message_id=f"{turn_id}:system", at_ms=now_ms))
     messages.append(Message(role="user", text=turn_input.message))
     meta.append(_user_meta(turn_id, now_ms))
-    return _first_record(turn_id, session_id, messages, meta, now_ms=now_ms)
+    return _first_record(turn_id, session_id, agent_path, messages, meta, now_ms=now_ms)
 
 
 def _first_record(
     turn_id: str,
     session_id: str,
+    agent_path: str,
     messages: Sequence[Message],
     meta: Sequence[MessageMeta],
     *,
     now_ms: int,
+    session_prior: Usage | None = None,
 ) -> CheckpointRecord:
     """A record at submission: all of ``messages`` is the pre-turn baseline."""
     return CheckpointRecord.model_validate(
         {
             "turn_id": turn_id,
             "session_id": session_id,
+            "agent": agent_path,
             "epoch": 1,
             "seq": 0,
             "phase": TurnPhase.INIT,
@@ -62,7 +73,7 @@ def _first_record(
             "messages": messages,
             "meta": meta,
             "baseline": len(messages),
-            "counters": {},
+            "counters": {"session_prior": session_prior or Usage()},
             "updated_at": now_ms,
         }
     )
@@ -86,13 +97,17 @@ def new_turns(
         spec = TurnSpec(
             turn_id=turn_id, session_id=session, agent=agent_path, input=turn_input, created_at=now
         )
-        out.append((spec, initial_record(turn_id, session, agent, turn_input, now_ms=now)))
+        out.append(
+            (spec, initial_record(turn_id, session, agent, turn_input, now_ms=now,
+                                  agent_path=agent_path))
+        )  # fmt: skip
     return out
 
 
 def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Builder:
     """How ``store.sessions.Sessions.open`` builds the session's next turn of ``agent`` on
-    ``turn_input``: the agent is loaded and checks the input first (:class:`ConfigError`)."""
+    ``turn_input``: the agent is loaded and checks the input first (:class:`ConfigError`); a
+    session that spent its agent's token budget opens no more (:class:`BudgetExhausted`)."""
     agent = check_agent(agent_path, turn_input)
 
     def build(previous: CheckpointRecord | None, turn_id: str) -> tuple[TurnSpec, CheckpointRecord]:
@@ -102,16 +117,35 @@ def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Bui
             created_at=now,
         )  # fmt: skip
         if previous is None:
-            return spec, initial_record(turn_id, session_id, agent, turn_input, now_ms=now)
+            first = initial_record(
+                turn_id, session_id, agent, turn_input, now_ms=now, agent_path=agent_path
+            )
+            return spec, first
+        prior = session_tokens(previous)
+        budget = agent.settings.max_tokens_per_session
+        if budget is not None and prior.total >= budget:
+            raise BudgetExhausted(
+                f"session {session_id} has used {prior.total:,} tokens of its agent's budget of "
+                f"{budget:,} per session; it opens no more turns",
+                prior.total,
+                budget,
+            )
         return spec, _first_record(
             turn_id,
             session_id,
+            agent_path,
             (*previous.messages, Message(role="user", text=turn_input.message)),
             (*previous.meta, _user_meta(turn_id, now)),
             now_ms=now,
+            session_prior=prior,
         )
 
     return build
+
+
+def session_tokens(latest: CheckpointRecord) -> Usage:
+    """Tokens of a session's turns up to and including ``latest`` (its newest turn)."""
+    return latest.counters.session_prior.plus(latest.counters.tokens)
 
 
 def _user_meta(turn_id: str, now_ms: int) -> MessageMeta:

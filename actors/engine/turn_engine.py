@@ -348,6 +348,8 @@ class TurnEngine:
         """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
         replace TurnDeps members."""
         agent = load_agent(spec.agent)
+        if record.agent != spec.agent:  # a record of schema 2 names no agent
+            record = record.model_copy(update={"agent": spec.agent})
         registry = await self.runner.registry(spec.agent, agent, spec.input)
         wired = TurnDeps(
             llm=agent.client(
@@ -368,6 +370,7 @@ class TurnEngine:
             compact_at_chars=limits.compact_at_chars,
             loop_thresholds=limits.loop_thresholds,
             max_tokens_per_turn=limits.max_tokens_per_turn,
+            max_tokens_per_session=limits.max_tokens_per_session,
         )
         return TurnLoop(
             record,

@@ -55,6 +55,10 @@ class AgentSettings:
     """A turn's token budget (prompt and reply of all its model calls, as the endpoint reports
     them): once a reply takes it there, the turn runs no more tools and wraps up in
     ``force_stop`` (outcome ``budget_exhausted``). None: no budget."""
+    max_tokens_per_session: int | None = None
+    """A session's token budget (all its turns' model calls): a turn that takes the session
+    there wraps up like one over its own budget, and the session opens no more turns
+    (:class:`~bus.errors.BudgetExhausted`). None: no budget."""
     loop_thresholds: LoopThresholds = field(default_factory=LoopThresholds)
     """When a call that keeps returning the same result is skipped (and the model nudged), and
     when the turn is stopped for it; a call whose result changes is never a loop."""
@@ -62,8 +66,10 @@ class AgentSettings:
     def __post_init__(self) -> None:
         if self.max_tool_rounds is not None and self.max_tool_rounds < 0:
             raise ValueError("max_tool_rounds must be >= 0")
-        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
-            raise ValueError("max_tokens_per_turn must be >= 1")
+        for name in ("max_tokens_per_turn", "max_tokens_per_session"):
+            budget = getattr(self, name)
+            if budget is not None and budget < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.compact_at_chars is not None and self.compact_at_chars < 1:
             raise ValueError("compact_at_chars must be >= 1")
         bad = {k: v for k, v in self.tool_timeouts.items() if not v > 0}

@@ -151,6 +151,9 @@ class LoopSettings:
     """Compact before a model call once the transcript holds this many characters."""
     max_tokens_per_turn: int | None = None
     """The agent's token budget per turn; past it the turn wraps up (``budget_exhausted``)."""
+    max_tokens_per_session: int | None = None
+    """The agent's token budget per session (this turn's and its earlier turns' tokens); past
+    it the turn wraps up the same way."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,9 +347,9 @@ class TurnLoop:
                     log.info("turn %s: the answer was cut by max_tokens; kept", self.turn_id)
                     return await self._finish(Outcome.TRUNCATED)
                 return await self._finish(Outcome.ANSWERED)
-            budget = self.settings.max_tokens_per_turn
-            if budget is not None and self._counters.tokens.total >= budget:
-                self._skip_batch(reply.tool_calls, f"the turn's budget of {budget:,} tokens")
+            spent = self._budget_spent()
+            if spent:
+                self._skip_batch(reply.tool_calls, spent)
                 return await self._force_stop(checkpoint_first=True)
             limit = self.settings.max_tool_rounds
             if limit is not None and self._counters.tool_batches >= limit:
@@ -406,11 +409,7 @@ class TurnLoop:
                 update={
                     "retry_attempts": 0, "cut_retries": 0,
                     "rate_limit_waits": 0, "rate_limit_waited_ms": 0,
-                    "tokens": c.tokens if usage is None else Usage(
-                        prompt_tokens=c.tokens.prompt_tokens + usage.prompt_tokens,
-                        completion_tokens=c.tokens.completion_tokens + usage.completion_tokens,
-                        cached_tokens=c.tokens.cached_tokens + usage.cached_tokens,
-                    ),
+                    "tokens": c.tokens if usage is None else c.tokens.plus(usage),
                     "unmetered_calls": c.unmetered_calls + (usage is None),
                 }
             )  # fmt: skip
@@ -541,13 +540,23 @@ class TurnLoop:
         if checkpoint_first:
             await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
-        budget = self.settings.max_tokens_per_turn
-        spent = budget is not None and self._counters.tokens.total >= budget  # why it stops
+        spent = bool(self._budget_spent())  # why it stops
         answer = await self._ask(tools_enabled=False)
         if isinstance(answer, TurnOutcome):
             return answer
         self._append(answer.message, "llm", usage=answer.usage)
         return await self._finish(Outcome.BUDGET_EXHAUSTED if spent else Outcome.FORCE_STOPPED)
+
+    def _budget_spent(self) -> str:
+        """Which of the agent's token budgets the turn has reached ("" for none)."""
+        used = self._counters.tokens.total
+        per_turn = self.settings.max_tokens_per_turn
+        per_session = self.settings.max_tokens_per_session
+        if per_turn is not None and used >= per_turn:
+            return f"the turn's budget of {per_turn:,} tokens"
+        if per_session is not None and self._counters.session_prior.total + used >= per_session:
+            return f"the session's budget of {per_session:,} tokens"
+        return ""
 
     async def _finish(self, outcome: Outcome) -> TurnOutcome:
         self.tracker.to(P.DONE)
@@ -790,6 +799,7 @@ class TurnLoop:
         return CheckpointRecord(
             turn_id=self.turn_id,
             session_id=self.session_id,
+            agent=self._saved.agent,
             epoch=self.epoch,
             seq=self._seq,
             phase=self.tracker.phase,

@@ -1,9 +1,10 @@
 -- Fenced, atomic save of one checkpoint record (store/checkpoint.py, RedisCheckpointStore).
 --
--- KEYS: record hash, bodies hash, shard events stream, shard in-progress set
---       [, spec key of a submission]
+-- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
+--       shard usage hash [, spec key of a submission]
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value (or ''), replace (1|0: empty the bodies hash first), puts (n), drops (m),
+--       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS),
 --       then n digest, body pairs, then m digests to drop,
 --       then the record's hash fields as field, value, ...
 -- Answers: {'exists'} (a submission whose record or spec is already there),
@@ -12,13 +13,16 @@
 -- record at the same epoch and seq), or {'ok', event id}.
 -- The fence is checked before anything is written, so a refused save changes nothing: no body
 -- is written or dropped (store/transcript.py says why that keeps every needed body).
+-- A save with a tally that ends the turn (the stored record was in progress) adds the counters
+-- to the agent's totals in the shard's usage hash: once per turn, with the record.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
 local record, bodies = KEYS[1], KEYS[2]
-if KEYS[5] and redis.call('EXISTS', record, KEYS[5]) > 0 then
+if KEYS[6] and redis.call('EXISTS', record, KEYS[6]) > 0 then
   return {'exists'}
 end
 local puts, drops = tonumber(ARGV[10]), tonumber(ARGV[11])
-local fields = 12 + 2 * puts + drops  -- the first of the record's field, value pairs
+local head = 19  -- the first ARGV after the header and the tally
+local fields = head + 2 * puts + drops  -- the first of the record's field, value pairs
 -- A save at the stored (epoch, seq) is a replay only if it is this very record, field for
 -- field: two resumers that claimed the same epoch at once send the same (epoch, seq) with
 -- different content, and the second must be fenced, not told its save landed (its idea of
@@ -30,7 +34,7 @@ local function same_record()
   end
   return true
 end
-local stored = redis.call('HMGET', record, 'epoch', 'seq')
+local stored = redis.call('HMGET', record, 'epoch', 'seq', 'in_progress')
 if stored[1] or stored[2] then
   local e, s = tonumber(stored[1]), tonumber(stored[2])
   if not e or not s then
@@ -48,7 +52,14 @@ local function each_slice(first, last, width, command, key)
   end
 end
 if ARGV[9] == '1' then redis.call('DEL', bodies) end
-local first = 12
+local first = head
+if ARGV[12] ~= '' and stored[3] == '1' then
+  local counters = {'turns', 'prompt', 'completion', 'cached', 'unmetered', 'resumes'}
+  for i, name in ipairs(counters) do
+    local n = tonumber(ARGV[12 + i])
+    if n ~= 0 then redis.call('HINCRBY', KEYS[5], name .. '|' .. ARGV[12], n) end
+  end
+end
 if puts > 0 then each_slice(first, first + 2 * puts - 1, 1000, 'HSET', bodies) end
 first = first + 2 * puts
 if drops > 0 then each_slice(first, first + drops - 1, 1000, 'HDEL', bodies) end
@@ -64,5 +75,5 @@ if ARGV[6] == '1' then
 else
   redis.call('SREM', KEYS[4], ARGV[3])
 end
-if KEYS[5] then redis.call('SET', KEYS[5], ARGV[8]) end
+if KEYS[6] then redis.call('SET', KEYS[6], ARGV[8]) end
 return {'ok', id}

@@ -1,0 +1,96 @@
+"""Token totals per agent, counted once: the final save of a turn adds its tokens.
+
+The totals live in one hash per shard (``KeyLayout.usage``, fields ``<counter>|<agent>``), so
+the save script (``store/lua/checkpoint_save.lua``) adds a finished turn's counters in the same
+atomic step that writes its final record: a turn is added exactly when its record goes from in
+progress to final, never twice (a replayed or fenced save writes nothing) and never lost (no
+final record without its tally). A suspended turn is not final and is not added; it is when it
+finishes after an operator resumes it. Running turns' tokens are in their records; a session's
+total is its newest turn's ``session_prior`` plus its ``tokens``
+(``actors.engine.submission.session_tokens``).
+
+Tokens of model calls lost with a host (made after the turn's last checkpoint) are in no record:
+``resumes`` counts the lost incarnations whose usage is unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from store.codec import EncodedRecord, unpack_model
+from store.connection import StoreClient, text, translated
+from store.keys import KeyLayout
+from store.records import Counters, Outcome, Usage
+
+__all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
+
+#: What the save script adds per agent, in the order of its ARGV.
+TALLY_COUNTERS = ("turns", "prompt", "completion", "cached", "unmetered", "resumes")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentUsage:
+    """One agent's finished turns and their tokens."""
+
+    agent: str
+    """The agent's import path (empty: turns of records written before schema 3)."""
+    turns: int
+    """Finished turns."""
+    tokens: Usage
+    """Their tokens, as the endpoints reported them."""
+    unmetered_calls: int
+    """Their model calls whose endpoint reported no usage."""
+    lost_incarnations: int
+    """Their resumes after a lost host: each lost the usage of the calls it made after its
+    last checkpoint (usually one)."""
+
+
+def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
+    """The save script's tally ARGV for ``record``: the agent and its counters when the save
+    ends the turn (the script adds them only if the stored record was in progress), else
+    ``''`` and zeros."""
+    nothing: list[bytes | str | int] = ["", 0, 0, 0, 0, 0, 0]
+    if record.in_progress:
+        return nothing
+    raw = record.fields["counters"]
+    if not isinstance(raw, bytes):
+        return nothing
+    c = unpack_model(Counters, raw, key=f"counters of {record.turn_id}")
+    if c.outcome is Outcome.SUSPENDED_POISON:
+        return nothing
+    t = c.tokens
+    return [
+        str(record.fields.get("agent", "")) or "-",
+        1, t.prompt_tokens, t.completion_tokens, t.cached_tokens, c.unmetered_calls,
+        c.resume_attempts,
+    ]  # fmt: skip
+
+
+async def agent_usage(client: StoreClient, keys: KeyLayout) -> list[AgentUsage]:
+    """Every agent's totals in the namespace (one read per shard), by agent."""
+    sums: dict[str, dict[str, int]] = {}
+    with translated("read the agents' token totals"):
+        async with client.pipeline(transaction=False) as pipe:
+            for shard in keys.all_shards():
+                pipe.hgetall(keys.usage(shard))
+            shards = await pipe.execute()
+    for fields in shards:
+        for raw_field, raw_value in fields.items():
+            counter, _, agent = text(raw_field).partition("|")
+            if counter in TALLY_COUNTERS and text(raw_value).lstrip("-").isdigit():
+                per = sums.setdefault(agent, dict.fromkeys(TALLY_COUNTERS, 0))
+                per[counter] += int(raw_value)
+    return [
+        AgentUsage(
+            agent="" if agent == "-" else agent,
+            turns=n["turns"],
+            tokens=Usage(
+                prompt_tokens=max(0, n["prompt"]),
+                completion_tokens=max(0, n["completion"]),
+                cached_tokens=max(0, n["cached"]),
+            ),
+            unmetered_calls=n["unmetered"],
+            lost_incarnations=n["resumes"],
+        )
+        for agent, n in sorted(sums.items())
+    ]
