@@ -821,6 +821,7 @@ def inspect(
     fields.add_row("counters", json.dumps(dump_model(c.model_copy(update={"last_error": None}))))
     if c.outcome is not None:
         fields.add_row("outcome", c.outcome.value)
+    fields.add_row("tokens", c.tokens_line())
     if c.last_error is not None:
         fields.add_row("last error", escape(c.last_error.line()))
     if c.outcome is Outcome.SUSPENDED_POISON:

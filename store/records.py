@@ -284,6 +284,24 @@ class Counters(_Frozen):
     """The last model or tool error of the turn: kept so that ``inspect``, ``watch``, ``chat``
     and a run's summary can say why a turn failed, not just that it did."""
 
+    def tokens_line(self) -> str:
+        """The turn's tokens for a person: the turn's, the session's, what is not counted."""
+        t = self.tokens
+        line = (
+            f"{t.total:,} (prompt {t.prompt_tokens:,}, {t.cached_tokens:,} of them cached; "
+            f"completion {t.completion_tokens:,})"
+        )
+        if self.session_prior.total:
+            line += f"; session {self.session_prior.total + t.total:,}"
+        if self.unmetered_calls:
+            line += f"; {self.unmetered_calls} calls reported no usage"
+        if self.resume_attempts:
+            line += (
+                f"; not counted: the calls of {self.resume_attempts} incarnations lost with "
+                "their hosts after their last checkpoint"
+            )
+        return line
+
     @field_validator("outcome", mode="before")
     @classmethod
     def _running_is_none(cls, value: object) -> object:

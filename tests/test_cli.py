@@ -110,6 +110,7 @@ def test_run_then_inspect(redis_url: str, namespace: str, tmp_path: Path) -> Non
     assert len(record["meta"]) == len(record["messages"])
     code, out = invoke("inspect", "cli-t000001", "--redis-url", redis_url, "--namespace", namespace)
     assert code == 0 and "transcript" in out and "[ok]" in out
+    assert "tokens" in out and "completion" in out
     code, out = invoke("inspect", "missing", "--redis-url", redis_url, "--namespace", namespace)
     assert code == 1 and "RecordNotFound" in out
 

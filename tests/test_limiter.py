@@ -98,3 +98,22 @@ async def test_a_waiter_that_does_not_come_back_leaves_the_line(
     await any_client.hset(keys.model_limit(EP), "back:gone", 1)
     assert await limiter.admit(EP, "next", slow, 1) < alone
     assert await limiter.waiting(EP) == 1
+
+
+async def test_after_a_providers_pause_calls_go_one_at_a_time_spaced(
+    limiter: EndpointLimiter,
+) -> None:
+    free = Schedule()  # nothing declared: without a refusal, calls go at once
+    assert await limiter.admit(EP, "a", free, 1) == 0
+    assert await limiter.admit(EP, "b", free, 1) == 0
+    await limiter.pause(EP, 0.001)
+    for _ in range(1000):  # the pause is a millisecond: poll until it is over
+        if await limiter.admit(EP, "c", free, 1) == 0:
+            break
+    else:
+        pytest.fail("the pause did not end")
+    # the next call waits for the spacing the refusal set (100 ms), instead of all at once
+    assert 0.05 < await limiter.admit(EP, "d", free, 1) <= 0.1
+    await limiter.pause(EP, 0.001)  # a second refusal doubles it
+    wait = await limiter.admit(EP, "e", free, 1)
+    assert 0.1 < wait <= 0.4

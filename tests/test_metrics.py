@@ -27,6 +27,8 @@ EXPECTED = {
     "ray_phaseline_tool_calls_total": r'status="ok"',
     "ray_phaseline_phase_entries_total": r'phase="executing_tools"',
     "ray_phaseline_turns": r'host="host0"',
+    "ray_phaseline_agent_turns": r'agent="actors.engine.scripted:agent"',
+    "ray_phaseline_agent_tokens": r'kind="prompt"',
 }
 
 

@@ -62,6 +62,8 @@ def test_status_of_a_running_deployment(redis_url: str, namespace: str) -> None:
     assert pool["pool"] == "default" and pool["size"] == 2 and pool["queued"] == 0
     assert {m["server"] for m in after["mcp"]} == {"tools"}
     assert sum(m["starts"] for m in after["mcp"]) >= 1
+    (agent,) = after["agents"]  # the finished turns, counted once by their final saves
+    assert agent["agent"] == AGENT and agent["turns"] == 6
     # While the turns ran: they were held, in a phase, and their calls on the pool.
     assert seen["hosts"][0]["running"] == 6
     assert seen["phases"] == {"executing_tools": 6}  # each waits on its 1.5 s call

@@ -72,6 +72,39 @@ class Metrics:
             "cancelled).",
             tag_keys=("kind",),
         )
+        self.rate_limit_waits = Counter(
+            "phaseline_rate_limit_waits_total",
+            description="Model calls a host held back on a rate limit: the provider's refusal "
+            "or the cluster's limiter.",
+            tag_keys=("host",),
+        )
+        self.model_waiting = Gauge(
+            "phaseline_model_waiting",
+            description="Calls waiting in a model endpoint's line (the cluster's limiter).",
+            tag_keys=("endpoint",),
+        )
+        self.model_in_flight = Gauge(
+            "phaseline_model_in_flight",
+            description="Calls holding a place in flight at a model endpoint (under a declared "
+            "max_in_flight).",
+            tag_keys=("endpoint",),
+        )
+        self.model_paused = Gauge(
+            "phaseline_model_paused_seconds",
+            description="Seconds left of a model endpoint's pause (a provider's 429).",
+            tag_keys=("endpoint",),
+        )
+        self.agent_tokens = Gauge(
+            "phaseline_agent_tokens",
+            description="Tokens of an agent's finished turns, by kind (prompt, completion, "
+            "cached), as the store counts them (once per turn).",
+            tag_keys=("agent", "kind"),
+        )
+        self.agent_turns = Gauge(
+            "phaseline_agent_turns",
+            description="An agent's finished turns, as the store counts them.",
+            tag_keys=("agent",),
+        )
         self.inflight_tools = Gauge(
             "phaseline_tool_calls_inflight",
             description="Tool calls a host has sent to its pools and not had answered.",

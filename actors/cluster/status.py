@@ -22,6 +22,7 @@ from bus.events import decode_event
 from bus.phase import Transition
 from store.limiter import EndpointLimiter, EndpointState
 from store.pools import PoolSizes
+from store.usage import agent_usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,24 @@ class MCPRow:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentRow:
+    """One agent's finished turns and their tokens (``store.usage``)."""
+
+    agent: str
+    """Its import path."""
+    turns: int
+    """Finished turns."""
+    prompt_tokens: int
+    """Their prompt tokens."""
+    completion_tokens: int
+    """Their completion tokens."""
+    cached_tokens: int
+    """Of the prompt tokens, those served from the endpoint's cache."""
+    unknown: int
+    """Their lost incarnations and unmetered calls: calls whose tokens are not counted."""
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentStatus:
     """One screen of a deployment."""
 
@@ -90,6 +109,8 @@ class DeploymentStatus:
     """MCP servers the workers hold sessions with."""
     models: list[EndpointState] = field(default_factory=list)
     """Model endpoints: calls waiting on each one's rate limit, its pause."""
+    agents: list[AgentRow] = field(default_factory=list)
+    """Agents with finished turns, and the tokens those used."""
     checkpoints_per_s: float = 0.0
     """Saves the CheckpointActor wrote per second over the sample."""
     respawns: int = 0
@@ -181,6 +202,17 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
         pools=pool_rows,
         mcp=[MCPRow(p, s, c, n) for (p, s), (c, n) in sorted(mcp.items())],
         models=await EndpointLimiter(rt.client, dep.keys).snapshot(),
+        agents=[
+            AgentRow(
+                u.agent or "-",
+                u.turns,
+                u.tokens.prompt_tokens,
+                u.tokens.completion_tokens,
+                u.tokens.cached_tokens,
+                u.lost_incarnations + u.unmetered_calls,
+            )
+            for u in await agent_usage(rt.client, dep.keys)
+        ],
         checkpoints_per_s=round((saves1 - saves0) / span, 1),
         respawns=await rt.respawns(),
     )

@@ -43,6 +43,7 @@ from actors.cluster.deployment import (
     worker_options,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
+from actors.cluster.metrics import metrics
 from actors.cluster.placement import (
     alive_nodes,
     host_node,
@@ -58,9 +59,14 @@ from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from bus.errors import PhaselineError
 from store.connection import translated
 from store.leases import HostLeases
+from store.limiter import EndpointLimiter
 from store.pools import PoolSizes
+from store.usage import agent_usage
 
 log = logging.getLogger(__name__)
+
+#: How often the supervisor sets the deployment-wide gauges (Ray reports metrics every 10 s).
+METRICS_PERIOD_S = 5.0
 
 
 def services(dep: Deployment) -> dict[str, Any]:
@@ -137,12 +143,34 @@ class Supervisor:
     # -- the watch ----------------------------------------------------------------------------
 
     async def _watch(self) -> None:
+        reported = 0.0
         while not self._stopping:
             await asyncio.sleep(self.dep.settings.supervisor.ping_interval_s)  # watch period
             try:
                 await self._reconcile()
+                if time.monotonic() - reported >= METRICS_PERIOD_S:
+                    reported = time.monotonic()
+                    await self._report()
             except (PhaselineError, RayActorError) as exc:
                 log.warning("supervisor: %s; retrying", exc)
+
+    async def _report(self) -> None:
+        """The gauges of what the store counts for the whole deployment: model endpoints'
+        lines and pauses, agents' tokens. One process sets them, so they are not summed over
+        hosts."""
+        m = metrics()
+        for ep in await EndpointLimiter(self.client, self.dep.keys).snapshot():
+            tags = {"endpoint": ep.label}
+            m.model_waiting.set(ep.waiting, tags=tags)
+            m.model_in_flight.set(ep.in_flight, tags=tags)
+            m.model_paused.set(ep.paused_s, tags=tags)
+        for usage in await agent_usage(self.client, self.dep.keys):
+            agent = usage.agent or "-"
+            m.agent_turns.set(usage.turns, tags={"agent": agent})
+            t = usage.tokens
+            for kind, n in (("prompt", t.prompt_tokens), ("completion", t.completion_tokens),
+                            ("cached", t.cached_tokens)):  # fmt: skip
+                m.agent_tokens.set(n, tags={"agent": agent, "kind": kind})
 
     async def _reconcile(self) -> None:
         cfg = self.dep.settings.supervisor

@@ -41,8 +41,9 @@ from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.resume import ResumePlan, plan_resume
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
+from actors.turn.recovery import Problem
 from bus.errors import PhaselineError
-from bus.events import encode_event
+from bus.events import LiveEvent, Recovering, encode_event
 from bus.phase import TurnPhase
 from store.leases import HostLeases
 from store.pools import PoolSizes
@@ -83,7 +84,7 @@ class TurnActor:
             checkpoints=self.checkpoints,
             runner=self.tools,
             on_transition=self.publisher.add,
-            on_event=self.publisher.add,
+            on_event=self._on_event,
             on_isolate=self._isolation_wanted,
         )
         self.directory = HostDirectory(self.dep, self.client)
@@ -96,6 +97,11 @@ class TurnActor:
             self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.lease_ttl_s
         )
         self._renewing: asyncio.Task[None] | None = None
+
+    def _on_event(self, event: LiveEvent) -> None:
+        if isinstance(event, Recovering) and event.problem == Problem.RATE_LIMITED.value:
+            metrics().rate_limit_waits.inc(1, tags={"host": self.dep.host_label(self.slot)})
+        self.publisher.add(event)
 
     def _checkpoint_actor(self, role: str) -> Any:
         return ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)

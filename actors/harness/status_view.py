@@ -55,4 +55,15 @@ def render(status: DeploymentStatus) -> Group:
         for e in status.models:
             models.add_row(e.label, str(e.waiting), str(e.in_flight), f"{e.paused_s:g}")
         parts.append(models)
+    if status.agents:
+        agents = Table(title="agents (finished turns)", title_justify="left")
+        for col in ("agent", "turns", "prompt tokens", "completion tokens", "cached",
+                    "calls not metered"):  # fmt: skip
+            agents.add_column(col, justify="left" if col == "agent" else "right")
+        for a in status.agents:
+            agents.add_row(
+                a.agent, f"{a.turns:,}", f"{a.prompt_tokens:,}", f"{a.completion_tokens:,}",
+                f"{a.cached_tokens:,}", f"{a.unknown:,}",
+            )  # fmt: skip
+        parts.append(agents)
     return Group(*parts)

@@ -3,7 +3,8 @@
 -- clocks differ still share one schedule.
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit): tat_req, tat_tok (ms, GCRA
---          theoretical arrival times), paused_until (ms), label, back:<ticket> (ms by which a
+--          theoretical arrival times), paused_until (ms), gap_ms and gap_at (the spacing a
+--          provider's refusals set, model_pause.lua), label, back:<ticket> (ms by which a
 --          waiter said it would ask again)
 -- KEYS[2]  the endpoint's waiting line, a zset: ticket -> ms of its first refusal
 -- KEYS[3]  the endpoint's calls in flight, a zset: ticket -> ms its hold expires
@@ -48,9 +49,22 @@ redis.call('ZREMRANGEBYSCORE', flight, '-inf', now)
 local wait = 0
 local paused = tonumber(redis.call('HGET', state, 'paused_until') or '0')
 if paused > now then wait = paused - now end
+-- after a provider's refusal, calls go one at a time at least gap apart; the gap halves every
+-- 30 s from the end of the pause, and is forgotten below 5 ms
+local gap = tonumber(redis.call('HGET', state, 'gap_ms') or '0')
+if gap > 0 then
+  local gap_at = tonumber(redis.call('HGET', state, 'gap_at') or '0')
+  if now > gap_at then gap = gap * 0.5 ^ ((now - gap_at) / 30000) end
+  if gap < 5 then
+    redis.call('HDEL', state, 'gap_ms', 'gap_at')
+    gap = 0
+  end
+end
+local step = math.max(req_ms, gap)
+if gap > req_ms then burst = 1 end
 local tat_req = math.max(tonumber(redis.call('HGET', state, 'tat_req') or '0'), now)
-if req_ms > 0 then
-  wait = math.max(wait, tat_req - req_ms * (burst - 1) - now)
+if step > 0 then
+  wait = math.max(wait, tat_req - step * (burst - 1) - now)
 end
 local tat_tok = math.max(tonumber(redis.call('HGET', state, 'tat_tok') or '0'), now)
 local cost = tok_ms * tokens
@@ -65,11 +79,11 @@ local ahead = rank
 if not ahead then ahead = redis.call('ZCARD', line) end
 if ahead > 0 then
   -- everyone ahead goes first: at least one request interval each (a short beat without one)
-  wait = math.max(wait, 0) + ahead * math.max(req_ms, 10)
+  wait = math.max(wait, 0) + ahead * math.max(step, 10)
 end
 
 if wait <= 0 then
-  if req_ms > 0 then redis.call('HSET', state, 'tat_req', tat_req + req_ms) end
+  if step > 0 then redis.call('HSET', state, 'tat_req', tat_req + step) end
   if tok_ms > 0 then redis.call('HSET', state, 'tat_tok', tat_tok + cost) end
   if max_flight > 0 then redis.call('ZADD', flight, now + hold_ms, ticket) end
   redis.call('ZREM', line, ticket)
