@@ -69,6 +69,7 @@ from store.connection import StoreClient, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout, check_session_id, check_turn_id
+from store.ownership import NamespaceOwner, holding
 from store.records import ANSWER_OUTCOMES, CheckpointRecord, Outcome, TurnInput
 from store.sessions import Sessions
 from store.watch import watch_turn
@@ -378,6 +379,7 @@ def _run_on_ray(
     async def go(_client: StoreClient, url: str) -> T:
         console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
         rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
+        _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
         try:
             return await work(rt)
         finally:
@@ -395,8 +397,19 @@ def _either(
     ray_address: str | None,
 ) -> T:
     if in_process:
-        return _run(in_proc, settings)
+        return _run(lambda client: _in_process(client, settings, in_proc), settings)
     return _run_on_ray(settings, hosts, ray_address, on_ray)
+
+
+async def _in_process(
+    client: StoreClient, settings: Settings, work: Callable[[StoreClient], Awaitable[T]]
+) -> T:
+    """Run ``work`` holding the namespace (``store.ownership``): no deployment may run it
+    meanwhile, nor another command running turns in process."""
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    owners = NamespaceOwner(client, keys, ttl_s=settings.supervisor.owner_ttl_s)
+    async with holding(owners, " ".join(["phaseline", *sys.argv[1:2]])):
+        return await work(client)
 
 
 def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
@@ -405,7 +418,7 @@ def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
         stats.turns += 1
         if record.counters.outcome is not None:  # a final record always has one
             stats.outcomes[record.counters.outcome] += 1
-        if record.counters.outcome is Outcome.SUSPENDED_POISON:
+        if record.counters.outcome is not None and record.counters.outcome.suspended:
             stats.suspended.append(record.turn_id)
         stats.resumed += record.counters.resume_attempts > 0
         stats.checkpoints += record.seq
@@ -830,6 +843,12 @@ def inspect(
             f"{evidence(c.stalled_resumes, c.isolated_deaths)}; after a fix, "
             f"phaseline resume {turn_id} runs it again",
         )
+    elif c.outcome is Outcome.SUSPENDED_AGENT_UNAVAILABLE:
+        fields.add_row(
+            "suspended because",
+            f"its agent could not be loaded ({c.agent_failures} tries; the last error says "
+            f"where); after a fix, phaseline resume {turn_id} runs it again",
+        )
     out.print(fields)
     transcript = Table(title="transcript")
     for col in ("#", "role", "source", "id", "content"):
@@ -995,33 +1014,121 @@ def submit(
               help="Import path of an agent whose tools need Ray resources, so their tool "
                    "worker pools start (repeat it).")  # fmt: skip
 @click.option("--ray-address", default=None,
-              help="Join this Ray cluster (default: start a local one; others join it with "
-                   "--ray-address auto).")  # fmt: skip
+              help="Join this Ray cluster (default: start a private one; others join it with "
+                   "--ray-address and the address this prints).")  # fmt: skip
+@click.option("--drain", is_flag=True, default=False,
+              help="When stopped, wait for the running turns to finish (a second Ctrl-C stops "
+                   "at once).")  # fmt: skip
 def serve(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    hosts: int, agents: tuple[str, ...], ray_address: str | None,
+    hosts: int, agents: tuple[str, ...], ray_address: str | None, drain: bool,
 ) -> None:  # fmt: skip
-    """Run a deployment until interrupted (Ctrl-C or SIGTERM stops it; its in-progress turns
-    stay in Redis and resume when it runs again). Submit to it with phaseline submit
-    --ray-address auto, follow turns with phaseline watch."""
+    """Run a deployment until stopped. SIGTERM or Ctrl-C stops it cleanly: no new turns start,
+    running ones get [supervisor] stop_grace_s to reach their next checkpoint (--drain: to
+    finish), then it says how many are left in progress (they resume when the namespace is
+    served again). A serve that finds its namespace already served on this Ray cluster
+    attaches to it instead, and leaving stops nothing. Submit with phaseline submit
+    --ray-address ..., follow turns with phaseline watch."""
     settings = _settings(config_path, redis_url, namespace)
+    ns = settings.redis.namespace
 
     async def go(_client: StoreClient, url: str) -> None:
         rt = await Runtime.start(
             settings, redis_url=url, hosts=hosts, ray_address=ray_address, agents=agents
         )
-        try:
+        stops = _StopSignals()  # after Ray's start: its core worker sets a SIGTERM handler
+        address = ray.get_runtime_context().gcs_address
+        if rt.owner is None:
             console.print(
-                f"serving namespace {settings.redis.namespace!r}: {hosts} hosts on Redis "
-                f"{redact_url(url)}; submit with: phaseline submit --ray-address auto "
-                "--agent PATH --input TEXT"
+                f"attached to the deployment of namespace {ns!r} already running on this Ray "
+                "cluster (this serve is a client of it: leaving stops nothing)"
             )
-            await asyncio.Event().wait()  # until cancelled by Ctrl-C or SIGTERM
+        console.print(
+            f"serving namespace {ns!r}: {rt.dep.hosts} hosts on Redis {redact_url(url)}, Ray "
+            f"cluster {address}; submit with: phaseline submit --ray-address {address} "
+            "--agent PATH --input TEXT"
+        )
+        try:
+            while not stops.first.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stops.first.wait(), SERVE_CHECK_S)  # the check period
+                if not stops.first.is_set() and not await rt.alive():
+                    raise click.ClickException(
+                        f"the deployment of namespace {ns!r} stopped under this serve (its "
+                        "supervisor is gone: the Ray cluster lost it, or another deployment took "
+                        "the namespace over); in-progress turns stay in Redis"
+                    )
+            if rt.owner is None:
+                console.print(f"leaving; the deployment of namespace {ns!r} keeps running")
+                return
+            await _stop_serving(rt, settings, drain, stops)
         finally:
             await rt.shutdown()
+            stops.restore()
 
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         _run_with_url(go, settings)
+    except KeyboardInterrupt:  # Ctrl-C while starting: nothing ran yet
+        sys.exit(130)
+
+
+#: How often ``serve`` checks that its deployment still runs.
+SERVE_CHECK_S = 2.0
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT as events of the running loop: the first asks for a clean stop,
+    the second for a stop now."""
+
+    def __init__(self) -> None:
+        self.first, self.second = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
+
+    def restore(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
+
+
+async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _StopSignals) -> None:
+    """No new turns; the running ones reach their next checkpoint (or finish, with
+    ``drain``) unless a second signal comes; then say what is left."""
+    running = await rt.stop_taking()
+    before = {t: (await rt.store.load(t)).seq for t in await rt.store.list_in_progress()}
+    grace = settings.supervisor.stop_grace_s
+    if drain:
+        console.print(f"stopping: waiting for {len(before)} turns in progress to finish "
+                      "(Ctrl-C again stops now)")  # fmt: skip
+    else:
+        console.print(f"stopping: {running} turns running get {grace:g} s to reach their next "
+                      "checkpoint (Ctrl-C again stops now)")  # fmt: skip
+
+    async def settled() -> bool:
+        left = await rt.store.list_in_progress()
+        if drain:
+            return not left
+        for tid in left:
+            if tid in before and (await rt.store.load(tid)).seq == before[tid]:
+                return False
+        return True
+
+    deadline = None if drain else time.monotonic() + grace
+    while not stops.second.is_set() and not await settled():
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stops.second.wait(), 0.5)  # the poll period
+    left = len(await rt.store.list_in_progress())
+    console.print(
+        f"stopped: {left} turns left in progress; they resume from their last checkpoints when "
+        f"namespace {settings.redis.namespace!r} is served again"
+        if left
+        else "stopped: no turn left in progress"
+    )
 
 
 @main.command()

@@ -177,6 +177,16 @@ class SessionBusy(PhaselineError):
         """The session's turn that is not final."""
 
 
+class NamespaceHeld(ConfigError):
+    """Another deployment (another Ray cluster, or another process) runs this namespace: a
+    second one is refused rather than run the same turns beside it."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+        """Who holds it, for a person."""
+
+
 class BudgetExhausted(PhaselineError):
     """A session has spent its agent's token budget (``AgentSettings.max_tokens_per_session``):
     it opens no more turns."""

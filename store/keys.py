@@ -24,6 +24,9 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             tokens per agent, added by final saves (store.usage)
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
+    {ns}:{global}:owner             hash    who runs the namespace's deployment: Ray cluster,
+                                            owner token, host, pid, command, since; expires
+                                            unless its Supervisor renews it (store.ownership)
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
     {ns}:{global}:supervisor        hash    supervisor counters (respawns)
     {ns}:{global}:isolation         zset    turns to run alone on the isolation host -> not
@@ -159,6 +162,9 @@ class KeyLayout:
 
     def deadletters(self, shard: int) -> str:
         return f"{self._prefix(shard)}:deadletters"
+
+    def owner(self) -> str:
+        return f"{self.namespace}:{{global}}:owner"
 
     def hosts(self) -> str:
         return f"{self.namespace}:{{global}}:hosts"

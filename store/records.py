@@ -22,6 +22,9 @@ from bus.phase import TurnPhase
 #: three are read.
 SCHEMA_VERSION = 3
 
+#: Failed loads of a turn's agent, in a row, after which the turn is suspended.
+AGENT_FAILURES_TO_SUSPEND = 3
+
 #: Largest epoch and seq a record may carry: the save script compares them as Lua numbers
 #: (doubles), exact only up to 2^53. A record past it is quarantined on read.
 MAX_FENCE = 2**53 - 1
@@ -67,11 +70,20 @@ class Outcome(StrEnum):
     SUSPENDED_POISON = "suspended:poison"
     """Parked by the poison-turn policy: not in progress, but ``phaseline resume TURN`` runs
     it again."""
+    SUSPENDED_AGENT_UNAVAILABLE = "suspended:agent_unavailable"
+    """Parked because its agent could not be loaded on the hosts that tried (a module or an
+    environment variable missing there; ``last_error`` says which, where): ``phaseline resume
+    TURN`` runs it again after a fix."""
 
     @property
     def aborted(self) -> bool:
         """Ended by the recovery policy rather than by an answer."""
         return self.value.startswith("aborted:")
+
+    @property
+    def suspended(self) -> bool:
+        """Parked, not ended: ``phaseline resume TURN`` runs it again."""
+        return self.value.startswith("suspended:")
 
 
 #: The outcomes of a turn that ended with the model's own text: answered, wrapped up after a
@@ -98,7 +110,9 @@ class SaveReason(StrEnum):
     FINAL = "final"
     """The turn reached ``done``."""
     SUSPENDED = "suspended"
-    """The poison-turn policy parked the turn."""
+    """The poison-turn policy parked the turn, or its agent could not be loaded."""
+    AGENT_UNAVAILABLE = "agent_unavailable"
+    """A host could not load the turn's agent; the record counts it and keeps the error."""
     UNSUSPENDED = "unsuspended"
     """An operator reopened a suspended turn (``phaseline resume TURN``)."""
 
@@ -204,8 +218,8 @@ class TurnError(_Frozen):
     """The last model or tool error of a turn, as a person needs it to see why it failed.
     Never a key or a header: only what the endpoint or tool said, cut short."""
 
-    source: Literal["model", "tool"]
-    """Who failed: the model endpoint or a tool call."""
+    source: Literal["model", "tool", "agent"]
+    """Who failed: the model endpoint, a tool call, or loading the agent on a host."""
     kind: str
     """The recovery problem for a model error (``retryable``, ``fatal``, ``context_length``,
     ``truncated`` ...), the result status for a tool error (``error``, ``timeout`` ...)."""
@@ -226,7 +240,7 @@ class TurnError(_Frozen):
 
     def line(self) -> str:
         """One line for a terminal or a summary."""
-        who = f"tool {self.tool}" if self.tool else "model"
+        who = f"tool {self.tool}" if self.tool else self.source
         parts = [f"{who} {self.kind}"]
         if self.status is not None:
             parts.append(f"HTTP {self.status}")
@@ -280,6 +294,9 @@ class Counters(_Frozen):
     rate_limit_waited_ms: int = 0
     """Milliseconds the current model call has waited on the endpoint's rate limit (reset when
     a call succeeds); capped by ``LoopSettings.rate_limit_max_wait_s``."""
+    agent_failures: int = 0
+    """Hosts in a row that could not load the turn's agent; at
+    :data:`AGENT_FAILURES_TO_SUSPEND` the turn is suspended (reset by a successful start)."""
     last_error: TurnError | None = None
     """The last model or tool error of the turn: kept so that ``inspect``, ``watch``, ``chat``
     and a run's summary can say why a turn failed, not just that it did."""

@@ -24,7 +24,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, check_record_size, pack_model
 from store.connection import StoreClient, text, translated
 from store.keys import check_turn_id, session_turn_id
-from store.records import CheckpointRecord, Outcome, SaveAck, TurnSpec
+from store.records import CheckpointRecord, SaveAck, TurnSpec
 
 #: How often an open is retried when a rival changed the session under it.
 OPEN_ATTEMPTS = 20
@@ -112,7 +112,7 @@ def _check_final(session_id: str, latest: CheckpointRecord) -> None:
             "(Runtime.inject) or wait for it to finish",
             latest.turn_id,
         )
-    if latest.counters.outcome is Outcome.SUSPENDED_POISON:
+    if latest.counters.outcome is not None and latest.counters.outcome.suspended:
         raise SessionBusy(
             f"session {session_id}: turn {latest.turn_id} is suspended; resume it "
             f"(phaseline resume {latest.turn_id}) before the session goes on",

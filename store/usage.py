@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from store.codec import EncodedRecord, unpack_model
 from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
-from store.records import Counters, Outcome, Usage
+from store.records import Counters, Usage
 
 __all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
 
@@ -56,7 +56,7 @@ def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
     if not isinstance(raw, bytes):
         return nothing
     c = unpack_model(Counters, raw, key=f"counters of {record.turn_id}")
-    if c.outcome is Outcome.SUSPENDED_POISON:
+    if c.outcome is not None and c.outcome.suspended:
         return nothing
     t = c.tokens
     return [

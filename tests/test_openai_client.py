@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.resume import reopen
 from actors.engine.submission import session_tokens
 from actors.engine.turn_engine import RunStats, TurnEngine
 from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import BudgetExhausted
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, TurnInput
+from store.records import CheckpointRecord, Outcome, TurnInput
 from store.usage import agent_usage
 from tests.agents_for_tests import TEST_KEY_ENV
 
@@ -282,12 +283,28 @@ async def test_the_api_key_goes_to_the_endpoint_and_nowhere_else(
         assert dumped is not None and SECRET.encode() not in dumped, key
 
 
-async def test_a_missing_api_key_leaves_the_turn_for_a_host_that_has_it(
+async def test_a_missing_api_key_leaves_the_turn_for_a_host_that_has_it_then_suspends_it(
     real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(TEST_KEY_ENV)
     stats, record = await run(real_client, keys, KEYED, ask(1), "nokey")
     assert stats.unfinished == ["nokey"] and record.in_progress
+    error = record.counters.last_error
+    assert error is not None and error.source == "agent" and record.counters.agent_failures == 1
+    assert f"${TEST_KEY_ENV} is not set here" in error.message and "cannot run on" in error.message
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    spec = await engine.store.load_spec("nokey")
+    for _ in range(2):  # two more hosts without the key: the turn is parked, with its reason
+        done = await engine.start(await engine.store.load("nokey"), spec)
+    parked = await engine.store.load("nokey")
+    assert done.outcome == Outcome.SUSPENDED_AGENT_UNAVAILABLE and not parked.in_progress
+    assert parked.counters.outcome == Outcome.SUSPENDED_AGENT_UNAVAILABLE
+    assert parked.counters.agent_failures == 3 and parked.counters.resume_attempts == 0
+    # after a fix, an operator's resume runs it to its end
+    monkeypatch.setenv(TEST_KEY_ENV, SECRET)
+    reopened = await reopen(engine.store, "nokey")
+    assert reopened.in_progress and reopened.counters.agent_failures == 0
+    assert (await engine.start(reopened, spec)).outcome == Outcome.ANSWERED
 
 
 async def test_a_local_endpoint_is_called_without_a_key_when_none_is_set(

@@ -29,6 +29,13 @@ def actor_name(namespace: str, role: str) -> str:
     return f"{namespace}.{role}"
 
 
+def ray_cluster_id() -> str:
+    """This process's Ray cluster: its GCS address and session name (a new session each time a
+    cluster starts, so two clusters at one address differ)."""
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address} {ctx.get_session_name()}"
+
+
 def pool_name(resources: Mapping[str, float]) -> str:
     """Pools are keyed by the Ray resources their workers hold ('default': none)."""
     if not resources:

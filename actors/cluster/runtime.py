@@ -25,6 +25,7 @@ from actors.cluster.deployment import (
     actor_name,
     ask,
     pool_name,
+    ray_cluster_id,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.placement import singleton_options
@@ -46,6 +47,7 @@ from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient, read_streams, redact_url, text, translated
 from store.inbox import Inbox
+from store.ownership import Claim, Holder, NamespaceOwner
 from store.records import CheckpointRecord, InboxItem, TurnInput
 from store.sessions import Sessions
 from store.watch import watch_turn
@@ -54,11 +56,14 @@ log = logging.getLogger(__name__)
 
 
 def ensure_ray(address: str | None = None) -> bool:
-    """Start a local Ray (or join ``address``) unless one is up; True if this started it."""
+    """Start a private local Ray (or join ``address``) unless one is up; True if this started
+    it. Without an address Ray is started, never joined: ``ray.init()`` alone would join any
+    cluster ``ray start`` left on the machine, and leave this deployment (its Redis password
+    included) in someone else's cluster."""
     if ray.is_initialized():
         return False
     ray.init(
-        address=address,
+        address=address or "local",
         namespace=RAY_NAMESPACE,
         include_dashboard=False,
         log_to_driver=False,
@@ -68,11 +73,29 @@ def ensure_ray(address: str | None = None) -> bool:
 
 
 class Runtime:
-    def __init__(self, dep: Deployment, client: StoreClient, supervisor: Any, owns_ray: bool):
+    """A handle on one deployment: its owner's (which may stop it) or a client's."""
+
+    def __init__(
+        self,
+        dep: Deployment,
+        client: StoreClient,
+        supervisor: Any,
+        owns_ray: bool,
+        *,
+        owner: Holder | None = None,
+    ):
         self.dep = dep
         self.client = client
         self.supervisor = supervisor
         self.owns_ray = owns_ray
+        self._checked: set[str] = set()
+        """Agents a host of the deployment was seen to start."""
+        self.owner = owner
+        """This process's claim on the namespace when it owns the deployment; None for a
+        client, whose :meth:`shutdown` leaves the deployment running."""
+        self.namespace_owner = NamespaceOwner(
+            client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s
+        )
         self.store = RedisCheckpointStore(client, dep.keys, atomic=dep.settings.checkpoint.atomic)
         self.inbox = Inbox(client, dep.keys)
         self.approvals = Approvals(client, dep.keys)
@@ -90,9 +113,15 @@ class Runtime:
         effects_url: str | None = None,
         agents: Sequence[str] = (),
     ) -> Runtime:
-        """Start a local Ray (or join ``ray_address``) and bring the deployment up. ``agents``
-        lists the import paths of agents whose tools need Ray resources (each resource shape
-        gets its ToolWorker pool); any agent whose tools need none runs without being listed."""
+        """Start a private local Ray (or join ``ray_address``) and bring the deployment up.
+        ``agents`` lists the import paths of agents whose tools need Ray resources (each
+        resource shape gets its ToolWorker pool); any agent whose tools need none runs without
+        being listed.
+
+        The namespace is claimed first (``store.ownership``): if this Ray cluster already runs
+        its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
+        nothing); if another cluster or process holds it, :class:`NamespaceHeld` names the
+        holder and nothing starts."""
         for path in agents:
             load_agent(path)  # a bad path is a ConfigError here, not in the supervisor
         owns_ray = ensure_ray(ray_address)
@@ -104,8 +133,15 @@ class Runtime:
             agents=tuple(agents),
         )
         client = settings.redis.connect(redis_url)
-        with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
-            await client.ping()
+        try:
+            with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
+                await client.ping()
+            owner = await _claim(client, dep)
+        except PhaselineError:
+            await client.aclose()
+            if owns_ray:
+                ray.shutdown()
+            raise
         supervisor = Supervisor.options(  # type: ignore[attr-defined]
             name=dep.name("supervisor"),
             namespace=RAY_NAMESPACE,
@@ -115,12 +151,24 @@ class Runtime:
         ).remote(dep.to_wire())
         info = SupervisorInfo.of(await supervisor.ensure.remote())
         running = Deployment.from_wire(info.deployment)
-        if running.hosts != hosts or running.redis_url != redis_url:
+        if running.redis_url != redis_url:
             raise ConfigError(
-                f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts "
-                f"on {redact_url(running.redis_url)}; shut it down first or use another --namespace"
+                f"namespace {settings.redis.namespace!r} already runs on this Ray cluster with "
+                f"Redis {redact_url(running.redis_url)}; use that Redis or another --namespace"
             )
-        return cls(running, client, supervisor, owns_ray)
+        if owner is None:
+            holder = await NamespaceOwner(client, dep.keys, ttl_s=1).holder()
+            log.warning(
+                "namespace %r already runs on this Ray cluster (%d hosts, owned by %s): "
+                "attached to it as a client; leaving stops nothing",
+                settings.redis.namespace, running.hosts, holder.line() if holder else "?",
+            )  # fmt: skip
+        elif running.hosts != hosts:
+            raise ConfigError(
+                f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts; "
+                "shut it down first or use another --namespace"
+            )
+        return cls(running, client, supervisor, owns_ray, owner=owner)
 
     @classmethod
     async def attach(cls, settings: Settings, *, ray_address: str | None) -> Runtime:
@@ -169,6 +217,7 @@ class Runtime:
         """
         if isinstance(turn_input, str):
             turn_input = TurnInput(message=turn_input)
+        await self._check_on_a_host(agent, turn_input)
         ids = list(turn_ids)
         if session is not None:
             if ids:
@@ -192,6 +241,28 @@ class Runtime:
         if failure is not None:
             raise failure
         return created
+
+    async def _check_on_a_host(self, agent: str, turn_input: TurnInput) -> None:
+        """Refuse (:class:`ConfigError`) an agent that one of the deployment's hosts cannot
+        start: a module or a variable missing on the cluster's nodes, where this process's
+        environment proves nothing. Asked once per agent; without a live host, nothing is
+        asked (a host that fails later suspends the turn with the reason)."""
+        if agent in self._checked:
+            return
+        handles = await self.hosts.handles()
+        host = next((h for s, h in handles.items() if s != self.dep.isolation_slot), None)
+        if host is None:
+            return
+        try:
+            problem = await ask(host.agent_problem.remote(agent, turn_input.model_dump()), 30)
+        except (TimeoutError, ray.exceptions.RayActorError):
+            return
+        if problem:
+            raise ConfigError(
+                f"{problem} (on a host of the deployment: every Ray node needs the agent's "
+                "module importable and its variables set; see README, Operating it)"
+            )
+        self._checked.add(agent)
 
     async def _hand_over(self, turn_ids: Sequence[str]) -> None:
         """Give new turns to their slots' hosts (a slot being replaced adopts them later)."""
@@ -336,6 +407,25 @@ class Runtime:
                 continue
         return out
 
+    async def stop_taking(self) -> int:
+        """Have every host start no more turns (the deployment is stopping); returns how many
+        turns the hosts run now."""
+        running = 0
+        for host in (await self.hosts.handles()).values():
+            try:
+                running += await ask(host.stop_taking.remote(), 5)
+            except (TimeoutError, ray.exceptions.RayActorError):
+                continue
+        return running
+
+    async def alive(self) -> bool:
+        """Whether the deployment's supervisor still answers."""
+        try:
+            await ask(self.supervisor.hello.remote(), 10)
+        except (TimeoutError, ray.exceptions.RayActorError):
+            return False
+        return True
+
     async def service_pid(self, role: str) -> int:
         handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
         kind = SupervisorInfo if role == "supervisor" else ServiceInfo
@@ -362,7 +452,15 @@ class Runtime:
             ray.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop every actor of the deployment, then Ray if this runtime started it."""
+        """Stop every actor of the deployment and give its namespace up, then Ray if this
+        runtime started it. Only the deployment's owner (the process that started it, or took
+        it over) stops anything: a client's shutdown is :meth:`detach`."""
+        holder = await self._holder()
+        if not self._owns(holder):
+            log.info("leaving the deployment of namespace %r running (owned by %s)",
+                     self.dep.keys.namespace, holder.line() if holder else "no one")  # fmt: skip
+            await self.detach()
+            return
         try:
             await self.supervisor.stop.remote()
             ray.kill(self.supervisor, no_restart=True)
@@ -371,8 +469,46 @@ class Runtime:
         try:
             with translated("forget host generations"):
                 await self.client.delete(self.dep.keys.hosts())
+            if holder is not None:
+                await self.namespace_owner.release(holder.owner)
         except StoreError:
             pass
         await self.client.aclose()
         if self.owns_ray:
             ray.shutdown()
+
+    def _owns(self, holder: Holder | None) -> bool:
+        """Whether this runtime may stop the deployment: it holds the namespace's owner token,
+        or runs in the owning process (a runtime that attached in the process that started
+        it), or started it and the lease lapsed with no one else claiming it."""
+        if holder is None:
+            return self.owner is not None
+        mine = self.owner is not None and holder.owner == self.owner.owner
+        return mine or holder.is_this_process()
+
+    async def _holder(self) -> Holder | None:
+        try:
+            return await self.namespace_owner.holder()
+        except StoreError as exc:
+            log.warning("cannot read who owns namespace %r: %s", self.dep.keys.namespace, exc)
+            return self.owner
+
+
+async def _claim(client: StoreClient, dep: Deployment) -> Holder | None:
+    """Claim ``dep``'s namespace for this process: its claim when it owns the deployment now,
+    None when this Ray cluster's deployment runs it under a live owner (attach as a client).
+    A deployment whose supervisor is gone, or whose owner process is gone, is taken over."""
+    owners = NamespaceOwner(client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s)
+    me = Holder.me(ray_cluster_id())
+    result = await owners.claim(me)
+    if result.claim is Claim.ACQUIRED:
+        return me
+    try:
+        ray.get_actor(dep.name("supervisor"), namespace=RAY_NAMESPACE)
+        running = True
+    except ValueError:
+        running = False
+    if running and not result.holder.is_gone():
+        return None
+    again = await owners.claim(me, replacing=result.holder.owner)
+    return me if again.claim is Claim.ACQUIRED else None

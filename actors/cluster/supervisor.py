@@ -40,6 +40,7 @@ from actors.cluster.deployment import (
     Deployment,
     HostDirectory,
     ask,
+    ray_cluster_id,
     worker_options,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
@@ -60,6 +61,7 @@ from bus.errors import PhaselineError
 from store.connection import translated
 from store.leases import HostLeases
 from store.limiter import EndpointLimiter
+from store.ownership import Holder, NamespaceOwner
 from store.pools import PoolSizes
 from store.usage import agent_usage
 
@@ -98,6 +100,12 @@ class Supervisor:
         self.pools = PoolSizes(self.client, self.dep.keys, ttl_s=0)
         self._load: dict[int, HostInfo] = {}
         """The latest ``hello`` of each slot's host (its tool queue and calls in flight)."""
+        self.owners = NamespaceOwner(
+            self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.owner_ttl_s
+        )
+        self._cluster = ray_cluster_id()
+        self._holder: Holder | None = None
+        """The namespace's holder as last read (this cluster's), written back if it lapses."""
         self._resized: dict[str, float] = defaultdict(float)
         self._busy_at: dict[str, float] = defaultdict(time.monotonic)
         # Boot itself, also after Ray restarted it: nobody else may be around to ask.
@@ -143,16 +151,36 @@ class Supervisor:
     # -- the watch ----------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        reported = 0.0
+        reported = renewed = 0.0
         while not self._stopping:
             await asyncio.sleep(self.dep.settings.supervisor.ping_interval_s)  # watch period
             try:
+                if time.monotonic() - renewed >= self.dep.settings.supervisor.owner_ttl_s / 4:
+                    renewed = time.monotonic()
+                    if not await self._hold_namespace():
+                        return
                 await self._reconcile()
                 if time.monotonic() - reported >= METRICS_PERIOD_S:
                     reported = time.monotonic()
                     await self._report()
             except (PhaselineError, RayActorError) as exc:
                 log.warning("supervisor: %s; retrying", exc)
+
+    async def _hold_namespace(self) -> bool:
+        """Renew the namespace's lease for this Ray cluster; if another cluster has taken the
+        namespace (this one's lease lapsed, Redis was away too long), stop this deployment:
+        two would run the same turns. False when stopped."""
+        holder = await self.owners.holder()
+        if holder is not None and holder.cluster == self._cluster:
+            self._holder = holder
+        if await self.owners.renew(self._cluster, self._holder):
+            return True
+        log.error(
+            "namespace %r is now held by %s; stopping this deployment (Ray cluster %s)",
+            self.dep.keys.namespace, holder.line() if holder else "another cluster", self._cluster,
+        )  # fmt: skip
+        await self.stop()
+        return False
 
     async def _report(self) -> None:
         """The gauges of what the store counts for the whole deployment: model endpoints'

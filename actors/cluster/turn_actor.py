@@ -38,6 +38,7 @@ from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
 from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
 from actors.cluster.tool_workers import RayToolRunner
+from actors.engine.agents import agent_problem
 from actors.engine.resume import ResumePlan, plan_resume
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
@@ -47,7 +48,7 @@ from bus.events import LiveEvent, Recovering, encode_event
 from bus.phase import TurnPhase
 from store.leases import HostLeases
 from store.pools import PoolSizes
-from store.records import SaveReason
+from store.records import SaveReason, TurnInput
 from store.streams import BufferedPublisher, RedisBus
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class TurnActor:
         )
         self.directory = HostDirectory(self.dep, self.client)
         self._tasks: dict[str, asyncio.Task[TurnOutcome]] = {}
+        self._closed = False
+        """Set when the deployment stops: no turn starts here any more."""
         self._started = time.time()
         self._wake = asyncio.Event()
         self._probations: asyncio.Task[None] | None = None
@@ -126,6 +129,16 @@ class TurnActor:
             tool_inflight={k: v for k, v in self.tools.inflight.items() if v},
         ).wire()
 
+    async def agent_problem(self, agent: str, turn_input: dict[str, Any]) -> str:
+        """Why this host could not start a turn of ``agent`` ("" if it could)."""
+        return agent_problem(agent, TurnInput.model_validate(turn_input))
+
+    async def stop_taking(self) -> int:
+        """Start no more turns here (new or adopted): the deployment is stopping. Returns how
+        many run here now."""
+        self._closed = True
+        return len(self._tasks)
+
     async def run_turns(self, turn_ids: list[str]) -> int:
         """Start submitted turns (a turn that already ran somewhere is resumed instead)."""
         return sum(self._spawn(t, self._run_submitted(t)) for t in turn_ids)
@@ -140,6 +153,8 @@ class TurnActor:
         generation's lease: from here on the host is the slot's active one."""
         if self._renewing is None:
             self._renewing = asyncio.ensure_future(self._heartbeat())
+        if self._closed:
+            return 0
         if self.isolating:
             if self._probations is None and predecessor_died is not None:
                 await self.engine.probations.note_predecessor(died=predecessor_died)
@@ -239,7 +254,7 @@ class TurnActor:
     # -- turn tasks ---------------------------------------------------------------------------
 
     def _spawn(self, turn_id: str, coro: Any) -> bool:
-        if turn_id in self._tasks:
+        if turn_id in self._tasks or self._closed:
             coro.close()
             return False
         task = asyncio.ensure_future(coro)

@@ -12,11 +12,11 @@ import functools
 import importlib
 import re
 
-from actors.turn.agent import Agent
+from actors.turn.agent import Agent, ModelContext
 from bus.errors import ConfigError
 from store.records import TurnInput
 
-__all__ = ["check_agent", "load_agent"]
+__all__ = ["agent_problem", "check_agent", "load_agent"]
 
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -47,3 +47,16 @@ def check_agent(path: str, turn_input: TurnInput) -> Agent:
     agent = load_agent(path)
     agent.check_input(turn_input)
     return agent
+
+
+def agent_problem(path: str, turn_input: TurnInput) -> str:
+    """Why a turn of this agent cannot start in this process ("" if it can): what a host does
+    before it runs one (import the agent, build its model client, which reads its variables),
+    without running anything. A deployment asks one of its hosts at submission, where the
+    submitter's own environment proves nothing."""
+    try:
+        agent = check_agent(path, turn_input)
+        agent.client(ModelContext("check", turn_input, 0))
+    except ConfigError as exc:
+        return str(exc)
+    return ""

@@ -133,6 +133,13 @@ class SupervisorSettings(_Section):
     lease_ttl_s: float = Field(default=2.0, ge=0.2, le=600)
     """A host's lease (``store.leases``), renewed every quarter of it: a frozen or cut-off host
     is replaced about this long after it stopped."""
+    owner_ttl_s: float = Field(default=20.0, ge=2, le=3600)
+    """The namespace's lease (``store.ownership``), renewed by the Supervisor every quarter of
+    it: a deployment whose cluster died frees its namespace this long after."""
+    stop_grace_s: float = Field(default=10.0, ge=0, le=3600)
+    """How long ``phaseline serve`` lets running turns reach their next checkpoint when it is
+    stopped (SIGTERM, Ctrl-C), before it stops the actors (``--drain`` waits for them to
+    finish instead)."""
     adopt_interval_s: float = Field(default=10.0, gt=0)
     """How often live hosts re-adopt in-progress turns of their slot that they do not run."""
     standby: bool = True

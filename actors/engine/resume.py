@@ -141,7 +141,7 @@ def unsuspended(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
     """An operator's ``phaseline resume TURN`` of a parked turn: back in progress, evidence
     cleared (the next claim treats it as a turn that lost its host once)."""
     counters = record.counters.model_copy(
-        update={"outcome": None, "stalled_resumes": 0, "isolated_deaths": ()}
+        update={"outcome": None, "stalled_resumes": 0, "isolated_deaths": (), "agent_failures": 0}
     )
     return record.model_copy(
         update={
@@ -159,7 +159,8 @@ async def reopen(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord:
     """An operator asked for this turn by id: a suspended one goes back in progress (fenced
     like any claim); any other record is returned as it is."""
     record = await store.load(turn_id)
-    if record.in_progress or record.counters.outcome != Outcome.SUSPENDED_POISON:
+    outcome = record.counters.outcome
+    if record.in_progress or outcome is None or not outcome.suspended:
         return record
     reopened = unsuspended(record, now_ms=int(time.time() * 1000))
     await store.save(reopened)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -50,6 +52,7 @@ from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import (
+    AGENT_FAILURES_TO_SUSPEND,
     CheckpointRecord,
     Outcome,
     SaveReason,
@@ -119,7 +122,7 @@ class RunStats:
     def add(self, outcome: TurnOutcome) -> None:
         self.turns += 1
         self.outcomes[outcome.outcome] += 1
-        if outcome.outcome is Outcome.SUSPENDED_POISON:
+        if isinstance(outcome.outcome, Outcome) and outcome.outcome.suspended:
             self.suspended.append(outcome.turn_id)
         self.checkpoints += outcome.saves
         self.failed_saves += outcome.failed_saves
@@ -350,6 +353,9 @@ class TurnEngine:
         agent = load_agent(spec.agent)
         if record.agent != spec.agent:  # a record of schema 2 names no agent
             record = record.model_copy(update={"agent": spec.agent})
+        if record.counters.agent_failures:  # it loads here: the failures in a row end
+            counters = record.counters.model_copy(update={"agent_failures": 0})
+            record = record.model_copy(update={"counters": counters})
         registry = await self.runner.registry(spec.agent, agent, spec.input)
         wired = TurnDeps(
             llm=agent.client(
@@ -399,9 +405,46 @@ class TurnEngine:
         try:
             loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
-            log.error("turn %s cannot run here: %s", record.turn_id, exc)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+            return await self._agent_unavailable(record, spec, exc)
         return await self.drive(loop)
+
+    async def _agent_unavailable(
+        self, record: CheckpointRecord, spec: TurnSpec, exc: ConfigError
+    ) -> TurnOutcome:
+        """The turn's agent does not load here (a module or a variable this host lacks). The
+        failure is counted in the record with its reason, so ``inspect`` and ``watch`` say
+        what failed where; the turn stays in progress for another host (or this one, after a
+        fix) to try at its next adopt, and after :data:`AGENT_FAILURES_TO_SUSPEND` failures in
+        a row it is suspended (``phaseline resume TURN`` runs it again)."""
+        c = record.counters
+        failures = c.agent_failures + 1
+        where = f"{socket.gethostname()} (pid {os.getpid()})"
+        error = TurnError(
+            source="agent", kind="unavailable", at_ms=int(time.time() * 1000),
+            message=f"agent {spec.agent} cannot run on {where}: {exc}"[:500],
+        )  # fmt: skip
+        park = failures >= AGENT_FAILURES_TO_SUSPEND
+        outcome = Outcome.SUSPENDED_AGENT_UNAVAILABLE if park else None
+        noted = record.model_copy(
+            update={
+                "seq": record.seq + 1,
+                "in_progress": not park,
+                "reason": SaveReason.SUSPENDED if park else SaveReason.AGENT_UNAVAILABLE,
+                "counters": c.model_copy(
+                    update={"agent_failures": failures, "last_error": error, "outcome": outcome}
+                ),
+                "updated_at": error.at_ms,
+            }
+        )
+        log.error("turn %s: %s (%d in a row%s)", record.turn_id, error.message, failures,
+                  "; suspended" if park else "")  # fmt: skip
+        try:
+            await self.store.save(noted)
+        except StoreError as save_failed:  # fenced by a newer owner, or Redis away
+            log.warning("turn %s: the failure was not recorded: %s", record.turn_id, save_failed)
+            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+        ended = outcome if outcome is not None else RunStop.INTERRUPTED
+        return TurnOutcome(record.turn_id, ended, record.epoch, 1, 0, 0, error)
 
     # -- what watchdogs and operators may ask -------------------------------------------------
 

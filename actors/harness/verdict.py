@@ -262,8 +262,8 @@ async def judge(
             v.in_progress.append(tid)
             v.flagged.add(tid)
             continue
-        if outcome is Outcome.SUSPENDED_POISON:
-            v.suspended.append(f"{tid}: {list(record.counters.isolated_deaths)}")
+        if outcome is not None and outcome.suspended:
+            v.suspended.append(f"{tid}: {outcome} {list(record.counters.isolated_deaths)}")
             v.flagged.add(tid)
             continue
         if outcome is not None and outcome.aborted:
