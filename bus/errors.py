@@ -187,6 +187,16 @@ class NamespaceHeld(ConfigError):
         """Who holds it, for a person."""
 
 
+class TurnNotRunning(ConfigError):
+    """A message or a cancel for a turn that is not in progress (finished, suspended, or no
+    such turn): nothing would ever read it, so it is refused."""
+
+    def __init__(self, message: str, turn_id: str) -> None:
+        super().__init__(message)
+        self.turn_id = turn_id
+        """The turn."""
+
+
 class BudgetExhausted(PhaselineError):
     """A session has spent its agent's token budget (``AgentSettings.max_tokens_per_session``):
     it opens no more turns."""

@@ -1,19 +1,41 @@
 """Approval decisions for tool calls flagged ``requires_approval``, decided through Redis.
 
-One hash per turn: call key -> ``pending`` | ``approve`` | ``deny``. A decision replaces only
-``pending`` (or nothing), so the first decision wins and a late one cannot flip it.
+One hash per turn (``KeyLayout.approval``): call key -> a msgpack
+:class:`~store.records.Approval` (tool, arguments, when asked; once decided, the decision, who
+and why). A decision replaces only a pending entry (or nothing), so the first decision wins and
+a late one cannot flip it. Entries written before approvals carried their call (the plain words
+``pending``, ``approve``, ``deny``) are still read.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Literal
+
 import redis
 
+from store.codec import pack_model, unpack_model
 from store.connection import StoreClient, text, translated
+from store.connection import raw as raw_bytes
 from store.keys import KeyLayout
+from store.records import Approval
 
-PENDING = b"pending"
-APPROVE = b"approve"
-DENY = b"deny"
+__all__ = ["ARGS_LIMIT", "Approvals"]
+
+#: Characters of a call's arguments kept with its approval request.
+ARGS_LIMIT = 2000
+_WORDS: dict[bytes, Literal["pending", "approve", "deny"]] = {
+    b"pending": "pending",
+    b"approve": "approve",
+    b"deny": "deny",
+}
+
+
+def _read(key: str, value: bytes | str) -> Approval:
+    raw = raw_bytes(value)
+    if raw in _WORDS:
+        return Approval(state=_WORDS[raw])
+    return unpack_model(Approval, raw, key=key)
 
 
 class Approvals:
@@ -21,12 +43,15 @@ class Approvals:
         self.client = client
         self.keys = keys
 
-    async def request(self, turn_id: str, call_key: str) -> None:
+    async def request(self, turn_id: str, call_key: str, *, tool: str = "", args: str = "") -> None:
         """Mark a call as waiting for a decision (kept if already decided)."""
+        asked = Approval(state="pending", tool=tool, args=args[:ARGS_LIMIT], asked_at_ms=_now_ms())
         with translated(f"request approval {turn_id}"):
-            await self.client.hsetnx(self.keys.approval(turn_id), call_key, PENDING)
+            await self.client.hsetnx(self.keys.approval(turn_id), call_key, pack_model(asked))
 
-    async def decide(self, turn_id: str, call_key: str, approve: bool) -> bool:
+    async def decide(
+        self, turn_id: str, call_key: str, approve: bool, *, by: str = "", reason: str = ""
+    ) -> bool:
         """Record a decision; returns False when the call was already decided."""
         key = self.keys.approval(turn_id)
         with translated(f"decide approval {turn_id}"):
@@ -34,24 +59,43 @@ class Approvals:
                 while True:
                     try:
                         await pipe.watch(key)
-                        current = await pipe.hget(key, call_key)
-                        if current not in (None, PENDING):
+                        raw = await pipe.hget(key, call_key)
+                        current = None if raw is None else _read(f"{key}#{call_key}", raw)
+                        if current is not None and current.state != "pending":
                             return False
+                        decided = (current or Approval(state="pending")).model_copy(
+                            update={
+                                "state": "approve" if approve else "deny",
+                                "decided_at_ms": _now_ms(),
+                                "by": by,
+                                "reason": reason,
+                            }
+                        )
                         pipe.multi()  # type: ignore[no-untyped-call]
-                        pipe.hset(key, call_key, APPROVE if approve else DENY)
+                        pipe.hset(key, call_key, pack_model(decided))
                         await pipe.execute()
                         return True
                     except redis.WatchError:
                         continue
 
-    async def decision(self, turn_id: str, call_key: str) -> bool | None:
-        """True approved, False denied, None undecided."""
+    async def decision(self, turn_id: str, call_key: str) -> Approval | None:
+        """The decision on a call (None while undecided)."""
+        key = self.keys.approval(turn_id)
         with translated(f"read approval {turn_id}"):
-            raw = await self.client.hget(self.keys.approval(turn_id), call_key)
-        return None if raw in (None, PENDING) else raw == APPROVE
+            raw = await self.client.hget(key, call_key)
+        if raw is None:
+            return None
+        found = _read(f"{key}#{call_key}", raw)
+        return None if found.state == "pending" else found
 
-    async def pending(self, turn_id: str) -> list[str]:
-        """Call keys still waiting for a decision."""
+    async def pending(self, turn_id: str) -> dict[str, Approval]:
+        """Calls of the turn still waiting for a decision, by call key."""
+        key = self.keys.approval(turn_id)
         with translated(f"read approvals {turn_id}"):
-            raw = await self.client.hgetall(self.keys.approval(turn_id))
-        return sorted(text(k) for k, v in raw.items() if v == PENDING)
+            raw = await self.client.hgetall(key)
+        found = {text(k): _read(f"{key}#{text(k)}", v) for k, v in raw.items()}
+        return {k: a for k, a in sorted(found.items()) if a.state == "pending"}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

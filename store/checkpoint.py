@@ -372,7 +372,7 @@ class RedisCheckpointStore:
         turn_id = record.turn_id
         keys = [self.keys.turn(turn_id), self.keys.bodies(turn_id), self.keys.events_of(turn_id)]
         keys += [self.keys.in_progress_of(turn_id), self.keys.usage_of(turn_id)]
-        keys += [spec[0]] if spec else []
+        keys += [spec[0], self.keys.turns_of(turn_id)] if spec else []
         args: list[bytes | str | int] = [
             record.epoch, record.seq, turn_id, record.phase, record.reason,
             int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
@@ -434,6 +434,24 @@ class RedisCheckpointStore:
         if spec.turn_id != turn_id:
             raise RecordError(key, f"spec of turn {spec.turn_id!r}, not {turn_id!r}")
         return spec
+
+    async def list_turns(
+        self, *, since_ms: int = 0, before_ms: int | None = None, limit: int = 100
+    ) -> list[tuple[str, int]]:
+        """The newest turns submitted in ``[since_ms, before_ms)`` (the turns index, not a
+        scan of the keyspace), newest first, with their submission time (unix ms): at most
+        ``limit`` from each shard, merged. Page by passing the oldest time seen as
+        ``before_ms``."""
+        top = "+inf" if before_ms is None else f"({before_ms}"
+        with translated("list turns"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for shard in self.keys.all_shards():
+                    pipe.zrevrangebyscore(
+                        self.keys.turns(shard), top, since_ms, start=0, num=limit, withscores=True
+                    )
+                shards = await pipe.execute()
+        found = [(text(t), int(score)) for rows in shards for t, score in rows]
+        return sorted(found, key=lambda x: (-x[1], x[0]))[:limit]
 
     async def list_in_progress(self) -> list[str]:
         """Ids of every turn whose latest record has ``in_progress = 1``, sorted."""

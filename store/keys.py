@@ -20,6 +20,9 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
     {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
+    {ns}:{s<N>}:turns               zset    every turn of the shard -> submitted at (unix ms),
+                                            written with its first record (listing turns
+                                            without a scan)
     {ns}:{s<N>}:usage               hash    "<counter>|<agent>" -> the shard's finished turns'
                                             tokens per agent, added by final saves (store.usage)
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
@@ -147,6 +150,12 @@ class KeyLayout:
 
     def in_progress(self, shard: int) -> str:
         return f"{self._prefix(shard)}:inprogress"
+
+    def turns(self, shard: int) -> str:
+        return f"{self._prefix(shard)}:turns"
+
+    def turns_of(self, turn_id: str) -> str:
+        return self.turns(self.shard_of(turn_id))
 
     def usage(self, shard: int) -> str:
         return f"{self._prefix(shard)}:usage"

@@ -67,6 +67,9 @@ class Outcome(StrEnum):
     twice the room: its calls' arguments cannot be trusted, so none was run."""
     ABORTED_RECORD_TOO_LARGE = "aborted:record_too_large"
     """The transcript outgrew ``[checkpoint] max_record_bytes``; it ends on its last record."""
+    CANCELLED = "cancelled"
+    """An operator cancelled the turn (``phaseline cancel``); it ended at its next boundary,
+    its in-flight model call cancelled and its tools in flight finished and journaled."""
     SUSPENDED_POISON = "suspended:poison"
     """Parked by the poison-turn policy: not in progress, but ``phaseline resume TURN`` runs
     it again."""
@@ -212,6 +215,8 @@ class MessageMeta(_Frozen):
     """True for nudges and other messages the runtime wrote on the user's behalf."""
     usage: Usage | None = None
     """On model replies from an endpoint that reports it: the tokens the call used."""
+    approval: Approval | None = None
+    """On the result of a call that needed approval: the decision (who, when, why)."""
 
 
 class TurnError(_Frozen):
@@ -294,6 +299,8 @@ class Counters(_Frozen):
     rate_limit_waited_ms: int = 0
     """Milliseconds the current model call has waited on the endpoint's rate limit (reset when
     a call succeeds); capped by ``LoopSettings.rate_limit_max_wait_s``."""
+    cancel_reason: str | None = None
+    """Why an operator cancelled the turn (its outcome is then ``cancelled``)."""
     agent_failures: int = 0
     """Hosts in a row that could not load the turn's agent; at
     :data:`AGENT_FAILURES_TO_SUSPEND` the turn is suspended (reset by a successful start)."""
@@ -460,12 +467,43 @@ class SaveAck:
     """Id of the checkpoint event in the shard's events stream."""
 
 
+class Approval(_Frozen):
+    """A tool call's approval: asked, then decided (``store.approvals``). Kept after the
+    decision, so who decided, when and why stays with the turn."""
+
+    state: Literal["pending", "approve", "deny"]
+    """Waiting, approved or denied."""
+    tool: str = ""
+    """The tool called."""
+    args: str = ""
+    """Its arguments as canonical JSON (cut at 2,000 characters)."""
+    asked_at_ms: int = 0
+    """Unix milliseconds of the request."""
+    decided_at_ms: int = 0
+    """Unix milliseconds of the decision (0 while pending)."""
+    by: str = ""
+    """Who decided (``user@host``, or ``timeout`` when the cap decided)."""
+    reason: str = ""
+    """Why, if they said."""
+
+    def note(self) -> str:
+        """The decision for a person and for the model."""
+        verb = {"approve": "approved", "deny": "denied", "pending": "waiting"}[self.state]
+        who = f" by {self.by}" if self.by else ""
+        return f"{verb}{who}" + (f": {self.reason}" if self.reason else "")
+
+
 class InboxItem(_Frozen):
-    """One injected message."""
+    """One injected message, or a request to cancel the turn."""
 
     message_id: str
     """Caller-visible id; kept in the message meta."""
     text: str
-    """The user's words."""
+    """The user's words (for a cancel: its reason)."""
     at_ms: int
     """Unix milliseconds of injection."""
+    cancel: bool = False
+    """A cancel request (``phaseline cancel``): the turn ends ``cancelled`` at the boundary
+    that reads it, also in an incarnation that resumes after a crash."""
+    by: str = ""
+    """Who sent it (user@host), when the sender said."""

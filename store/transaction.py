@@ -91,7 +91,7 @@ def save_commands(
     *,
     ends_turn: bool = False,
 ) -> list[tuple[Any, ...]]:
-    """The writes of one accepted save, in the script's order; the XADD is third from last
+    """The writes of one accepted save, in the script's order; the XADD is fourth from last
     (second from last without a spec). ``ends_turn``: the stored record is in progress, so a
     final save adds its tally (:mod:`store.usage`)."""
     turn = record.turn_id
@@ -119,6 +119,7 @@ def save_commands(
     out.append(("SADD", index, turn) if record.in_progress else ("SREM", index, turn))
     if spec is not None:
         out.append(("SET", spec[0], spec[1]))
+        out.append(("ZADD", keys.turns_of(turn), record.fields["updated_at"], turn))
     return out
 
 
@@ -223,7 +224,7 @@ class ShardBatch:
                 continue
             ends_turn = stored[2] in (b"1", "1")
             commands = save_commands(keys, r, spec, self.maxlen, ends_turn=ends_turn)
-            xadd = len(writes) + len(commands) - (3 if spec is not None else 2)
+            xadd = len(writes) + len(commands) - (4 if spec is not None else 2)
             accepted.append((i, len(writes), xadd))
             writes += commands
             replies.append(None)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.resume import claim_for_resume, plan_resume
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import ScriptedLLM, scripted_turn
@@ -18,14 +19,21 @@ from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.loop import LoopSettings, TurnLoop
 from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.watchdog import WatchdogSettings
-from bus.errors import StoreError
+from bus.errors import StoreError, TurnNotRunning
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, SaveAck, SaveReason, ToolResult
+from store.records import (
+    CheckpointRecord,
+    LedgerEntry,
+    Outcome,
+    SaveAck,
+    SaveReason,
+    ToolResult,
+)
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 
@@ -356,14 +364,25 @@ async def test_approvals_wait_in_a_transient_and_deny_after_the_cap(
         return engine.pending_approval("gate")
 
     key = await eventually(pending, what="the approval request")
-    assert await engine.approvals.pending("gate") == [key]
+    (asked,) = (await engine.approvals.pending("gate")).items()
+    assert asked[0] == key and asked[1].tool == "echo" and '"text"' in asked[1].args
     if decision is not None:
-        assert await engine.approvals.decide("gate", key, decision)
+        assert await engine.approvals.decide("gate", key, decision, by="ops", reason="looked")
         assert not await engine.approvals.decide("gate", key, not decision)  # first wins
     await task
     final = await engine.store.load("gate")
-    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    ((result, meta),) = [
+        (m.tool_result, meta) for m, meta in zip(final.messages, final.meta, strict=True)
+        if m.tool_result
+    ]  # fmt: skip
     assert result.status == status
+    # who decided, and why, stays with the result
+    assert meta.approval is not None
+    assert (meta.approval.by, meta.approval.reason) == (
+        ("ops", "looked") if decision is not None else ("timeout", "no decision within 0.3 s")
+    )
+    if status == "denied":
+        assert meta.approval.note() in result.output
     dsts = [m.dst for m in moves]
     i = dsts.index(P.AWAITING_APPROVAL)
     assert dsts[i + 1] is P.EXECUTING_TOOLS  # restored
@@ -454,3 +473,67 @@ async def test_a_redis_restart_mid_turn_is_ridden_out(
             final = await engine.store.load("bumpy")
             assert not final.in_progress and len(final.messages) == 2 + 8 * 2 + 1
         await client.aclose()
+
+
+async def test_a_cancel_ends_a_running_turn_now_and_frees_nothing_twice(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(rounds=50, llm_latency_ms=30_000)  # every model call would take 30 s
+    record = await engine.submit(*scripted_turn(sc), "cancelled")
+    running = asyncio.ensure_future(
+        engine.start(record, await engine.store.load_spec(record.turn_id))
+    )
+
+    async def in_the_model_call() -> bool:
+        return "cancelled" in engine.running() and engine.phases()[0].dst is P.AWAITING_LLM
+
+    await eventually(in_the_model_call, timeout=10, what="the turn's first model call")
+    done = await request_cancel(engine.store, engine.inbox, "cancelled", "wrong task", by="ops")
+    assert done is Cancelled.REQUESTED
+    assert engine.cancel("cancelled")  # its host is told: the 30 s call ends now
+    outcome = await asyncio.wait_for(running, 10)
+    assert outcome.outcome == Outcome.CANCELLED
+    final = await engine.store.load("cancelled")
+    assert not final.in_progress and final.counters.outcome == Outcome.CANCELLED
+    assert final.counters.cancel_reason == "wrong task (by ops)"
+    assert final.counters.inbox_offset == 1  # the request is consumed, once
+    with pytest.raises(TurnNotRunning):  # a finished turn takes no more entries
+        await request_cancel(engine.store, engine.inbox, "cancelled", "again")
+    with pytest.raises(TurnNotRunning):
+        await engine.inbox.push("cancelled", "late message")
+    with pytest.raises(TurnNotRunning):
+        await request_cancel(engine.store, engine.inbox, "no-such-turn", "")
+
+
+async def test_a_cancel_requested_before_a_crash_is_honoured_by_the_resumed_turn(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    record = await engine.submit(*scripted_turn(scenario()), "cancel-crash")
+    # the request lands while no incarnation runs the turn (its host died)
+    assert await request_cancel(engine.store, engine.inbox, "cancel-crash", "stop") is (
+        Cancelled.REQUESTED
+    )
+    outcome = await engine.resume("cancel-crash")
+    assert outcome.outcome == Outcome.CANCELLED
+    final = await engine.store.load("cancel-crash")
+    assert final.counters.cancel_reason == "stop" and final.epoch == record.epoch + 1
+    assert [m.role for m in final.messages] == [m.role for m in record.messages]  # no call made
+
+
+async def test_cancelling_a_suspended_turn_ends_it(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    record = await engine.submit(*scripted_turn(scenario()), "parked")
+    parked = record.model_copy(
+        update={
+            "seq": 1, "in_progress": False, "reason": SaveReason.SUSPENDED,
+            "counters": record.counters.model_copy(update={"outcome": Outcome.SUSPENDED_POISON}),
+        }
+    )  # fmt: skip
+    await engine.store.save(parked)
+    assert await request_cancel(engine.store, engine.inbox, "parked", "") is Cancelled.ENDED
+    final = await engine.store.load("parked")
+    assert final.counters.outcome == Outcome.CANCELLED and not final.in_progress

@@ -444,7 +444,7 @@ async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> Non
     await rt.submit(*scripted_turn(sc), ["gate"])
 
     async def pending() -> list[str] | None:
-        return await rt.pending_approvals("gate") or None
+        return list(await rt.pending_approvals("gate")) or None
 
     (key,) = await eventually(pending, timeout=60, what="the approval request")
     assert await rt.decide("gate", key, approve=True)

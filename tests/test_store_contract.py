@@ -729,3 +729,19 @@ async def test_a_suspended_turn_is_added_when_it_finishes_not_when_it_parks(
     await store.save(_finished(back, 4, Outcome.ANSWERED, tokens=used))
     (a,) = await agent_usage(any_client, keys)
     assert (a.turns, a.tokens) == (1, used)
+
+
+async def test_submitted_turns_are_listed_newest_first_from_the_index(
+    store: RedisCheckpointStore,
+) -> None:
+    for i, at in enumerate((1000, 3000, 2000, 4000)):
+        rec = record(f"ix{i}").model_copy(update={"updated_at": at, "seq": 0})
+        spec = TurnSpec(turn_id=f"ix{i}", session_id="s1", agent="a.b:c",
+                        input={"message": "hi"}, created_at=at)  # fmt: skip
+        await store.submit(spec, rec)
+    await store.save(record("ix0").model_copy(update={"seq": 1, "updated_at": 9000}))
+    listed = await store.list_turns()
+    assert listed == [("ix3", 4000), ("ix1", 3000), ("ix2", 2000), ("ix0", 1000)]  # by submission
+    assert await store.list_turns(limit=2) == listed[:2]
+    assert await store.list_turns(before_ms=3000, limit=2) == listed[2:]
+    assert await store.list_turns(since_ms=2000) == listed[:3]

@@ -8,6 +8,7 @@ Supervisor (detached) keeps the actors alive, so a ``Runtime`` can be dropped an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.placement import singleton_options
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
+from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
 from actors.engine.submission import new_turns, session_turn
 from bus.errors import (
@@ -48,7 +50,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient, read_streams, redact_url, text, translated
 from store.inbox import Inbox
 from store.ownership import Claim, Holder, NamespaceOwner
-from store.records import CheckpointRecord, InboxItem, TurnInput
+from store.records import Approval, CheckpointRecord, InboxItem, TurnInput
 from store.sessions import Sessions
 from store.watch import watch_turn
 
@@ -313,15 +315,33 @@ class Runtime:
                 log.warning("host slot %d died while adopting; its successor adopts", slot)
 
     async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
-        """Queue a user message; it enters the turn at its next boundary, exactly once."""
+        """Queue a user message; it enters the turn at its next boundary, exactly once.
+        :class:`TurnNotRunning` for a turn that is not in progress."""
         return await self.inbox.push(turn_id, text_, message_id=message_id)
 
-    async def pending_approvals(self, turn_id: str) -> list[str]:
+    async def cancel(self, turn_id: str, reason: str = "", *, by: str = "") -> Cancelled:
+        """Cancel a turn: durable (its owner, or the incarnation that resumes it, ends it
+        ``cancelled`` at its next boundary), and its host is told now, which cancels an
+        in-flight model call. A suspended turn ends at once. :class:`TurnNotRunning` for one
+        that already ended."""
+        done = await request_cancel(self.store, self.inbox, turn_id, reason, by=by)
+        if done is Cancelled.REQUESTED:
+            host = await self.hosts.handle(self.dep.slot_of(turn_id))
+            if host is not None:  # else, or if it fails: the next incarnation reads the inbox
+                with contextlib.suppress(TimeoutError, ray.exceptions.RayActorError):
+                    await ask(host.cancel_turn.remote(turn_id), 10)
+        return done
+
+    async def pending_approvals(self, turn_id: str) -> dict[str, Approval]:
+        """The turn's calls waiting for a decision, by call key (tool, arguments, when)."""
         return await self.approvals.pending(turn_id)
 
-    async def decide(self, turn_id: str, call_key: str, approve: bool) -> bool:
-        """Approve or deny a waiting tool call; False if it was already decided."""
-        return await self.approvals.decide(turn_id, call_key, approve)
+    async def decide(
+        self, turn_id: str, call_key: str, approve: bool, *, by: str = "", reason: str = ""
+    ) -> bool:
+        """Approve or deny a waiting tool call; False if it was already decided. Who and why
+        stay with the turn (the tool result's meta)."""
+        return await self.approvals.decide(turn_id, call_key, approve, by=by, reason=reason)
 
     async def wait(
         self,

@@ -196,6 +196,11 @@ class TurnActor:
         this process dies (the call fails) instead of at its next ping."""
         await asyncio.Event().wait()
 
+    async def cancel_turn(self, turn_id: str) -> bool:
+        """An operator cancelled this turn (the request is in its inbox): end it now if it runs
+        here."""
+        return self.engine.cancel(turn_id)
+
     async def cancel_llm(self, turn_id: str, epoch: int) -> bool:
         return self.engine.cancel_llm(turn_id, epoch)
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from actors.engine.mcp import mcp_registry
@@ -154,7 +154,7 @@ class BatchExecutor:
         epoch: int,
         batch: int,
         calls: Sequence[ToolCall],
-        denied: frozenset[int] = frozenset(),
+        denied: Mapping[int, str] | None = None,
     ) -> list[ToolResult]:
         """Journal, decide per call from the ledger, run what must run; results in order.
 
@@ -175,7 +175,7 @@ class BatchExecutor:
         for _ in range(_DECIDE_ROUNDS):
             changes: dict[str, Change] = {}
             for i, key in pending.items():
-                decided = self._decide(calls[i], reads[key].entry, i in denied)
+                decided = self._decide(calls[i], reads[key].entry, (denied or {}).get(i))
                 if isinstance(decided, ToolSpec):
                     entry = LedgerEntry(
                         state="dispatched", name=calls[i].name, updated_at=_now_ms(),
@@ -218,9 +218,10 @@ class BatchExecutor:
         return [r for r in results if r is not None]
 
     def _decide(
-        self, call: ToolCall, entry: LedgerEntry, denied: bool
+        self, call: ToolCall, entry: LedgerEntry, denied: str | None
     ) -> ToolSpec | tuple[LedgerState | None, ToolResult]:
-        """Pure: run it (its spec), or its result and the ledger state to journal (None: keep)."""
+        """Pure: run it (its spec), or its result and the ledger state to journal (None: keep).
+        ``denied``: the decision that refused the call (None: it may run)."""
 
         try:
             spec = self.registry.get(call.name)
@@ -233,8 +234,10 @@ class BatchExecutor:
             return None, entry.result.model_copy(update={"call_id": call.id})
         if verdict == "unknown":
             return "outcome_unknown", lost_call(call, "was running when its host died")
-        if denied:
-            return "committed", tool_result(call, "denied", f"{call.name} was not approved")
+        if denied is not None:
+            return "committed", tool_result(
+                call, "denied", f"{call.name} was not approved: {denied}"
+            )
         return spec
 
     async def _run(

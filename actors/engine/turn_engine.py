@@ -470,6 +470,15 @@ class TurnEngine:
         self.stats.hard_cancels += cancelled
         return cancelled
 
+    def cancel(self, turn_id: str) -> bool:
+        """An operator's cancel, already durable in the turn's inbox (``actors.engine.cancel``):
+        end its in-flight model call and waits now. False if the turn does not run here."""
+        loop = self._loops.get(turn_id)
+        if loop is None:
+            return False
+        loop.request_cancel()
+        return True
+
     def pending_approval(self, turn_id: str) -> str | None:
         """Call key a running turn waits on for approval, if any."""
         loop = self._loops.get(turn_id)

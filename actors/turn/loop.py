@@ -17,11 +17,12 @@ once: a newer owner is driving the turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -39,7 +40,7 @@ from actors.turn.recovery import (
     decide_recovery,
     nudge_text,
 )
-from actors.turn.tools import ToolRegistry
+from actors.turn.tools import ToolRegistry, ToolSpec
 from bus.errors import (
     AwaitingAdmission,
     ContextLengthError,
@@ -62,6 +63,7 @@ from bus.events import (
 )
 from bus.phase import Listener, PhaseTracker, TurnPhase
 from store.records import (
+    Approval,
     CheckpointRecord,
     InboxItem,
     Message,
@@ -89,8 +91,13 @@ class InboxReader(Protocol):
 
 
 class ApprovalDesk(Protocol):
-    async def request(self, turn_id: str, call_key: str) -> None: ...
-    async def decision(self, turn_id: str, call_key: str) -> bool | None: ...
+    async def request(
+        self, turn_id: str, call_key: str, *, tool: str = "", args: str = ""
+    ) -> None: ...
+    async def decide(
+        self, turn_id: str, call_key: str, approve: bool, *, by: str = "", reason: str = ""
+    ) -> bool: ...
+    async def decision(self, turn_id: str, call_key: str) -> Approval | None: ...
 
 
 class ToolBatches(Protocol):
@@ -101,7 +108,7 @@ class ToolBatches(Protocol):
         epoch: int,
         batch: int,
         calls: Sequence[ToolCall],
-        denied: frozenset[int] = ...,
+        denied: Mapping[int, str] | None = ...,
     ) -> list[ToolResult]:
         """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced."""
         ...
@@ -233,6 +240,10 @@ class TurnOutcome:
         return isinstance(self.outcome, RunStop) and self.outcome.leaves_in_progress
 
 
+class _CancelNow(Exception):
+    """An operator's cancel ends the turn now (raised out of a model call or its retries)."""
+
+
 class _Fenced(Exception):
     """Internal: a save was refused by fencing; unwinds the loop without further effects."""
 
@@ -290,6 +301,10 @@ class TurnLoop:
         )
         self._llm_task: asyncio.Task[LLMReply] | None = None
         self._hard_cancelled = False
+        self._cancel = asyncio.Event()
+        """Set when an operator's cancel reached this incarnation (or its inbox entry was
+        read): every wait ends and the turn ends at once, ``cancelled``."""
+        self._cancel_reason = ""
         self.pending_approval: str | None = None
 
     # -- public -------------------------------------------------------------------------------
@@ -307,6 +322,14 @@ class TurnLoop:
         task.cancel()
         return True
 
+    def request_cancel(self) -> None:
+        """An operator's cancel (already durable in the turn's inbox): end the in-flight model
+        call and any wait now; tools in flight finish first (their ledger stays exact)."""
+        self._cancel.set()
+        task = self._llm_task
+        if task is not None and not task.done():
+            task.cancel()
+
     async def run(self) -> TurnOutcome:
         t = self.tracker
         if self.epoch > 1:  # a new owner: what streamed after the last checkpoint is gone
@@ -320,6 +343,9 @@ class TurnLoop:
                 return await self._force_stop(checkpoint_first=False)
             t.to(P.AWAITING_LLM)
             return await self._drive()
+        except _CancelNow:
+            await self._drain_inbox()  # the request's reason, and its place in the inbox
+            return await self._finish_cancelled()
         except _Fenced:
             return self._outcome(RunStop.FENCED)
         except _Released:
@@ -336,6 +362,8 @@ class TurnLoop:
     async def _drive(self) -> TurnOutcome:
         while True:
             await self._drain_inbox()
+            if self._cancel.is_set():
+                return await self._finish_cancelled()
             await self._compact_if_large()
             answer = await self._ask(tools_enabled=True)
             if isinstance(answer, TurnOutcome):
@@ -374,6 +402,8 @@ class TurnLoop:
         usable reply, or the outcome when the policy ended the turn."""
         more_room = False
         while True:
+            if self._cancel.is_set():
+                raise _CancelNow
             try:
                 answer = await self._call_llm(tools_enabled=tools_enabled, more_room=more_room)
             except LLMError as exc:
@@ -478,7 +508,7 @@ class TurnLoop:
             self._recovering(problem, action, f"{note}: {detail}")
             t.to(P.RETRYING_LLM)
             self._dirty = True
-            await asyncio.sleep(wait)
+            await self._pause(wait)
             t.to(back)
             return None
         if action is Action.RETRY:
@@ -493,7 +523,7 @@ class TurnLoop:
             self._recovering(problem, action, f"{note}: {detail}")
             t.to(P.RETRYING_LLM)
             self._dirty = True
-            await asyncio.sleep(wait)
+            await self._pause(wait)
             t.to(back)
             return None
         if action is Action.COMPACT:
@@ -557,6 +587,17 @@ class TurnLoop:
         if per_session is not None and self._counters.session_prior.total + used >= per_session:
             return f"the session's budget of {per_session:,} tokens"
         return ""
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the turn is cancelled meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._cancel.wait(), seconds)
+
+    async def _finish_cancelled(self) -> TurnOutcome:
+        reason = self._cancel_reason or "cancelled"
+        log.info("turn %s cancelled: %s", self.turn_id, reason)
+        self._counters = self._counters.model_copy(update={"cancel_reason": reason})
+        return await self._finish(Outcome.CANCELLED)
 
     async def _finish(self, outcome: Outcome) -> TurnOutcome:
         self.tracker.to(P.DONE)
@@ -647,6 +688,8 @@ class TurnLoop:
         finally:
             self._llm_task = None
         if task.cancelled():
+            if self._cancel.is_set():
+                raise _CancelNow
             if self._hard_cancelled:
                 raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
@@ -664,21 +707,22 @@ class TurnLoop:
             for call in calls:
                 args = call.arguments_json()[:LIVE_TEXT_LIMIT]
                 self._emit(ToolCalled(self.turn_id, self.epoch, call.id, call.name, args, now))
-        denied = set()
+        denied: dict[int, str] = {}
+        decisions: dict[int, Approval] = {}
         for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
-            needs_approval = call.name in self.deps.registry and (
-                self.deps.registry.get(call.name).requires_approval
-            )
-            if needs_approval and not await self._await_approval(key):
-                denied.add(i)
+            spec = self.deps.registry.get(call.name) if call.name in self.deps.registry else None
+            if spec is not None and spec.requires_approval:
+                decisions[i] = decided = await self._await_approval(key, call, spec)
+                if decided.state != "approve":
+                    denied[i] = decided.note()
         try:
             results = await self.deps.tools.run_batch(
-                self.turn_id, self.epoch, batch, calls, frozenset(denied)
+                self.turn_id, self.epoch, batch, calls, denied
             )
         except StaleOwner as exc:
             raise self._fenced(exc) from exc
-        for res in results:
-            self._append(Message(role="tool", tool_result=res), "tool")
+        for i, res in enumerate(results):
+            self._append(Message(role="tool", tool_result=res), "tool", approval=decisions.get(i))
             self._returned(res)
             if res.status in _TOOL_FAILURES:
                 self._counters = self._counters.model_copy(
@@ -699,8 +743,10 @@ class TurnLoop:
             )
         )  # fmt: skip
 
-    async def _await_approval(self, key: str) -> bool:
-        """Wait in the ``awaiting_approval`` transient; denied when the cap passes."""
+    async def _await_approval(self, key: str, call: ToolCall, spec: ToolSpec) -> Approval:
+        """Wait in the ``awaiting_approval`` transient for the call's decision; past its cap
+        (the tool's ``approval_timeout_s``, else the loop's) the tool's ``on_timeout`` decides,
+        recorded as decided by ``timeout``. A cancel of the turn denies it."""
         desk = self.deps.approvals
         decided = await desk.decision(self.turn_id, key)
         if decided is not None:
@@ -708,13 +754,23 @@ class TurnLoop:
         self.tracker.to(P.AWAITING_APPROVAL)
         self.pending_approval = key
         try:
-            await desk.request(self.turn_id, key)
-            deadline = time.monotonic() + self.settings.approval_timeout_s
+            await desk.request(self.turn_id, key, tool=call.name, args=call.arguments_json())
+            cap = spec.approval_timeout_s or self.settings.approval_timeout_s
+            deadline = time.monotonic() + cap
             while (decided := await desk.decision(self.turn_id, key)) is None:
-                if time.monotonic() >= deadline:
-                    decided = False
+                if self._cancel.is_set():
+                    decided = Approval(state="deny", by="cancel", reason="the turn was cancelled")
                     break
-                await asyncio.sleep(self.settings.approval_poll_s)  # polling Redis, with deadline
+                if time.monotonic() >= deadline:
+                    approve = spec.on_timeout == "approve"
+                    why = f"no decision within {cap:g} s"
+                    await desk.decide(self.turn_id, key, approve, by="timeout", reason=why)
+                    # the first decision wins: a person's just before the cap stands
+                    decided = await desk.decision(self.turn_id, key) or Approval(
+                        state="approve" if approve else "deny", by="timeout", reason=why
+                    )
+                    break
+                await self._pause(self.settings.approval_poll_s)  # polling Redis, with deadline
         finally:
             self.pending_approval = None
         self.tracker.restore()
@@ -747,6 +803,14 @@ class TurnLoop:
             return
         if not items:
             return
+        cancel = next((i for i, item in enumerate(items) if item.cancel), None)
+        if cancel is not None:  # the turn ends here: what came after it stays unread
+            self._cancel_reason = items[cancel].text or "cancelled"
+            if items[cancel].by:
+                self._cancel_reason += f" (by {items[cancel].by})"
+            self._cancel.set()
+            items = items[:cancel]
+            offset += 1  # the cancel entry itself is consumed
         self._counters = self._counters.model_copy(update={"inbox_offset": offset + len(items)})
         seen = {m.message_id for m in self._meta}
         fresh = []
@@ -780,6 +844,7 @@ class TurnLoop:
         message_id: str | None = None,
         at_ms: int | None = None,
         usage: Usage | None = None,
+        approval: Approval | None = None,
     ) -> None:
         self._turn.append(message)
         self._meta.append(
@@ -789,6 +854,7 @@ class TurnLoop:
                 at_ms=self._now_ms() if at_ms is None else at_ms,
                 system_injected=injected,
                 usage=usage,
+                approval=approval,
             )
         )
         self._dirty = True

@@ -19,7 +19,7 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, overload
+from typing import Any, Literal, Protocol, overload
 
 import docstring_parser
 import pydantic
@@ -64,7 +64,13 @@ class ToolSpec:
     """Re-running it after a crash is harmless; if False a call caught in flight is never
     re-run but reported as ``outcome_unknown``."""
     requires_approval: bool = False
-    """Each call waits in ``awaiting_approval`` for a decision (denied after the cap)."""
+    """Each call waits in ``awaiting_approval`` for a decision (``on_timeout`` after the cap)."""
+    approval_timeout_s: float | None = None
+    """How long a call waits for its decision; None: the deployment's ``[loop]
+    approval_timeout_s`` (5 minutes)."""
+    on_timeout: Literal["deny", "approve"] = "deny"
+    """What happens to a call nobody decided on in time (recorded as decided by
+    ``timeout``)."""
     timeout_s: float = 30.0
     """Per-call timeout; the call's result is ``timeout`` past it."""
     max_concurrency: int = 64
@@ -124,6 +130,8 @@ def tool(
     name: str | None = None,
     idempotent: bool = False,
     requires_approval: bool = False,
+    approval_timeout_s: float | None = None,
+    on_timeout: Literal["deny", "approve"] = "deny",
     timeout_s: float = 30.0,
     max_concurrency: int = 64,
     resources: Mapping[str, float] | None = None,
@@ -137,6 +145,8 @@ def tool(
     name: str | None = None,
     idempotent: bool = False,
     requires_approval: bool = False,
+    approval_timeout_s: float | None = None,
+    on_timeout: Literal["deny", "approve"] = "deny",
     timeout_s: float = 30.0,
     max_concurrency: int = 64,
     resources: Mapping[str, float] | None = None,
@@ -157,6 +167,8 @@ def tool(
             name=name or f.__name__,
             idempotent=idempotent,
             requires_approval=requires_approval,
+            approval_timeout_s=approval_timeout_s,
+            on_timeout=on_timeout,
             timeout_s=timeout_s,
             max_concurrency=max_concurrency,
             resources=dict(resources or {}),

@@ -1,7 +1,7 @@
 -- Fenced, atomic save of one checkpoint record (store/checkpoint.py, RedisCheckpointStore).
 --
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
---       shard usage hash [, spec key of a submission]
+--       shard usage hash [, spec key of a submission, shard turns index]
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value (or ''), replace (1|0: empty the bodies hash first), puts (n), drops (m),
 --       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS),
@@ -75,5 +75,10 @@ if ARGV[6] == '1' then
 else
   redis.call('SREM', KEYS[4], ARGV[3])
 end
-if KEYS[6] then redis.call('SET', KEYS[6], ARGV[8]) end
+if KEYS[6] then
+  redis.call('SET', KEYS[6], ARGV[8])
+  for i = first, #ARGV, 2 do  -- the index orders turns by their first record's updated_at
+    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[7], ARGV[i + 1], ARGV[3]) end
+  end
+end
 return {'ok', id}

@@ -246,6 +246,9 @@ def _exit_on_signals() -> None:
     def leave(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
+    if threading.current_thread() is not threading.main_thread():
+        return  # called from a thread (a program embedding the CLI): signals are not ours
+
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, leave)
 
@@ -1306,7 +1309,3 @@ def redis_cmd(
         pass
     finally:
         server.stop()
-
-
-if __name__ == "__main__":
-    main()

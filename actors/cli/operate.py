@@ -1,0 +1,319 @@
+"""The operator's verbs on turns: list them, cancel, inject, and decide approvals.
+
+Each works against Redis alone (the durable request is honoured by whichever incarnation owns
+the turn), and with ``--ray-address`` also tells the deployment at once (a cancel then ends an
+in-flight model call instead of waiting for it).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from actors.cli.app import BadInput, _common, _run, _settings, console, main, out
+from actors.cluster.runtime import Runtime
+from actors.engine.cancel import Cancelled, request_cancel
+from actors.engine.config import Settings
+from bus.errors import ConfigError, RecordError, RecordNotFound
+from store.approvals import Approvals
+from store.checkpoint import RedisCheckpointStore
+from store.codec import dump_model
+from store.connection import StoreClient
+from store.inbox import Inbox
+from store.keys import KeyLayout, check_turn_id
+from store.records import Approval, CheckpointRecord
+
+__all__ = ["approvals", "approve", "cancel", "deny", "inject", "turns"]
+
+#: Characters of arguments or a message shown in a table cell.
+CELL = 80
+
+
+def whoami() -> str:
+    """``user@host``: who made a decision or a request, as the turn keeps it."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _keys(settings: Settings) -> KeyLayout:
+    return KeyLayout(settings.redis.namespace, settings.redis.shards)
+
+
+def _store(client: StoreClient, settings: Settings) -> RedisCheckpointStore:
+    return RedisCheckpointStore(
+        client, _keys(settings), durability=settings.redis.durability_policy()
+    )
+
+
+def _ray_address_option(what: str) -> Callable[[Any], Any]:
+    return click.option(
+        "--ray-address", default=None,
+        help=f"Also tell the deployment on this Ray cluster at once ({what}); without it the "
+             "durable request is honoured at the turn's next boundary.",
+    )  # fmt: skip
+
+
+def _age(ms: int) -> str:
+    if not ms:
+        return "-"
+    s = max(0.0, time.time() - ms / 1000)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+# -- turns ------------------------------------------------------------------------------------
+
+
+def _status(record: CheckpointRecord) -> str:
+    if record.in_progress:
+        return f"running ({record.phase.value})"
+    return str(record.counters.outcome or "final")
+
+
+def _matches(
+    record: CheckpointRecord, session: str | None, outcome: str | None, phase: str | None
+) -> bool:
+    if session is not None and record.session_id != session:
+        return False
+    if phase is not None and (not record.in_progress or record.phase.value != phase):
+        return False
+    if outcome is not None:
+        got = record.counters.outcome
+        return got is not None and (got.value == outcome or got.value.startswith(f"{outcome}:"))
+    return True
+
+
+@main.command()
+@_common
+@click.option("--session", default=None, help="Only this session's turns.")
+@click.option("--outcome", default=None,
+              help="Only turns that ended so (answered, cancelled, aborted, aborted:retryable, "
+                   "suspended ...).")  # fmt: skip
+@click.option("--phase", default=None, help="Only running turns in this phase.")
+@click.option("--since", "since_s", type=click.FloatRange(min=0), default=None,
+              help="Only turns submitted in the last SECONDS.")  # fmt: skip
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
+def turns(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    session: str | None, outcome: str | None, phase: str | None, since_s: float | None,
+    limit: int, as_json: bool,
+) -> None:  # fmt: skip
+    """List turns, newest first (from the turns index, not a scan of the keyspace): status,
+    agent, tokens and the last error of each."""
+    settings = _settings(config_path, redis_url, namespace)
+    since_ms = 0 if since_s is None else int((time.time() - since_s) * 1000)
+
+    async def go(client: StoreClient) -> list[tuple[CheckpointRecord, int]]:
+        store = _store(client, settings)
+        found: list[tuple[CheckpointRecord, int]] = []
+        before: int | None = None
+        while len(found) < limit:
+            page = await store.list_turns(since_ms=since_ms, before_ms=before, limit=200)
+            if not page:
+                break
+            for tid, at in page:
+                try:
+                    record = await store.load(tid)
+                except (RecordError, RecordNotFound):
+                    continue  # quarantined or gone: status shows quarantined ones
+                if _matches(record, session, outcome, phase):
+                    found.append((record, at))
+            before = page[-1][1]
+        return found[:limit]
+
+    listed = _run(go, settings)
+    if as_json:
+        for record, at in listed:
+            c = record.counters
+            click.echo(json.dumps({
+                "turn_id": record.turn_id, "session_id": record.session_id,
+                "agent": record.agent, "submitted_at_ms": at, "in_progress": record.in_progress,
+                "phase": record.phase.value, "outcome": c.outcome, "tokens": c.tokens.total,
+                "resumes": c.resume_attempts,
+                "last_error": None if c.last_error is None else dump_model(c.last_error),
+            }))  # fmt: skip
+        return
+    table = Table(title=f"turns of namespace {settings.redis.namespace!r}")
+    for col in ("turn", "submitted", "status", "agent", "tokens", "resumes", "last error"):
+        table.add_column(col, justify="right" if col in ("tokens", "resumes") else "left")
+    for record, at in listed:
+        c = record.counters
+        error = "" if c.last_error is None else escape(c.last_error.line()[:CELL])
+        table.add_row(
+            record.turn_id, _age(at) + " ago", _status(record), record.agent or "-",
+            f"{c.tokens.total:,}", str(c.resume_attempts), error,
+        )  # fmt: skip
+    out.print(table)
+    if not listed:
+        console.print("[dim]no turn matches")
+
+
+# -- cancel and inject ------------------------------------------------------------------------
+
+
+async def _tell(
+    settings: Settings, ray_address: str | None, act: Callable[[Runtime], Awaitable[Any]]
+) -> bool:
+    """Run ``act`` on the deployment at ``ray_address`` (False: none asked, or none there)."""
+    if ray_address is None:
+        return False
+    try:
+        rt = await Runtime.attach(settings, ray_address=ray_address)
+    except ConfigError as exc:
+        console.print(f"[yellow]{exc}; the request stays in Redis")
+        return False
+    try:
+        await act(rt)
+    finally:
+        await rt.detach()
+    return True
+
+
+@main.command()
+@_common
+@click.argument("turn_ids", nargs=-1, required=True)
+@click.option("--reason", default="", help="Why (kept in the turn's record).")
+@_ray_address_option("an in-flight model call is cancelled now")
+def cancel(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_ids: tuple[str, ...], reason: str, ray_address: str | None,
+) -> None:  # fmt: skip
+    """Cancel turns: each ends ``cancelled`` at its next boundary (tools in flight finish and
+    are journaled first), by whichever incarnation owns it, also one that resumes after a
+    crash; its session is free again. A suspended turn ends at once."""
+    settings = _settings(config_path, redis_url, namespace)
+    for tid in turn_ids:
+        check_turn_id(tid)
+    by = whoami()
+
+    async def go(client: StoreClient) -> dict[str, Cancelled]:
+        if await _tell(settings, ray_address, lambda rt: _cancel_all(rt, turn_ids, reason, by)):
+            return dict.fromkeys(turn_ids, Cancelled.REQUESTED)
+        store, inbox = _store(client, settings), Inbox(client, _keys(settings))
+        return {t: await request_cancel(store, inbox, t, reason, by=by) for t in turn_ids}
+
+    for tid, done in _run(go, settings).items():
+        out.print(
+            f"{tid}: ended, cancelled (it was suspended)" if done is Cancelled.ENDED
+            else f"{tid}: cancel requested; it ends at its next boundary",
+            highlight=False,
+        )  # fmt: skip
+
+
+async def _cancel_all(rt: Runtime, turn_ids: tuple[str, ...], reason: str, by: str) -> None:
+    for tid in turn_ids:
+        await rt.cancel(tid, reason, by=by)
+
+
+@main.command()
+@_common
+@click.argument("turn_id")
+@click.argument("text")
+def inject(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_id: str, text: str,
+) -> None:  # fmt: skip
+    """Send a running turn a user message: it enters the transcript at the turn's next
+    boundary, exactly once (also after a crash). Refused for a turn that is not in progress."""
+    settings = _settings(config_path, redis_url, namespace)
+    check_turn_id(turn_id)
+    if not text.strip():
+        raise BadInput("the message is empty")
+
+    async def go(client: StoreClient) -> str:
+        item = await Inbox(client, _keys(settings)).push(turn_id, text, by=whoami())
+        return item.message_id
+
+    message_id = _run(go, settings)
+    out.print(message_id, highlight=False)
+    console.print(f"[dim]queued for turn {turn_id}: it enters at the turn's next boundary")
+
+
+# -- approvals --------------------------------------------------------------------------------
+
+
+@main.command()
+@_common
+@click.option("--turn", "turn_id", default=None, help="Only this turn's calls.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per call.")
+def approvals(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_id: str | None, as_json: bool,
+) -> None:  # fmt: skip
+    """List tool calls waiting for a decision: turn, call, tool, arguments and age. Decide with
+    phaseline approve / deny TURN CALL (a unique start of the call key will do)."""
+    settings = _settings(config_path, redis_url, namespace)
+
+    async def go(client: StoreClient) -> list[tuple[str, str, Approval]]:
+        desk = Approvals(client, _keys(settings))
+        ids = [turn_id] if turn_id else await _store(client, settings).list_in_progress()
+        return [(t, k, a) for t in ids for k, a in (await desk.pending(t)).items()]
+
+    waiting = _run(go, settings)
+    if as_json:
+        for tid, key, a in waiting:
+            click.echo(json.dumps({"turn_id": tid, "call": key, **dump_model(a)}))
+        return
+    table = Table(title="calls waiting for a decision")
+    for col in ("turn", "call", "tool", "arguments", "waiting"):
+        table.add_column(col)
+    for tid, key, a in waiting:
+        table.add_row(tid, key, a.tool or "?", escape(a.args[:CELL]), _age(a.asked_at_ms))
+    out.print(table)
+    if not waiting:
+        console.print("[dim]nothing waits for a decision")
+
+
+def _decide(settings: Settings, turn_id: str, call: str, approve: bool, reason: str) -> None:
+    check_turn_id(turn_id)
+
+    async def go(client: StoreClient) -> tuple[str, bool]:
+        desk = Approvals(client, _keys(settings))
+        pending = await desk.pending(turn_id)
+        matches = [k for k in pending if k.startswith(call)]
+        if len(matches) != 1:
+            listed = ", ".join(pending) or "none"
+            raise BadInput(
+                f"turn {turn_id}: {len(matches)} waiting calls match {call!r} (waiting: {listed})"
+            )
+        (key,) = matches
+        return key, await desk.decide(turn_id, key, approve, by=whoami(), reason=reason)
+
+    key, decided = _run(go, settings)
+    if not decided:
+        raise BadInput(f"turn {turn_id}: call {key} was decided meanwhile")
+    verb = "approved" if approve else "denied"
+    out.print(f"{turn_id} {key}: {verb}", highlight=False)
+
+
+@main.command()
+@_common
+@click.argument("turn_id")
+@click.argument("call")
+@click.option("--reason", default="", help="Why (kept with the call's result).")
+def approve(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_id: str, call: str, reason: str,
+) -> None:  # fmt: skip
+    """Approve a waiting tool call (CALL: its key, or a unique start of it)."""
+    _decide(_settings(config_path, redis_url, namespace), turn_id, call, True, reason)
+
+
+@main.command()
+@_common
+@click.argument("turn_id")
+@click.argument("call")
+@click.option("--reason", default="", help="Why (the model reads it in the call's result).")
+def deny(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    turn_id: str, call: str, reason: str,
+) -> None:  # fmt: skip
+    """Deny a waiting tool call (CALL: its key, or a unique start of it)."""
+    _decide(_settings(config_path, redis_url, namespace), turn_id, call, False, reason)

@@ -1,0 +1,63 @@
+"""Cancelling a turn: a durable request that whichever incarnation owns the turn honours.
+
+The request is an entry in the turn's inbox (``store.inbox``), so it survives the host: the
+incarnation running the turn ends it at its next boundary, and one that resumes after a crash
+reads it before its first model call. The owner's host is also told at once
+(``TurnEngine.cancel``, reached through the deployment), which cancels an in-flight model call
+and ends any wait; tools in flight finish (or time out) and are journaled first, so the ledger
+stays exact. A suspended turn has no incarnation: cancelling it writes its final record here.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+
+from bus.errors import RecordNotFound, TurnNotRunning
+from store.checkpoint import RedisCheckpointStore
+from store.inbox import Inbox
+from store.records import Outcome, SaveReason
+
+__all__ = ["Cancelled", "request_cancel"]
+
+
+class Cancelled(StrEnum):
+    """What a cancel did."""
+
+    REQUESTED = "requested"
+    """The turn runs: it ends ``cancelled`` at its next boundary."""
+    ENDED = "ended"
+    """The turn was suspended: its final record, ``cancelled``, is written."""
+
+
+async def request_cancel(
+    store: RedisCheckpointStore, inbox: Inbox, turn_id: str, reason: str, *, by: str = ""
+) -> Cancelled:
+    """Cancel one turn; :class:`TurnNotRunning` if it already ended or does not exist."""
+    try:
+        await inbox.push(turn_id, reason, cancel=True, by=by)
+        return Cancelled.REQUESTED
+    except TurnNotRunning:
+        try:
+            record = await store.load(turn_id)
+        except RecordNotFound:
+            raise TurnNotRunning(f"there is no turn {turn_id}", turn_id) from None
+        outcome = record.counters.outcome
+        if record.in_progress or outcome is None or not outcome.suspended:
+            raise
+    why = reason or "cancelled"
+    counters = record.counters.model_copy(
+        update={"outcome": Outcome.CANCELLED, "cancel_reason": why + (f" (by {by})" if by else "")}
+    )
+    await store.save(  # fenced like any save: a resume racing this one wins or loses whole
+        record.model_copy(
+            update={
+                "epoch": record.epoch + 1,
+                "seq": record.seq + 1,
+                "reason": SaveReason.FINAL,
+                "counters": counters,
+                "updated_at": int(time.time() * 1000),
+            }
+        )
+    )
+    return Cancelled.ENDED

@@ -1,0 +1,144 @@
+"""The operator's verbs against a real Redis, with turns running in this process: turns,
+approvals, approve and deny, cancel, inject; bad input exits 2 with a message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from click.testing import CliRunner
+
+from actors.cli import main
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from actors.engine.turn_engine import TurnEngine
+from actors.turn.loop import LoopSettings
+from bus.phase import TurnPhase
+from store.keys import KeyLayout
+from store.records import Outcome
+from tests.polling import eventually
+
+
+@pytest.fixture
+def keys(namespace: str) -> KeyLayout:
+    """The CLI's layout (16 shards, the default), so both find the same keys."""
+    return KeyLayout(namespace)
+
+
+FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, approval_poll_s=0.01)
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+async def cli(*args: str) -> tuple[int, str]:
+    """The CLI runs its own event loop: off this one, in a thread."""
+    return await asyncio.to_thread(invoke, *args)
+
+
+def at(redis_url: str, keys: KeyLayout) -> list[str]:
+    return ["--redis-url", redis_url, "--namespace", keys.namespace]
+
+
+def scenario(**kw: Any) -> Any:
+    return scripted_turn(parse_scenario({"name": "op", "rounds": 2, "tools_per_round": 1, **kw}))
+
+
+async def test_turns_lists_them_from_the_index_with_filters(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    await engine.run_new(*scenario(), ["a1", "a2"])
+    await engine.run_new(*scenario(), ["a3"])
+    code, text = await cli("turns", *at(redis_url, keys), "--json")
+    assert code == 0, text
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert {r["turn_id"] for r in rows} == {"a1", "a2", "a3"} and rows[0]["turn_id"] == "a3"
+    assert {r["outcome"] for r in rows} == {"answered"}
+    assert all(r["agent"] == "actors.engine.scripted:agent" for r in rows)
+    code, text = await cli("turns", *at(redis_url, keys), "--outcome", "aborted", "--json")
+    assert code == 0 and text.strip() == ""
+    code, text = await cli("turns", *at(redis_url, keys), "--limit", "1")
+    assert code == 0 and "answered" in text
+
+
+async def test_an_approval_is_listed_then_decided_from_the_cli(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    agent, turn_input = scenario(rounds=1, require_approval=["echo"])
+    record = (await engine.submit_many(agent, turn_input, ["gate"]))[0][1]
+    spec = await engine.store.load_spec("gate")
+    task = asyncio.ensure_future(engine.start(record, spec))
+
+    async def asked() -> str | None:
+        return engine.pending_approval("gate")
+
+    key = await eventually(asked, timeout=10, what="the approval request")
+    code, text = await cli("approvals", *at(redis_url, keys), "--json")
+    (row,) = [json.loads(line) for line in text.splitlines()]
+    assert (row["turn_id"], row["call"], row["tool"]) == ("gate", key, "echo") and row["args"]
+    code, text = await cli("approve", *at(redis_url, keys), "gate", "zz-no-such-call")
+    assert code == 2 and "0 waiting calls match" in text
+    code, text = await cli("deny", *at(redis_url, keys), "gate", key[:12], "--reason", "not now")
+    assert code == 0 and "denied" in text, text
+    await asyncio.wait_for(task, 30)
+    final = await engine.store.load("gate")
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.status == "denied" and "not now" in result.output and "@" in result.output
+    code, text = await cli("approve", *at(redis_url, keys), "gate", key)
+    assert code == 2  # nothing waits any more
+
+
+async def test_cancel_and_inject_from_the_cli(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    agent, turn_input = scenario(rounds=40, llm_latency_ms=100)
+    record = (await engine.submit_many(agent, turn_input, ["long"]))[0][1]
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("long")))
+
+    async def under_way() -> bool:
+        return bool(engine.phases()) and engine.phases()[0].dst is TurnPhase.AWAITING_LLM
+
+    await eventually(under_way, timeout=10, what="the turn under way")
+    code, text = await cli("inject", *at(redis_url, keys), "long", "also this")
+    assert code == 0 and text.strip(), text
+    code, text = await cli("cancel", *at(redis_url, keys), "long", "--reason", "enough")
+    assert code == 0 and "cancel requested" in text, text
+    outcome = await asyncio.wait_for(task, 30)  # honoured at the next boundary
+    assert outcome.outcome == Outcome.CANCELLED
+    final = await engine.store.load("long")
+    assert final.counters.cancel_reason is not None
+    assert final.counters.cancel_reason.startswith("enough (by ")
+    # a finished turn takes nothing more: exit 2 with a message
+    code, text = await cli("inject", *at(redis_url, keys), "long", "too late")
+    assert code == 2 and "not in progress" in text
+    code, text = await cli("cancel", *at(redis_url, keys), "long")
+    assert code == 2 and "not in progress" in text
+    code, text = await cli("cancel", *at(redis_url, keys), "no-such")
+    assert code == 2 and "no turn no-such" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cancel"], "Missing argument"),
+        (["cancel", "bad id"], "invalid turn id"),
+        (["inject", "t1", "  "], "the message is empty"),
+        (["turns", "--limit", "0"], "Invalid value for '--limit'"),
+        (["approve", "bad id", "k"], "invalid turn id"),
+    ],
+)
+def test_bad_operator_input_exits_2(
+    redis_url: str, keys: KeyLayout, args: list[str], message: str
+) -> None:
+    code, text = invoke(*args, *at(redis_url, keys))
+    assert code == 2 and message in text, text
