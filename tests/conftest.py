@@ -45,6 +45,8 @@ def _free_port() -> int:
 
 # The port of the tests' MCP server over streamable HTTP (the ``mcp_http_server`` fixture).
 os.environ.setdefault("PHASELINE_MCP_HTTP_PORT", str(_free_port()))
+#: Commands run without --redis-url use an embedded server of this session, not the user's.
+os.environ.setdefault("PHASELINE_DATA_DIR", tempfile.mkdtemp(prefix="phaseline-tests-redis-"))
 # Where the real model server (the ``llama_server`` fixture) listens: chosen now, so the Ray
 # workers of the session cluster inherit it and the llama agents of the tests reach it.
 os.environ.setdefault("PHASELINE_LLAMA_URL", f"http://127.0.0.1:{_free_port()}/v1")

@@ -136,3 +136,29 @@ def test_a_power_loss_drops_the_tail_past_what_was_kept(data_dir: Path) -> None:
         client = redis.Redis.from_url(server.url)
         assert client.get("before") == b"1" and client.get("after") is None
         client.close()
+
+
+def test_commands_find_the_same_embedded_server_from_any_directory(tmp_path: Path) -> None:
+    """The user's embedded Redis is one place (``~/.local/state/phaseline/redis`` here, under
+    a home of the test's), not ``./.phaseline`` of wherever a command runs."""
+    home, here, there = tmp_path / "home", tmp_path / "a", tmp_path / "b"
+    for d in (home, here, there):
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PHASELINE_DATA_DIR", "XDG_STATE_HOME")}
+    env |= {"HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "500"}
+
+    def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "actors.cli", *args], cwd=cwd, env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+
+    sent = run(here, "submit", "--agent", "tests.agents_for_tests:recall", "--input", "hi",
+               "--turn-id", "anywhere")  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    where = home / ".local" / "state" / "phaseline" / "redis"
+    assert f"(data in {where})" in sent.stderr
+    seen = run(there, "inspect", "anywhere", "--json")
+    assert seen.returncode == 0, seen.stderr
+    assert '"turn_id": "anywhere"' in seen.stdout
+    assert not (here / ".phaseline").exists() and not (there / ".phaseline").exists()

@@ -143,12 +143,11 @@ def _redis(settings: Settings) -> Iterator[str]:
         yield settings.redis.url
         return
     server: EmbeddedRedis | None = None
+    where = settings.redis.data_path()
     try:  # a SIGTERM from here on unwinds through the finally (_exit_on_signals)
-        url, server = attach_or_start(settings.redis.data_dir, appendfsync=_appendfsync(settings))
-        if server is not None:
-            console.print(
-                f"[dim]embedded server at {redact_url(url)} (data in {settings.redis.data_dir})"
-            )
+        url, server = attach_or_start(where, appendfsync=_appendfsync(settings))
+        how = "started the embedded server" if server is not None else "using the embedded server"
+        console.print(f"[dim]{how} at {redact_url(url)} (data in {where})")
         yield url
     finally:
         if server is not None:
@@ -1280,14 +1279,16 @@ def chat(
 
 @main.command("redis")
 @_common
-@click.option("--data-dir", default=None, help="AOF directory (default from config).")
+@click.option("--data-dir", default=None,
+              help="AOF directory (default: [redis] data_dir, else $PHASELINE_DATA_DIR, else "
+                   "~/.local/state/phaseline/redis).")  # fmt: skip
 def redis_cmd(
     redis_url: str | None, namespace: str | None, config_path: str | None, data_dir: str | None
 ) -> None:
     """Start the embedded redis-server, print its URL, keep it until interrupted."""
     settings = _settings(config_path, redis_url, namespace)
     server = EmbeddedRedis(
-        data_dir=data_dir or settings.redis.data_dir,
+        data_dir=data_dir or settings.redis.data_path(),
         appendfsync=_appendfsync(settings),
     )
     try:

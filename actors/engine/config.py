@@ -30,6 +30,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
+def default_data_dir() -> Path:
+    """The user's embedded Redis: ``$PHASELINE_DATA_DIR``, else
+    ``$XDG_STATE_HOME/phaseline/redis``, else ``~/.local/state/phaseline/redis``. One place, so
+    every command of a user finds the same server, from any directory."""
+    if explicit := os.environ.get("PHASELINE_DATA_DIR"):
+        return Path(explicit).expanduser().resolve()
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state).expanduser().resolve() / "phaseline" / "redis"
+
+
 class RedisSettings(_Section):
     url: str | None = None
     """Redis to use; None starts the embedded server."""
@@ -47,13 +57,21 @@ class RedisSettings(_Section):
     retry_s: float = Field(default=DEFAULT_RETRY_S, ge=0, le=3600)
     """Seconds each Redis command keeps retrying through connection errors (a restart, a
     failover) before the turn is interrupted; 0 fails at once."""
-    data_dir: str = ".phaseline/redis"
-    """Where the embedded server keeps its AOF, so later commands see earlier runs."""
+    data_dir: str | None = None
+    """Where the embedded server keeps its AOF, so later commands see earlier runs. None: one
+    place per user, whatever the working directory (:func:`default_data_dir`); a relative
+    path is taken from the working directory."""
     cluster: bool = False
     """``url`` names one node of a Redis Cluster, or several as seeds
     (``redis://:pw@h1:7000,h2:7001``, so a client can start while one of them is down):
     commands are routed by their key's slot (every key a save, a ledger write or a stream read
     touches carries its shard's hash tag)."""
+
+    def data_path(self) -> Path:
+        """The embedded server's directory (:attr:`data_dir`, else the user's default)."""
+        if self.data_dir is None:
+            return default_data_dir()
+        return Path(self.data_dir).expanduser().resolve()
 
     def connect(self, url: str, *, max_connections: int = 64) -> StoreClient:
         """A client of ``url`` as these settings say: a cluster's or one server's, retrying
