@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import redis
 
-from bus.errors import ConfigError, RecordError, SessionBusy, StoreError
+from bus.errors import ConfigError, RecordError, SessionBusy, StoreError, TurnExists
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, check_record_size, pack_model
 from store.connection import StoreClient, text, translated
@@ -59,13 +59,22 @@ class Sessions:
                         fields = {text(k): text(v) for k, v in (await pipe.hgetall(key)).items()}
                         n = _count(key, fields.get("turns", "0")) + 1
                         latest = fields.get("latest")
+                        new = session_turn_id(session_id, n)
+                        watched = [key, self.keys.turn(new), self.keys.spec(new)]
                         previous = None
                         if latest is not None:
                             _check_latest(key, session_id, latest)
-                            await pipe.watch(key, self.keys.turn(latest))
+                            watched.append(self.keys.turn(latest))
+                        await pipe.watch(*watched)
+                        # (HLEN and STRLEN: redis-py's cluster pipeline mishandles a watched
+                        # EXISTS) planted under the session's next name: refuse before the bump
+                        if await pipe.hlen(watched[1]) or await pipe.strlen(watched[2]):
+                            raise TurnExists(f"turn {new} already exists; session {session_id} "
+                                             "cannot open its next turn")  # fmt: skip
+                        if latest is not None:
                             previous = await self.store.load(latest)
                             _check_final(session_id, previous)
-                        spec, record = build(previous, session_turn_id(session_id, n))
+                        spec, record = build(previous, new)
                         encoded = EncodedRecord.of(record)
                         check_record_size(spec.turn_id, encoded.nbytes, self.store.max_record_bytes)
                         wait = await self.store.wait_command()
@@ -109,7 +118,8 @@ def _check_final(session_id: str, latest: CheckpointRecord) -> None:
     if latest.in_progress:
         raise SessionBusy(
             f"session {session_id} has turn {latest.turn_id} in progress; send it a message "
-            "(Runtime.inject) or wait for it to finish",
+            f"(phaseline inject {latest.turn_id} TEXT, Runtime.inject), cancel it (phaseline "
+            f"cancel {latest.turn_id}) or wait for it to finish",
             latest.turn_id,
         )
     if latest.counters.outcome is not None and latest.counters.outcome.suspended:

@@ -8,11 +8,12 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
-from bus.errors import ConfigError, RecordError, SessionBusy
+from bus.errors import ConfigError, RecordError, SessionBusy, TurnExists
 from store.keys import KeyLayout, check_session_id, check_turn_id
-from store.records import Outcome, TurnInput
+from store.records import CheckpointRecord, Outcome, TurnInput, TurnSpec
 
 AGENT = "tests.agents_for_tests:recall"
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0)
@@ -111,3 +112,23 @@ async def test_bad_session_input_is_refused_before_anything_is_written(
         await any_client.hset(keys.session("broken"), mapping=fields)
         with pytest.raises(RecordError):
             await eng.open_in_session(AGENT, TurnInput(message="x"), "broken")
+
+
+async def test_a_turn_planted_under_a_sessions_name_is_refused_and_moves_nothing(
+    any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    eng = engine(any_client, keys)
+    with pytest.raises(ConfigError, match="a session's own"):  # a plain turn may not take it
+        await eng.submit_many(AGENT, TurnInput(message="hi"), ["sy/1"])
+    # planted anyway (by a writer that skips the check): the open is refused, nothing moves
+    (spec, record) = new_session_turn("sy/1")
+    await eng.store.submit(spec, record)
+    with pytest.raises(TurnExists):
+        await eng.run_in_session(AGENT, TurnInput(message="hello"), "sy")
+    assert await eng.sessions.latest("sy") is None
+    assert await any_client.hget(keys.session("sy"), "turns") is None
+
+
+def new_session_turn(turn_id: str) -> tuple[TurnSpec, CheckpointRecord]:
+    build = session_turn(AGENT, TurnInput(message="planted"), turn_id.split("/")[0])
+    return build(None, turn_id)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from actors.engine.agents import check_agent
 from actors.turn.agent import Agent
-from bus.errors import BudgetExhausted
+from bus.errors import BudgetExhausted, ConfigError
 from bus.phase import TurnPhase
 from store.keys import check_turn_id
 from store.records import (
@@ -92,7 +92,11 @@ def new_turns(
     now = int(time.time() * 1000)
     out = []
     for turn_id in turn_ids:
-        check_turn_id(turn_id)
+        if "/" in check_turn_id(turn_id):
+            raise ConfigError(
+                f"turn id {turn_id!r}: ids of the form <session>/<n> are a session's own; "
+                "open a session's turn with --session (Runtime.submit(session=...))"
+            )
         session = session_id or f"session-{turn_id}"
         spec = TurnSpec(
             turn_id=turn_id, session_id=session, agent=agent_path, input=turn_input, created_at=now
