@@ -16,10 +16,10 @@ from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import ScriptedLLM, scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.llm import LLMReply, LLMRequest
-from actors.turn.loop import LoopSettings, TurnLoop
+from actors.turn.loop import LoopSettings, RunStop, TurnLoop, TurnOutcome
 from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.watchdog import WatchdogSettings
-from bus.errors import StoreError, TurnNotRunning
+from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect
@@ -537,3 +537,21 @@ async def test_cancelling_a_suspended_turn_ends_it(
     assert await request_cancel(engine.store, engine.inbox, "parked", "") is Cancelled.ENDED
     final = await engine.store.load("parked")
     assert final.counters.outcome == Outcome.CANCELLED and not final.in_progress
+
+
+async def test_an_unreachable_redis_is_asked_about_once_at_the_end_of_a_run(
+    real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ask retries for ``[redis] retry_s``: asking per turn made a run with Redis gone
+    take minutes to exit (issue 28)."""
+    engine = make_engine(real_client, keys)
+    asked: list[str] = []
+
+    async def gone(turn_id: str) -> CheckpointRecord:
+        asked.append(turn_id)
+        raise StoreUnavailable("Redis is gone")
+
+    monkeypatch.setattr(engine.store, "load", gone)
+    stopped = [TurnOutcome(f"t{i}", RunStop.INTERRUPTED, 1, 0, 0, 0) for i in range(5)]
+    left = await engine._still_in_progress(stopped)
+    assert left == [f"t{i}" for i in range(5)] and asked == ["t0"]

@@ -38,7 +38,7 @@ from actors.turn.loop import (
     TurnOutcome,
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import ConfigError, StoreError
+from bus.errors import ConfigError, StoreError, StoreUnavailable
 from bus.events import LiveEvent
 from bus.phase import Transition
 from store.approvals import Approvals
@@ -326,16 +326,28 @@ class TurnEngine:
         return self.stats
 
     async def _still_in_progress(self, outcomes: Sequence[TurnOutcome]) -> list[str]:
-        """Turns this run did not end, and that no other owner has ended since either."""
+        """Turns this run did not end, and that no other owner has ended since either. Redis
+        unreachable is asked about once, not once per turn (each ask retries for
+        ``[redis] retry_s``): the rest are counted as not known to be final."""
         left = []
+        gone: StoreUnavailable | None = None
         for o in outcomes:
             if not o.leaves_in_progress or o.turn_id in self.stats.quarantined:
+                continue
+            if gone is not None:
+                left.append(o.turn_id)
                 continue
             try:
                 if (await self.store.load(o.turn_id)).in_progress:
                     left.append(o.turn_id)
+            except StoreUnavailable as exc:
+                gone = exc
+                left.append(o.turn_id)
             except StoreError:  # RecordNotFound included
                 left.append(o.turn_id)  # unreadable now: certainly not known to be final
+        if gone is not None:
+            log.error("Redis is unreachable (%s): %d turns are not known to be final", gone,
+                      len(left))  # fmt: skip
         return left
 
     async def build_loop(
