@@ -16,6 +16,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             entry (store.streams)
     {ns}:{s<N>}:session:<session>   hash    a session's turn count and latest turn id
                                             (store.sessions)
+    {ns}:{s<N>}:queue:<session>     list    a session's next turns, waiting for the one that
+                                            runs (msgpack QueuedTurn), opened in order
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
     {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
@@ -30,6 +32,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{global}:owner             hash    who runs the namespace's deployment: Ray cluster,
                                             owner token, host, pid, command, since; expires
                                             unless its Supervisor renews it (store.ownership)
+    {ns}:{global}:queued            set     sessions with queued turns (advisory: a host that
+                                            finds a session free opens its next one)
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
     {ns}:{global}:supervisor        hash    supervisor counters (respawns)
     {ns}:{global}:isolation         zset    turns to run alone on the isolation host -> not
@@ -144,6 +148,13 @@ class KeyLayout:
     def session(self, session_id: str) -> str:
         shard = self.shard_of(check_session_id(session_id))
         return f"{self._prefix(shard)}:session:{session_id}"
+
+    def session_queue(self, session_id: str) -> str:
+        shard = self.shard_of(check_session_id(session_id))
+        return f"{self._prefix(shard)}:queue:{session_id}"
+
+    def queued_sessions(self) -> str:
+        return f"{self.namespace}:{{global}}:queued"
 
     def events(self, shard: int) -> str:
         return f"{self._prefix(shard)}:events"

@@ -467,6 +467,20 @@ class SaveAck:
     """Id of the checkpoint event in the shard's events stream."""
 
 
+class QueuedTurn(_Frozen):
+    """A session's next turn, waiting for the one that runs to end (``submit --if-busy
+    queue``): opened, in order, when the session is free."""
+
+    agent: str
+    """The agent's import path."""
+    input: TurnInput
+    """The turn's input."""
+    at_ms: int
+    """Unix milliseconds it was queued."""
+    by: str = ""
+    """Who queued it."""
+
+
 class Approval(_Frozen):
     """A tool call's approval: asked, then decided (``store.approvals``). Kept after the
     decision, so who decided, when and why stays with the turn."""

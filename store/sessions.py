@@ -11,20 +11,41 @@ turn from the latest turn's final record, then ``MULTI`` (bump the session, crea
 with the fenced submission script, the durability wait) ``EXEC``. A rival open or a late write
 to the latest record between the read and the ``EXEC`` makes it retry from the read, so two
 clients can never open two turns on one baseline.
+
+A message for a busy session may wait instead (:class:`IfBusy`): :meth:`Sessions.enqueue` puts
+it on the session's queue (``KeyLayout.session_queue``, and the session in the advisory index
+``KeyLayout.queued_sessions``); whoever sees the session free (the host that ended its turn, a
+host's periodic adopt, ``phaseline resume``) calls :meth:`Sessions.open_queued`, which opens the
+queue's head and pops it in the same transaction, so each queued turn opens once, in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 
 import redis
 
 from bus.errors import ConfigError, RecordError, SessionBusy, StoreError, TurnExists
 from store.checkpoint import RedisCheckpointStore
-from store.codec import EncodedRecord, check_record_size, pack_model
+from store.codec import EncodedRecord, check_record_size, pack_model, unpack_model
 from store.connection import StoreClient, text, translated
+from store.connection import raw as raw_bytes
 from store.keys import check_turn_id, session_turn_id
-from store.records import CheckpointRecord, SaveAck, TurnSpec
+from store.records import CheckpointRecord, QueuedTurn, SaveAck, TurnSpec
+
+
+class IfBusy(StrEnum):
+    """What a new message to a session does while the session's turn still runs."""
+
+    REJECT = "reject"
+    """Refused (:class:`~bus.errors.SessionBusy`): send the running turn a message instead."""
+    QUEUE = "queue"
+    """Queued durably: it opens the session's next turn when this one ends, in order."""
+    INTERRUPT = "interrupt"
+    """The running turn is cancelled at its next boundary, then the message opens the next
+    turn from its final transcript."""
+
 
 #: How often an open is retried when a rival changed the session under it.
 OPEN_ATTEMPTS = 20
@@ -50,18 +71,60 @@ class Sessions:
 
     async def open(self, session_id: str, build: Builder) -> tuple[TurnSpec, CheckpointRecord]:
         """Create the session's next turn from ``build``; returns its spec and record."""
+        opened = await self._open(session_id, build=build)
+        assert opened is not None  # not from the queue: an open opens or raises
+        return opened
+
+    async def enqueue(self, session_id: str, queued: QueuedTurn) -> int:
+        """Queue a turn behind the session's running one; returns its place (1: next)."""
+        with translated(f"queue a turn in session {session_id}"):
+            place = await self.client.rpush(self.keys.session_queue(session_id), pack_model(queued))
+            await self.client.sadd(self.keys.queued_sessions(), session_id)
+        return int(place)
+
+    async def queued_sessions(self) -> list[str]:
+        """Sessions that may have queued turns (the advisory index)."""
+        with translated("list sessions with queued turns"):
+            found = await self.client.smembers(self.keys.queued_sessions())
+        return sorted(text(s) for s in found)
+
+    async def open_queued(
+        self, session_id: str, builder: Callable[[QueuedTurn], Builder]
+    ) -> tuple[TurnSpec, CheckpointRecord] | None:
+        """Open the session's next queued turn if the session is free, taking it off the
+        queue in the same transaction (so each opens once, in order). None when the queue is
+        empty (the session then leaves the index) or the session's turn still runs."""
+        try:
+            opened = await self._open(session_id, queued=builder)
+        except SessionBusy:
+            return None
+        if opened is None:
+            with translated(f"read the queue of session {session_id}"):
+                if not await self.client.llen(self.keys.session_queue(session_id)):
+                    await self.client.srem(self.keys.queued_sessions(), session_id)
+        return opened
+
+    async def _open(
+        self,
+        session_id: str,
+        *,
+        build: Builder | None = None,
+        queued: Callable[[QueuedTurn], Builder] | None = None,
+    ) -> tuple[TurnSpec, CheckpointRecord] | None:
+        """The open transaction: with ``build``, that turn; with ``queued``, the queue's head
+        (built by it and popped in the same transaction; None if the queue is empty)."""
         key = self.keys.session(session_id)
+        queue = self.keys.session_queue(session_id)
         for _ in range(OPEN_ATTEMPTS):
             with translated(f"open a turn in session {session_id}"):
                 try:
                     async with self.client.pipeline(transaction=True) as pipe:
-                        await pipe.watch(key)
+                        await pipe.watch(key, queue)
                         fields = {text(k): text(v) for k, v in (await pipe.hgetall(key)).items()}
                         n = _count(key, fields.get("turns", "0")) + 1
                         latest = fields.get("latest")
                         new = session_turn_id(session_id, n)
-                        watched = [key, self.keys.turn(new), self.keys.spec(new)]
-                        previous = None
+                        watched = [key, self.keys.turn(new), self.keys.spec(new), queue]
                         if latest is not None:
                             _check_latest(key, session_id, latest)
                             watched.append(self.keys.turn(latest))
@@ -71,6 +134,14 @@ class Sessions:
                         if await pipe.hlen(watched[1]) or await pipe.strlen(watched[2]):
                             raise TurnExists(f"turn {new} already exists; session {session_id} "
                                              "cannot open its next turn")  # fmt: skip
+                        if queued is not None:
+                            head = await pipe.lindex(queue, 0)
+                            if head is None:
+                                return None
+                            item = unpack_model(QueuedTurn, raw_bytes(head), key=f"{queue}[0]")
+                            build = queued(item)
+                        assert build is not None
+                        previous = None
                         if latest is not None:
                             previous = await self.store.load(latest)
                             _check_final(session_id, previous)
@@ -80,6 +151,8 @@ class Sessions:
                         wait = await self.store.wait_command()
                         pipe.multi()  # type: ignore[no-untyped-call]
                         pipe.hset(key, mapping={"turns": n, "latest": spec.turn_id})
+                        if queued is not None:
+                            pipe.lpop(queue)
                         self.store.queue_save(
                             pipe, encoded, spec=(self.keys.spec(spec.turn_id), pack_model(spec))
                         )
@@ -87,11 +160,11 @@ class Sessions:
                             pipe.execute_command(*wait)
                         replies = await pipe.execute()
                 except redis.WatchError:
-                    continue  # a rival opened a turn or the latest turn saved: read again
-            answer = self.store.answer(encoded, replies[1])
+                    continue  # a rival opened a turn, the latest turn or the queue changed
+            answer = self.store.answer(encoded, replies[2 if queued is not None else 1])
             if not isinstance(answer, SaveAck):
                 raise answer
-            problem = self.store.not_durable(replies[2]) if wait else ""
+            problem = self.store.not_durable(replies[-1]) if wait else ""
             if problem:
                 raise StoreError(f"turn {spec.turn_id} opened but not durable: {problem}")
             return spec, record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import sys
@@ -162,10 +163,13 @@ http_poller = dataclasses.replace(_http("poller"), tools=ToolRegistry([add, job_
 
 
 class RecallModel:
-    """Answers with every user message of the transcript it sees: what a session remembers."""
+    """Answers with every user message of the transcript it sees: what a session remembers.
+    A last message ``#sleep N`` takes N seconds to answer (a turn that is still running)."""
 
     async def complete(self, request: LLMRequest) -> LLMReply:
         heard = [m.text for m in request.messages if m.role == "user"]
+        if heard and heard[-1].startswith("#sleep "):
+            await asyncio.sleep(float(heard[-1].split()[1]))  # the model's own latency
         return LLMReply(Message(role="assistant", text="heard: " + " | ".join(heard)))
 
 

@@ -18,7 +18,7 @@ from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from bus.phase import TurnPhase
 from store.keys import KeyLayout
-from store.records import Outcome
+from store.records import Outcome, TurnInput
 from tests.polling import eventually
 
 
@@ -142,3 +142,46 @@ def test_bad_operator_input_exits_2(
 ) -> None:
     code, text = invoke(*args, *at(redis_url, keys))
     assert code == 2 and message in text, text
+
+
+RECALL = "tests.agents_for_tests:recall"
+
+
+async def test_a_busy_session_queues_or_interrupts_and_the_next_turn_opens_in_order(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    first = asyncio.ensure_future(engine.run_in_session(RECALL, TurnInput(message="#sleep 1"), "q"))
+
+    async def running() -> bool:
+        return "q/1" in engine.running()
+
+    await eventually(running, timeout=10, what="the session's first turn")
+    send = ["submit", *at(redis_url, keys), "--agent", RECALL, "--session", "q"]
+    code, text = await cli(*send, "--input", "refused")
+    assert code != 0 and "in progress" in text  # the default: reject
+    code, text = await cli(*send, "--input", "second", "--if-busy", "queue")
+    assert code == 0 and "behind turn q/1 (place 1)" in text, text
+    code, text = await cli(*send, "--input", "third", "--if-busy", "queue")
+    assert code == 0 and "(place 2)" in text, text
+    assert (await first).outcome == Outcome.ANSWERED
+    stats = await engine.resume_all()  # what a deployment's hosts do when the session is free
+    assert stats.outcomes[Outcome.ANSWERED] == 2
+    third = await engine.store.load("q/3")
+    assert third.answer == "heard: #sleep 1 | second | third"  # in order, each on the last
+    # interrupt: the running turn is cancelled at its boundary, then the message goes on
+    long = asyncio.ensure_future(engine.run_in_session(RECALL, TurnInput(message="#sleep 60"), "q"))
+
+    async def long_running() -> bool:
+        return "q/4" in engine.running()
+
+    await eventually(long_running, timeout=10, what="the long turn")
+    code, text = await cli(*send, "--input", "instead", "--if-busy", "interrupt")
+    assert code == 0 and "behind turn q/4" in text, text
+    assert engine.cancel("q/4")  # what the deployment's host does at once
+    assert (await asyncio.wait_for(long, 10)).outcome == Outcome.CANCELLED
+    await engine.resume_all()
+    fifth = await engine.store.load("q/5")
+    assert fifth.counters.outcome == Outcome.ANSWERED and fifth.answer.endswith("| instead")
+    assert await real_client.llen(keys.session_queue("q")) == 0
+    assert not await real_client.sismember(keys.queued_sessions(), "q")

@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import enum
 import functools
+import getpass
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime, ensure_ray
 from actors.cluster.status import deployment_status
 from actors.engine.agents import check_agent, load_agent
+from actors.engine.cancel import request_cancel
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
@@ -60,7 +63,14 @@ from actors.harness.status_view import render
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
 from actors.turn.poison import evidence
-from bus.errors import ConfigError, PhaselineError, RecordNotFound, TurnExists
+from bus.errors import (
+    ConfigError,
+    PhaselineError,
+    RecordNotFound,
+    SessionBusy,
+    TurnExists,
+    TurnNotRunning,
+)
 from bus.events import WatchEvent
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
@@ -68,10 +78,11 @@ from store.codec import dump_model
 from store.connection import StoreClient, redact_url, translated
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.embedded_cluster import EmbeddedCluster
+from store.inbox import Inbox
 from store.keys import KeyLayout, check_session_id, check_turn_id
 from store.ownership import NamespaceOwner, holding
-from store.records import ANSWER_OUTCOMES, CheckpointRecord, Outcome, TurnInput
-from store.sessions import Sessions
+from store.records import ANSWER_OUTCOMES, CheckpointRecord, Outcome, QueuedTurn, TurnInput
+from store.sessions import IfBusy, Sessions
 from store.watch import watch_turn
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -927,6 +938,18 @@ def watch(
     _exit_for(view)
 
 
+def whoami() -> str:
+    """``user@host``: who made a decision or a request, as the turn keeps it."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _say_queued(session: str, behind: str, place: int) -> None:
+    console.print(
+        f"queued in session {session} behind turn {behind} (place {place}): it opens the "
+        "session's next turn when that one ends (on a deployment, or with phaseline resume)"
+    )
+
+
 def _check_naming(session: str | None, turn_id: str | None) -> None:
     """A turn is named by its session (``<session>/<n>``) or by an id, not both."""
     if session is not None and turn_id is not None:
@@ -950,50 +973,89 @@ def _check_naming(session: str | None, turn_id: str | None) -> None:
               help="Hand the turn to the deployment running on this Ray cluster ('auto': the "
                    "local one; see phaseline serve). Without it the turn is only written to "
                    "Redis: a running deployment adopts it, phaseline resume runs it.")  # fmt: skip
+@click.option("--if-busy", type=click.Choice([p.value for p in IfBusy]), default="reject",
+              show_default=True,
+              help="With --session, while its turn runs: refuse; queue this message to open "
+                   "the next turn when that one ends; or interrupt (cancel it at its next "
+                   "boundary, then open the next turn from its transcript).")  # fmt: skip
 @click.option("--watch", "then_watch", is_flag=True, help="Then follow it live (watch).")
 def submit(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     agent_path: str, input_text: str, session: str | None, turn_id: str | None,
-    ray_address: str | None, then_watch: bool,
+    ray_address: str | None, if_busy: str, then_watch: bool,
 ) -> None:  # fmt: skip
-    """Submit one turn of an agent and print its id (on stdout, for scripts)."""
+    """Submit one turn of an agent and print its id (on stdout, for scripts); a message queued
+    behind a session's running turn prints nothing there (stderr says where it waits)."""
     settings = _settings(config_path, redis_url, namespace)
     keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
     _check_naming(session, turn_id)
     if not input_text.strip():
         raise BadInput("--input is empty")
+    if session is None and if_busy != IfBusy.REJECT:
+        raise BadInput("--if-busy is about a session: give --session")
+    policy = IfBusy(if_busy)
     turn_input = TurnInput(message=input_text)
     check_agent(agent_path, turn_input)
     view = LiveView(out)
+    by = whoami()
 
-    async def write(client: StoreClient) -> str:
+    async def write(client: StoreClient) -> str | None:
         store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
         if session is not None:
-            build = session_turn(agent_path, turn_input, session)
-            spec, _ = await Sessions(store).open(session, build)
-            return spec.turn_id
+            sessions = Sessions(store)
+            try:
+                spec, _ = await sessions.open(
+                    session, session_turn(agent_path, turn_input, session)
+                )
+                return spec.turn_id
+            except SessionBusy as busy:
+                if policy is IfBusy.REJECT:
+                    raise
+                if policy is IfBusy.INTERRUPT:
+                    with contextlib.suppress(TurnNotRunning):
+                        await request_cancel(store, Inbox(client, keys), busy.turn_id,
+                                             "interrupted by a new message", by=by)  # fmt: skip
+                queued = QueuedTurn(agent=agent_path, input=turn_input,
+                                    at_ms=int(time.time() * 1000), by=by)  # fmt: skip
+                place = await sessions.enqueue(session, queued)
+                _say_queued(session, busy.turn_id, place)
+                opened = await sessions.open_queued(
+                    session, lambda q: session_turn(q.agent, q.input, session)
+                )  # it may have ended before the message was queued
+                return None if opened is None else opened[0].turn_id
         tid = turn_id or new_run_id()
         await store.submit(*new_turns(agent_path, turn_input, [tid])[0])
         return tid
 
-    async def go(client: StoreClient) -> str:
+    async def go(client: StoreClient) -> str | None:
         if ray_address is None:
             tid = await write(client)
-            console.print(
-                f"[dim]turn {tid} is in Redis: a deployment of namespace {keys.namespace!r} "
-                f"adopts it within {settings.supervisor.adopt_interval_s:g} s; phaseline "
-                f"resume {tid} runs it here"
-            )
+            if tid is not None:
+                console.print(
+                    f"[dim]turn {tid} is in Redis: a deployment of namespace {keys.namespace!r} "
+                    f"adopts it within {settings.supervisor.adopt_interval_s:g} s; phaseline "
+                    f"resume {tid} runs it here"
+                )
         else:
             rt = await Runtime.attach(settings, ray_address=ray_address)
             try:
-                ids = [turn_id] if turn_id else ([] if session else [new_run_id()])
-                created = await rt.submit(agent_path, turn_input, ids, session=session)
-                if not created:
-                    raise BadInput(f"turn {ids[0]} already exists")
-                tid = created[0]
+                if session is not None:
+                    sent = await rt.submit_in_session(
+                        agent_path, turn_input, session, if_busy=policy, by=by
+                    )
+                    if sent.turn_id is None:
+                        _say_queued(session, sent.queued_behind or "?", sent.place)
+                    tid = sent.turn_id
+                else:
+                    ids = [turn_id] if turn_id else [new_run_id()]
+                    created = await rt.submit(agent_path, turn_input, ids)
+                    if not created:
+                        raise BadInput(f"turn {ids[0]} already exists")
+                    tid = created[0]
             finally:
                 await rt.detach()
+        if tid is None:
+            return None
         out.print(tid, highlight=False)
         if then_watch:
             await _render(watch_turn(client, keys, tid), view)

@@ -7,9 +7,7 @@ in-flight model call instead of waiting for it).
 
 from __future__ import annotations
 
-import getpass
 import json
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from actors.cli.app import BadInput, _common, _run, _settings, console, main, out
+from actors.cli.app import BadInput, _common, _run, _settings, console, main, out, whoami
 from actors.cluster.runtime import Runtime
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
@@ -35,11 +33,6 @@ __all__ = ["approvals", "approve", "cancel", "deny", "inject", "turns"]
 
 #: Characters of arguments or a message shown in a table cell.
 CELL = 80
-
-
-def whoami() -> str:
-    """``user@host``: who made a decision or a request, as the turn keeps it."""
-    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def _keys(settings: Settings) -> KeyLayout:

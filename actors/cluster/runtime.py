@@ -15,6 +15,7 @@ import signal
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -40,9 +41,11 @@ from bus.errors import (
     PhaselineError,
     RecordError,
     RecordNotFound,
+    SessionBusy,
     StoreError,
     StoreUnavailable,
     TurnExists,
+    TurnNotRunning,
 )
 from bus.events import WatchEvent
 from store.approvals import Approvals
@@ -50,11 +53,23 @@ from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient, read_streams, redact_url, text, translated
 from store.inbox import Inbox
 from store.ownership import Claim, Holder, NamespaceOwner
-from store.records import Approval, CheckpointRecord, InboxItem, TurnInput
-from store.sessions import Sessions
+from store.records import Approval, CheckpointRecord, InboxItem, QueuedTurn, TurnInput
+from store.sessions import IfBusy, Sessions
 from store.watch import watch_turn
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSubmit:
+    """What a message to a session became."""
+
+    turn_id: str | None = None
+    """The turn it opened (None: queued)."""
+    queued_behind: str | None = None
+    """The running turn it waits for, when queued."""
+    place: int = 0
+    """Its place in the session's queue (1: next), when queued."""
 
 
 def ensure_ray(address: str | None = None) -> bool:
@@ -243,6 +258,43 @@ class Runtime:
         if failure is not None:
             raise failure
         return created
+
+    async def submit_in_session(
+        self,
+        agent: str,
+        turn_input: TurnInput | str,
+        session: str,
+        *,
+        if_busy: IfBusy = IfBusy.REJECT,
+        by: str = "",
+    ) -> SessionSubmit:
+        """Open the session's next turn; while its running turn has not ended, ``if_busy``
+        says what happens: refused (:class:`SessionBusy`), queued behind it, or the running
+        turn cancelled and the new one queued to open from its final transcript."""
+        if isinstance(turn_input, str):
+            turn_input = TurnInput(message=turn_input)
+        try:
+            (opened,) = await self.submit(agent, turn_input, session=session)
+            return SessionSubmit(turn_id=opened)
+        except SessionBusy as busy:
+            if if_busy is IfBusy.REJECT:
+                raise
+            running = busy.turn_id
+        if if_busy is IfBusy.INTERRUPT:
+            with contextlib.suppress(TurnNotRunning):  # it ended meanwhile: nothing to cancel
+                await self.cancel(running, "interrupted by a new message", by=by)
+        queued = QueuedTurn(agent=agent, input=turn_input, at_ms=int(time.time() * 1000), by=by)
+        place = await self.sessions.enqueue(session, queued)
+        # the running turn may have ended before the message was queued: open it now if so
+        await self._hand_over_queued(session)
+        return SessionSubmit(queued_behind=running, place=place)
+
+    async def _hand_over_queued(self, session: str) -> None:
+        opened = await self.sessions.open_queued(
+            session, lambda q: session_turn(q.agent, q.input, session)
+        )
+        if opened is not None:
+            await self._hand_over([opened[0].turn_id])
 
     async def _check_on_a_host(self, agent: str, turn_input: TurnInput) -> None:
         """Refuse (:class:`ConfigError`) an agent that one of the deployment's hosts cannot

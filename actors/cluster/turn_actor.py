@@ -163,6 +163,9 @@ class TurnActor:
                 self._probations = asyncio.ensure_future(self._run_probations())
             self._wake.set()
             return 0
+        for session_id in await self.engine.sessions.queued_sessions():
+            if self.dep.slot_of(session_id) == self.slot:  # one host per session tries
+                await self._open_queued(session_id)
         ids = await self.engine.store.list_in_progress()
         queued = await self.engine.isolation.members()
         mine = [
@@ -280,6 +283,31 @@ class TurnActor:
             self._poke(self.directory.handle_for(turn_id))
         else:
             self.engine.stats.add(outcome)
+        if "/" in turn_id and not isinstance(outcome.outcome, RunStop):  # a session is free
+            self._background(self._open_queued(turn_id.split("/")[0]))
+
+    async def _open_queued(self, session_id: str) -> None:
+        """The session's next queued turn, opened and handed to its host (this one, or the
+        one its slot names: poked to adopt it now)."""
+        opened = await self.engine.open_queued(session_id)
+        if opened is None:
+            return
+        turn_id = opened[0].turn_id
+        if self.dep.slot_of(turn_id) == self.slot:
+            self._spawn(turn_id, self._run_submitted(turn_id))
+        else:
+            self._poke(self.directory.handle_for(turn_id))
+
+    def _background(self, coro: Any) -> None:
+        async def go() -> None:
+            try:
+                await coro
+            except PhaselineError as exc:  # Redis away: the next adopt tries again
+                log.warning("host slot %d: %s", self.slot, exc)
+
+        task = asyncio.ensure_future(go())
+        self._pokes.add(task)
+        task.add_done_callback(self._pokes.discard)
 
     async def _run_submitted(self, turn_id: str) -> TurnOutcome:
         store = self.engine.store

@@ -38,7 +38,7 @@ from actors.turn.loop import (
     TurnOutcome,
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import ConfigError, StoreError, StoreUnavailable
+from bus.errors import BudgetExhausted, ConfigError, StoreError, StoreUnavailable
 from bus.events import LiveEvent
 from bus.phase import Transition
 from store.approvals import Approvals
@@ -243,6 +243,27 @@ class TurnEngine:
         turn's final transcript; :class:`SessionBusy` while that turn is not final."""
         return await self.sessions.open(session_id, session_turn(agent, turn_input, session_id))
 
+    async def open_queued(self, session_id: str) -> tuple[TurnSpec, CheckpointRecord] | None:
+        """Open the session's next queued turn (``submit --if-busy queue``) if the session is
+        free; None if its queue is empty or its turn still runs. A queued turn whose agent
+        cannot load here stays queued (logged) for a host where it can."""
+        try:
+            return await self.sessions.open_queued(
+                session_id, lambda q: session_turn(q.agent, q.input, session_id)
+            )
+        except (ConfigError, BudgetExhausted) as exc:
+            log.error("session %s: its next queued turn cannot open here: %s", session_id, exc)
+            return None
+
+    async def open_all_queued(self) -> list[tuple[TurnSpec, CheckpointRecord]]:
+        """The next queued turn of every free session with a queue, opened."""
+        opened = []
+        for session_id in await self.sessions.queued_sessions():
+            turn = await self.open_queued(session_id)
+            if turn is not None:
+                opened.append(turn)
+        return opened
+
     async def run_in_session(
         self, agent: str, turn_input: TurnInput, session_id: str
     ) -> TurnOutcome:
@@ -259,9 +280,14 @@ class TurnEngine:
         """Resume every in-progress turn in the store (after its process died): the shared ones
         together, then the isolated ones alone, one at a time (``actors.turn.poison``)."""
         await self.probations.note_predecessor(died=True)
+        await self.open_all_queued()  # sessions whose running turn ended: their next turns
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
-        return await self.resume_turns([r.turn_id for r in scan.records])
+        stats = await self.resume_turns([r.turn_id for r in scan.records])
+        # what those turns ended freed their sessions: run the queued turns, in order
+        while opened := await self.open_all_queued():
+            stats = await self._run_all([self.start(record, spec) for spec, record in opened])
+        return stats
 
     async def resume_turns(self, turn_ids: Sequence[str]) -> RunStats:
         """Resume these turns; those the policy isolates (now or before) run alone after."""
