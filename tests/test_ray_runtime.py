@@ -16,16 +16,19 @@ import redis.asyncio as aioredis
 from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.runtime import Runtime
+from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
 from actors.turn.recovery import Action, Decision, Problem
+from bus.errors import TurnNotRunning
 from bus.events import StatusEvent, decode_event
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import CheckpointRecord
+from store.records import CheckpointRecord, Outcome
+from store.sessions import IfBusy
 from tests.polling import eventually
 from tests.reference import reference
 
@@ -454,3 +457,48 @@ async def test_approvals_through_the_runtime(start_runtime: StartRuntime) -> Non
     assert (
         await rt.submit(*scripted_turn(sc), ["gate"]) == []
     )  # resubmitting is a no-op, not a second run
+
+
+async def test_a_cancel_ends_a_turn_on_ray_also_across_a_sigkill_of_its_host(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    rt = await start_runtime(hosts=2)
+    sc = scenario(rounds=20, llm_latency_ms=3_000)  # every model call takes 3 s
+    ids = ["cx-told", "cx-killed"]
+    await rt.submit(*scripted_turn(sc), ids)
+    await checkpoints_written(real_client, rt.dep.keys, 4)  # both under way
+    # told at once: the in-flight model call is cancelled, the turn ends
+    assert await rt.cancel("cx-told", "enough", by="ops") is Cancelled.REQUESTED
+    # only written to Redis, then its host is killed before any boundary: the incarnation
+    # that resumes it reads the request first
+    assert await request_cancel(rt.store, rt.inbox, "cx-killed", "stop") is Cancelled.REQUESTED
+    await rt.kill_host(rt.dep.slot_of("cx-killed"))
+    finals = await rt.wait(ids, timeout=180)
+    told, killed = finals["cx-told"], finals["cx-killed"]
+    assert told.counters.outcome == Outcome.CANCELLED and told.counters.cancel_reason == (
+        "enough (by ops)"
+    )
+    assert killed.counters.outcome == Outcome.CANCELLED and killed.counters.cancel_reason == "stop"
+    assert killed.epoch >= 2 and killed.counters.resume_attempts >= 1
+    assert all(len(f.messages) < 2 + 20 * 3 for f in finals.values())  # neither ran to its end
+    with pytest.raises(TurnNotRunning):
+        await rt.cancel("cx-told")
+
+
+async def test_a_queued_message_opens_the_sessions_next_turn_on_ray(
+    start_runtime: StartRuntime,
+) -> None:
+    rt = await start_runtime(hosts=2)
+    recall = "tests.agents_for_tests:recall"
+    first = await rt.submit_in_session(recall, "#sleep 2", "rq")
+    assert first.turn_id == "rq/1"
+    queued = await rt.submit_in_session(recall, "then this", "rq", if_busy=IfBusy.QUEUE)
+    assert (queued.turn_id, queued.queued_behind, queued.place) == (None, "rq/1", 1)
+    # the host that ends rq/1 opens rq/2 from the queue and it runs
+
+    async def opened() -> bool:
+        return await rt.sessions.latest("rq") == "rq/2"
+
+    await eventually(opened, timeout=60, what="the queued turn to open")
+    (done,) = (await rt.wait(["rq/2"], timeout=120)).values()
+    assert done.answer == "heard: #sleep 2 | then this"
