@@ -389,8 +389,17 @@ class CheckpointRecord(_Frozen):
             outcome="" if outcome is None else outcome.value,
             answer=self.answer,
             at_ms=self.updated_at,
-            error=error.line() if error is not None and outcome and outcome.aborted else "",
+            error=self._why(),
         )
+
+    def _why(self) -> str:
+        """Why the turn ended without an answer: its error (aborted, or suspended because its
+        agent would not load), or the reason it was cancelled; "" otherwise."""
+        c = self.counters
+        if c.outcome is Outcome.CANCELLED:
+            return f"cancelled: {c.cancel_reason or 'no reason given'}"
+        ended_badly = c.outcome is not None and (c.outcome.aborted or c.outcome.suspended)
+        return c.last_error.line() if c.last_error is not None and ended_badly else ""
 
 
 #: Import path of the scripted agent: what specs written before agents existed ran.

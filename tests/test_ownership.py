@@ -112,6 +112,11 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
             "--turns", "3", "--hosts", "1", "--run-id", "client",
         )  # fmt: skip
         assert code == 0 and "answered" in out, out
+        # status and watch look, and leave it running
+        code, out = await _phaseline("status", *where, "--ray-address", ray_cluster.address)
+        assert code == 0 and "host0" in out, out
+        code, out = await _phaseline("watch", *where, "client-t000000")
+        assert code == 0 and "answered" in out, out
         # a second serve on the cluster attaches too; Ctrl-C leaves
         code, out = await _phaseline(
             "serve", *where, "--ray-address", ray_cluster.address, "--hosts", "1",
