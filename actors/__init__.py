@@ -24,6 +24,9 @@ _EXPORTS = {
     "scripted_turn": "actors.engine.scripted",
     "load_agent": "actors.engine.agents",
     "OpenAIChat": "actors.engine.openai_chat",
+    "SessionSubmit": "actors.cluster.runtime",
+    "IfBusy": "store.sessions",
+    "Cancelled": "actors.engine.cancel",
     # agents
     "Agent": "actors.turn.agent",
     "AgentSettings": "actors.turn.agent",
@@ -53,6 +56,7 @@ _EXPORTS = {
     "Outcome": "store.records",
     "SaveReason": "store.records",
     "TurnError": "store.records",
+    "Approval": "store.records",
     "TurnPhase": "bus.phase",
     # live events (Runtime.watch)
     "WatchEvent": "bus.events",
@@ -79,19 +83,24 @@ _EXPORTS = {
     "ToolError": "bus.errors",
     "SessionBusy": "bus.errors",
     "BudgetExhausted": "bus.errors",
+    "TurnNotRunning": "bus.errors",
+    "NamespaceHeld": "bus.errors",
 }
 
 __all__ = [
     "BUILTIN_TOOLS",
     "Agent",
     "AgentSettings",
+    "Approval",
     "BudgetExhausted",
+    "Cancelled",
     "CheckpointRecord",
     "ConfigError",
     "ContextLengthError",
     "Counters",
     "FatalLLMError",
     "Finished",
+    "IfBusy",
     "InboxItem",
     "LLMClient",
     "LLMError",
@@ -103,6 +112,7 @@ __all__ = [
     "MessageMeta",
     "ModelContext",
     "ModelLimits",
+    "NamespaceHeld",
     "OpenAIChat",
     "Outcome",
     "PhaselineError",
@@ -116,6 +126,7 @@ __all__ = [
     "SaveReason",
     "Scenario",
     "SessionBusy",
+    "SessionSubmit",
     "Settings",
     "StaleOwner",
     "StatusEvent",
@@ -134,6 +145,7 @@ __all__ = [
     "TurnError",
     "TurnExists",
     "TurnInput",
+    "TurnNotRunning",
     "TurnPhase",
     "TurnSpec",
     "Usage",
@@ -146,9 +158,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from actors.cluster.runtime import Runtime
+    from actors.cluster.runtime import Runtime, SessionSubmit
     from actors.engine.agents import load_agent
     from actors.engine.builtin_tools import BUILTIN_TOOLS
+    from actors.engine.cancel import Cancelled
     from actors.engine.config import Settings, load_settings
     from actors.engine.openai_chat import OpenAIChat
     from actors.engine.scenario import Scenario, load_scenario
@@ -165,6 +178,7 @@ if TYPE_CHECKING:
         ContextLengthError,
         FatalLLMError,
         LLMError,
+        NamespaceHeld,
         PhaselineError,
         RecordError,
         RecordNotFound,
@@ -175,6 +189,7 @@ if TYPE_CHECKING:
         StoreUnavailable,
         ToolError,
         TurnExists,
+        TurnNotRunning,
     )
     from bus.events import (
         Finished,
@@ -188,6 +203,7 @@ if TYPE_CHECKING:
     )
     from bus.phase import TurnPhase
     from store.records import (
+        Approval,
         CheckpointRecord,
         Counters,
         InboxItem,
@@ -202,6 +218,7 @@ if TYPE_CHECKING:
         TurnSpec,
         Usage,
     )
+    from store.sessions import IfBusy
 
 
 def __getattr__(name: str) -> Any:

@@ -382,7 +382,6 @@ class CheckpointRecord(_Frozen):
     def finished_event(self) -> Finished:
         """The live event a final record stands for."""
         outcome = self.counters.outcome
-        error = self.counters.last_error
         return Finished(
             turn_id=self.turn_id,
             epoch=self.epoch,
