@@ -284,8 +284,9 @@ class Counters(_Frozen):
     """Retries of the current model call whose reply with tool calls was cut by the caller's
     ``max_tokens`` cap (reset when a call succeeds)."""
     tokens: Usage = Field(default_factory=lambda: Usage())
-    """Tokens of the turn's model calls, summed from each reply's usage as the reply enters the
-    transcript (so a call whose reply was lost with its host is not counted; see
+    """Tokens of the turn's model calls, summed from each reply's usage as the reply arrives,
+    also of replies the loop threw away (an empty one, one whose tool call was cut) since they
+    were paid for. A call whose reply was lost with its host is not counted (see
     ``unmetered_calls``)."""
     unmetered_calls: int = 0
     """Model calls whose tokens are not in ``tokens``: the endpoint reported no usage. Calls

@@ -133,6 +133,9 @@ async def test_a_cut_tool_call_is_asked_again_once_with_twice_the_room(
     assert [c.args for m in final.messages for c in m.tool_calls] == [{"a": 1, "b": 1}]
     caps = [b.get("max_tokens") for b in stats_of(endpoint)["bodies"][-3:]]
     assert caps == [4, 8, 4]  # cut, asked again with room, then the next call as usual
+    # the cut reply was thrown away but paid for: its tokens are counted with the others
+    kept = sum(m.usage.total for m in final.meta if m.usage is not None)
+    assert final.counters.tokens.total > kept and final.counters.unmetered_calls == 0
     # cut again with twice the room: none of its calls is run, the turn says why
     stats, final = await run(real_client, keys, TIGHT, ask(1), "cut-twice")
     assert stats.outcomes == {"aborted:truncated": 1}

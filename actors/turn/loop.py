@@ -416,6 +416,7 @@ class TurnLoop:
                 if done is not None:
                     return done
                 continue
+            self._meter(answer.usage)  # a reply thrown away below was paid for all the same
             reply = answer.message
             if answer.truncated and reply.tool_calls:  # the calls' arguments may be cut
                 why = "the reply's tool call was cut by the max_tokens cap"
@@ -433,17 +434,23 @@ class TurnLoop:
                 if done is not None:
                     return done
                 continue
-            c = self._counters
-            usage = answer.usage
-            self._counters = c.model_copy(
+            self._counters = self._counters.model_copy(
                 update={
                     "retry_attempts": 0, "cut_retries": 0,
                     "rate_limit_waits": 0, "rate_limit_waited_ms": 0,
-                    "tokens": c.tokens if usage is None else c.tokens.plus(usage),
-                    "unmetered_calls": c.unmetered_calls + (usage is None),
                 }
             )  # fmt: skip
             return answer
+
+    def _meter(self, usage: Usage | None) -> None:
+        """Count a reply's tokens (or that its endpoint reported none) as it arrives."""
+        c = self._counters
+        self._counters = c.model_copy(
+            update={
+                "tokens": c.tokens if usage is None else c.tokens.plus(usage),
+                "unmetered_calls": c.unmetered_calls + (usage is None),
+            }
+        )
 
     def _decide(
         self, problem: Problem, *, loop_stop: bool = False, retry_after_s: float | None = None
