@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -41,6 +41,9 @@ from store.lua import lua_script
 __all__ = ["Claim", "ClaimResult", "Holder", "NamespaceOwner", "holding", "pid_running"]
 
 log = logging.getLogger(__name__)
+
+#: The cluster id prefix of a process that runs turns itself, without a Ray deployment.
+IN_PROCESS = "in-process:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,16 +137,20 @@ class NamespaceOwner:
     async def claim(self, me: Holder, *, replacing: str = "") -> ClaimResult:
         """Take the namespace for ``me``, or (``replacing``: that owner token) take over the
         ownership of its own cluster's deployment. :class:`NamespaceHeld` if another Ray
-        cluster holds it."""
+        cluster holds it. A holder that ran turns in its own process on this host, and is
+        gone (SIGKILLed), is taken over at once instead of after its lease lapses."""
+        reply = await self._claim_script(me, replacing, cross=False)
         key = self.keys.owner()
-        with translated(f"claim namespace {self.keys.namespace}"):
-            reply = await self._claim(
-                keys=[key],
-                args=[me.cluster, me.owner, me.host, me.pid, me.command, self.ttl_ms, replacing],
-            )
         if text(reply[0]) == "acquired":
             return ClaimResult(Claim.ACQUIRED, await self.holder() or me)
         holder = _holder(key, reply[1:])
+        if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
+            reply = await self._claim_script(me, holder.owner, cross=True)
+            if text(reply[0]) == "acquired":
+                log.warning("namespace %r: took it over from %s, which is gone",
+                            self.keys.namespace, holder.line())  # fmt: skip
+                return ClaimResult(Claim.ACQUIRED, await self.holder() or me)
+            holder = _holder(key, reply[1:])
         if holder.cluster != me.cluster:
             raise NamespaceHeld(
                 f"namespace {self.keys.namespace!r} is served by {holder.line()}; join that "
@@ -151,6 +158,15 @@ class NamespaceOwner:
                 holder.line(),
             )
         return ClaimResult(Claim.SAME_CLUSTER, holder)
+
+    async def _claim_script(self, me: Holder, replacing: str, *, cross: bool) -> list[bytes | str]:
+        with translated(f"claim namespace {self.keys.namespace}"):
+            reply = await self._claim(
+                keys=[self.keys.owner()],
+                args=[me.cluster, me.owner, me.host, me.pid, me.command, self.ttl_ms, replacing,
+                      "1" if cross else "0"],
+            )  # fmt: skip
+        return list(reply)
 
     async def renew(self, cluster: str, last: Holder | None) -> bool:
         """Extend the lease of ``cluster``'s deployment (written back from ``last`` if it
@@ -174,8 +190,8 @@ class NamespaceOwner:
         return _holder(key, [x for pair in raw.items() for x in pair])
 
 
-def _holder(key: str, flat: list[object]) -> Holder:
-    fields = {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}  # type: ignore[arg-type]
+def _holder(key: str, flat: Sequence[bytes | str]) -> Holder:
+    fields = {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
     try:
         return Holder(
             cluster=fields["cluster"], owner=fields["owner"], host=fields["host"],
@@ -191,7 +207,7 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
     runs its turns in process, without a deployment): claimed on entry
     (:class:`NamespaceHeld` if a deployment or another process runs it), renewed every
     quarter of its time to live, released on the way out."""
-    me = Holder.me(f"in-process:{socket.gethostname()}:{os.getpid()}")
+    me = Holder.me(f"{IN_PROCESS}{socket.gethostname()}:{os.getpid()}")
     me = Holder(me.cluster, me.owner, me.host, me.pid, command)
     result = await owners.claim(me)
     if result.claim is Claim.SAME_CLUSTER:  # this very process holds it already

@@ -20,6 +20,7 @@ from actors.harness.verdict import first_difference
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.keys import KeyLayout
+from tests.polling import eventually
 from tests.reference import FAST, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,7 +158,10 @@ def spawn_resume(url: str, ns: str) -> subprocess.Popen[str]:
 async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
     redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
 ) -> None:
-    """The issue-11 repro: SIGKILL a run, then two ``resume`` at once on the namespace."""
+    """The issue-11 repro: SIGKILL a run, then two resumes at once on the namespace. Since
+    issue 28 a second ``phaseline resume`` is refused while one holds the namespace, so the
+    second racer is an engine in this process, which does not ask: fencing alone must keep
+    every non-idempotent call to one run."""
     keys = KeyLayout(namespace, shards=16)
     sc_path = tmp_path / "racy.toml"
     sc_path.write_text(
@@ -168,11 +172,21 @@ async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
     await run_then_sigkill(redis_url, real_client, keys, sc_path, turns, "race")
     store = RedisCheckpointStore(real_client, keys)
 
-    racers = [spawn_resume(redis_url, namespace), spawn_resume(redis_url, namespace)]
-    done = [await asyncio.to_thread(p.communicate, timeout=120) for p in racers]
-    for p, (_, err) in zip(racers, done, strict=True):
-        # 0: every turn final; 3: some were fenced by the other racer and still running then.
-        assert p.returncode in (0, 3), err
+    racer = spawn_resume(redis_url, namespace)
+
+    async def child_claimed() -> bool:  # the child is under way: now race it
+        streams = {keys.events(s): "0-0" for s in keys.all_shards()}
+        for _, entries in await real_client.xread(streams):  # type: ignore[arg-type]
+            if any(f[b"reason"] == b"resume" for _, f in entries):
+                return True
+        assert racer.poll() is None, racer.stderr.read() if racer.stderr else "child exited"
+        return False
+
+    await eventually(child_claimed, timeout=60, what="the child resume to claim a turn")
+    await TurnEngine(real_client, keys).resume_all()
+    _, err = await asyncio.to_thread(racer.communicate, timeout=120)
+    # 0: every turn final; 3: some were fenced by the other racer and still running then.
+    assert racer.returncode in (0, 3), err
     # Whatever the racers left (a fenced turn's new owner finished it), one more resume ends.
     last = spawn_resume(redis_url, namespace)
     _, err = await asyncio.to_thread(last.communicate, timeout=120)

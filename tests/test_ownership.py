@@ -5,8 +5,10 @@ and a second deployment elsewhere is refused with the holder's name."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -117,6 +119,9 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
         assert code == 0 and "host0" in out, out
         code, out = await _phaseline("watch", *where, "client-t000000")
         assert code == 0 and "answered" in out, out
+        code, out = await _phaseline("turns", *where, "--json")
+        listed = {json.loads(line)["turn_id"] for line in out.splitlines() if line.startswith("{")}
+        assert code == 0 and {f"client-t00000{i}" for i in range(3)} <= listed, out
         # a second serve on the cluster attaches too; Ctrl-C leaves
         code, out = await _phaseline(
             "serve", *where, "--ray-address", ray_cluster.address, "--hosts", "1",
@@ -183,3 +188,26 @@ async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
         assert all(r.counters.resume_attempts >= 1 for r in done.values())
     finally:
         await rt.shutdown()
+
+
+async def test_a_gone_in_process_holder_is_taken_over_at_once(
+    any_client: StoreClient, keys: KeyLayout
+) -> None:
+    """A ``run --in-process`` SIGKILLed leaves its lease: the next command on this host need
+    not wait for it to lapse when that process is gone. A live one, or one of a Ray cluster
+    (whose deployment outlives its starting process), keeps the namespace."""
+    owners = NamespaceOwner(any_client, keys, ttl_s=20)
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()
+    host = socket.gethostname()
+    dead = Holder("in-process:x:1", "tok-dead", host, gone.pid, "phaseline run")
+    assert (await owners.claim(dead)).claim is Claim.ACQUIRED
+    took = await owners.claim(Holder("in-process:y:2", "tok-new", host, os.getpid(), "resume"))
+    assert took.claim is Claim.ACQUIRED and took.holder.owner == "tok-new"
+    with pytest.raises(NamespaceHeld):  # this process is alive
+        await owners.claim(Holder("in-process:z:3", "tok-z", host, 1, "run"))
+    await owners.release("tok-new")
+    ray_holder = Holder("10.0.0.1:6379 session_x", "tok-ray", host, gone.pid, "phaseline serve")
+    await owners.claim(ray_holder)
+    with pytest.raises(NamespaceHeld):
+        await owners.claim(Holder("in-process:y:2", "tok-new", host, os.getpid(), "resume"))

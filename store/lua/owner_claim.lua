@@ -8,6 +8,8 @@
 -- ARGV[6]  the lease's time to live (ms)
 -- ARGV[7]  '' to claim a free namespace only, else the owner token the claimer replaces (a
 --          takeover of its own cluster's deployment whose owner process is gone)
+-- ARGV[8]  '1' when that takeover may cross clusters: the holder ran its turns in its own
+--          process (cluster "in-process:..."), and that process is gone
 --
 -- Returns {'acquired'} when the claimer now owns the namespace (the hash is written and
 -- expires in ARGV[6] ms unless renewed), else {'held', <the holder's fields, flat>}: another
@@ -23,7 +25,7 @@ local function write()
 end
 if redis.call('EXISTS', key) == 0 then return write() end
 local held = redis.call('HGETALL', key)
-if ARGV[7] ~= '' and redis.call('HGET', key, 'cluster') == ARGV[1]
+if ARGV[7] ~= '' and (ARGV[8] == '1' or redis.call('HGET', key, 'cluster') == ARGV[1])
     and redis.call('HGET', key, 'owner') == ARGV[7] then
   return write()
 end
