@@ -117,3 +117,15 @@ async def test_after_a_providers_pause_calls_go_one_at_a_time_spaced(
     await limiter.pause(EP, 0.001)  # a second refusal doubles it
     wait = await limiter.admit(EP, "e", free, 1)
     assert 0.1 < wait <= 0.4
+
+
+async def test_under_a_declared_rate_a_refusal_pauses_but_does_not_slow_the_schedule(
+    limiter: EndpointLimiter,
+) -> None:
+    await limiter.pause(EP, 0.001)
+    for _ in range(1000):  # the pause is a millisecond: poll until it is over
+        if await limiter.admit(EP, "a", RATE, 1) == 0:
+            break
+    else:
+        pytest.fail("the pause did not end")
+    assert await limiter.admit(EP, "b", RATE, 1) == 0  # the declared burst of two still holds

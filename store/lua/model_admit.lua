@@ -49,9 +49,11 @@ redis.call('ZREMRANGEBYSCORE', flight, '-inf', now)
 local wait = 0
 local paused = tonumber(redis.call('HGET', state, 'paused_until') or '0')
 if paused > now then wait = paused - now end
--- after a provider's refusal, calls go one at a time at least gap apart; the gap halves every
--- 30 s from the end of the pause, and is forgotten below 5 ms
+-- after a provider's refusal, calls to an endpoint that declared no request rate go one at a
+-- time at least gap apart (a declared rate already spaces them: a rare refusal under it only
+-- pauses); the gap halves every 30 s from the end of the pause, forgotten below 5 ms
 local gap = tonumber(redis.call('HGET', state, 'gap_ms') or '0')
+if req_ms > 0 then gap = 0 end
 if gap > 0 then
   local gap_at = tonumber(redis.call('HGET', state, 'gap_at') or '0')
   if now > gap_at then gap = gap * 0.5 ^ ((now - gap_at) / 30000) end
