@@ -65,6 +65,11 @@ class RecordTooLarge(StoreError):
     ends ``aborted:record_too_large`` on top of its last checkpoint, which stays intact."""
 
 
+class UnstorableRecord(StoreError):
+    """A value could not be encoded for Redis (text no encoder takes, a type msgpack lacks):
+    the turn holding it ends on its last record (``aborted:unstorable``); others go on."""
+
+
 class NotDurable(StoreError):
     """A save was written but did not reach the configured durability (``WAITAOF``/``WAIT``
     timed out, or the server cannot promise it); the caller saves again at its next site."""

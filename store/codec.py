@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from bus.errors import RecordError, RecordTooLarge, UnknownSchema
 from bus.phase import TurnPhase
+from store.msgpack_wire import pack, unpack
 from store.records import (
     MAX_FENCE,
     SCHEMA_VERSION,
@@ -46,16 +47,6 @@ SCHEMA1_FIELDS = (
     "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
     "messages", "meta", "baseline", "counters", "updated_at",
 )  # fmt: skip
-
-
-def pack(value: Any) -> bytes:
-    """msgpack with bin type, so bytes and str never get confused on the way back."""
-    return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
-
-
-def unpack(data: bytes) -> Any:
-    """Strict msgpack decode: str or bytes keys only, no ext types, no surprises."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
 def dump_model(model: BaseModel) -> Any:

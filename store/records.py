@@ -7,6 +7,8 @@ are rejected so a record written by a newer build fails loudly instead of losing
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
@@ -15,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from bus.events import Finished
 from bus.phase import TurnPhase
+
+log = logging.getLogger(__name__)
 
 #: Version of the checkpoint record layout. Bump on any incompatible change; readers
 #: quarantine records whose schema they do not know. 3: the record names its agent; 2: the
@@ -65,6 +69,9 @@ class Outcome(StrEnum):
     ABORTED_TRUNCATED = "aborted:truncated"
     """A reply with tool calls was cut by the ``max_tokens`` cap again after one retry with
     twice the room: its calls' arguments cannot be trusted, so none was run."""
+    ABORTED_UNSTORABLE = "aborted:unstorable"
+    """The record could not be encoded (a value no encoder takes); it ends on its last
+    record."""
     ABORTED_RECORD_TOO_LARGE = "aborted:record_too_large"
     """The transcript outgrew ``[checkpoint] max_record_bytes``; it ends on its last record."""
     CANCELLED = "cancelled"
@@ -124,7 +131,40 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ToolCall(_Frozen):
+#: A lone UTF-16 surrogate: a Python string may hold one (``os.fsdecode`` of a non-UTF-8 file
+#: name, a JSON ``\ud800`` escape, a non-UTF-8 byte in argv), UTF-8 (and so msgpack) cannot.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+#: What stands for each one in stored text.
+REPLACEMENT = "\ufffd"
+
+
+def storable(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings (nested in lists and dicts too)
+    replaced by U+FFFD, so it can be encoded; anything else as it is."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value) is None:
+            return value
+        log.warning("replaced %d unencodable character(s) (lone surrogates) with U+FFFD",
+                    len(_SURROGATE.findall(value)))  # fmt: skip
+        return _SURROGATE.sub(REPLACEMENT, value)
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(storable(v) for v in value)
+    return value
+
+
+class _Text(_Frozen):
+    """A value holding text from outside (a model, a tool, a user): made storable when it is
+    built, at the boundary, so no text that UTF-8 cannot hold reaches a record or Redis."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        return storable(data) if isinstance(data, dict) else data
+
+
+class ToolCall(_Text):
     """One tool invocation requested by the model."""
 
     id: str
@@ -144,7 +184,7 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-class ToolResult(_Frozen):
+class ToolResult(_Text):
     """The outcome of one tool call, as the model will read it."""
 
     call_id: str
@@ -157,7 +197,7 @@ class ToolResult(_Frozen):
     """Text the model sees."""
 
 
-class Message(_Frozen):
+class Message(_Text):
     """One transcript entry. Equality of transcripts is equality of these, message for message."""
 
     role: Role
@@ -219,7 +259,7 @@ class MessageMeta(_Frozen):
     """On the result of a call that needed approval: the decision (who, when, why)."""
 
 
-class TurnError(_Frozen):
+class TurnError(_Text):
     """The last model or tool error of a turn, as a person needs it to see why it failed.
     Never a key or a header: only what the endpoint or tool said, cut short."""
 
@@ -406,7 +446,7 @@ class CheckpointRecord(_Frozen):
 SCRIPTED_AGENT = "actors.engine.scripted:agent"
 
 
-class TurnInput(_Frozen):
+class TurnInput(_Text):
     """What the user gave the turn."""
 
     message: str
@@ -490,7 +530,7 @@ class QueuedTurn(_Frozen):
     """Who queued it."""
 
 
-class Approval(_Frozen):
+class Approval(_Text):
     """A tool call's approval: asked, then decided (``store.approvals``). Kept after the
     decision, so who decided, when and why stays with the turn."""
 
@@ -516,7 +556,7 @@ class Approval(_Frozen):
         return f"{verb}{who}" + (f": {self.reason}" if self.reason else "")
 
 
-class InboxItem(_Frozen):
+class InboxItem(_Text):
     """One injected message, or a request to cancel the turn."""
 
     message_id: str

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import msgpack
 from pydantic import TypeAdapter
 
+from store.msgpack_wire import pack, unpack
 from store.records import Message, MessageMeta
 
 __all__ = [
@@ -144,7 +145,7 @@ def unpack_entries(
     digests += split_digests(tail)
     if len(digests) != length:
         raise ValueError(f"record names {len(digests)} entries, its length says {length}")
-    pairs = [msgpack.unpackb(_verified(d, found), raw=False, strict_map_key=True) for d in digests]
+    pairs = [unpack(_verified(d, found)) for d in digests]
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
         raise ValueError("an entry body is not a [message, meta] pair")
     return (
@@ -193,7 +194,7 @@ class _EntryMemo:
                 tuple(meta[i] for i in missing), mode="json", exclude_defaults=True
             )
             for i, dm, dmeta in zip(missing, dumped_messages, dumped_meta, strict=True):
-                data = _HEADERS.pack_array_header(2) + _pack(dm) + _pack(dmeta)
+                data = _HEADERS.pack_array_header(2) + pack(dm) + pack(dmeta)
                 out[i] = self._remember(messages[i], meta[i], Body(digest(data), data))
         return [b for b in out if b is not None]
 
@@ -208,10 +209,6 @@ class _EntryMemo:
             body,
         )
         return body
-
-
-def _pack(value: object) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 _ENTRIES = _EntryMemo()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
-from store.records import Message, ToolCall
+from store.records import Message, ToolCall, TurnInput
 
 #: Threads the sync tool ran in (it must not run on the event loop's thread).
 ADD_THREADS: list[int] = []
@@ -143,6 +144,23 @@ http_dead = dataclasses.replace(
     http_stream,
     model=OpenAIChat(model="dead", base_url="http://127.0.0.1:9/v1", api_key_env=None, timeout_s=5),
 )
+
+
+@tool(idempotent=True)
+def file_name() -> str:
+    """The name of a file on a disk whose names are not UTF-8, as Python reads it."""
+    return os.fsdecode(b"report-\xff.txt")  # a lone surrogate: "report-\udcff.txt"
+
+
+def unencodable_input() -> TurnInput:
+    """Lone surrogates from all three sources: the input (a non-UTF-8 byte in argv), the tool
+    (a non-UTF-8 file name) and the model (its reply carries the JSON escape \\ud800)."""
+    script = {"rounds": 1, "tool": "file_name", "args": {}, "say": "done \ud800"}
+    return TurnInput(message=f"#script {json.dumps(script)}\n" + os.fsdecode(b"list \xff"))
+
+
+#: Reads a file name no UTF-8 encoder takes.
+http_files = dataclasses.replace(_http("files"), tools=ToolRegistry([add, file_name]))
 #: Polls so far, per (turn, job): what ``job_status`` reports.
 _POLLS: dict[tuple[str, int], int] = {}
 

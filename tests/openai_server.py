@@ -7,15 +7,15 @@ and a run with faults can be compared with it. The script is a line of a system 
 
     #script {"rounds": 2, "tool": "add", "faults": {"2": {"kind": "429", "times": 1}}}
 
-``latency_ms`` delays every answer; ``"call_text": false`` sends tool calls without text (as
-small models do). At model call N of a conversation (counted through
-compaction summaries) the server asks for one ``tool`` call with arguments
+``latency_ms`` delays every answer; ``say`` is the final answer, as given; ``"call_text":
+false`` sends tool calls without text (as small models do). At model call N of a conversation
+(counted through compaction summaries) the server asks for one ``tool`` call with arguments
 ``{"a": N, "b": 1}`` (or the script's ``args``) until ``rounds`` tool rounds are done, then
 answers ``results: <every tool output it can see>`` (with ``"quote": false``: ``read <n> tool
 results``, so a chaos run whose calls caught in flight read ``outcome_unknown`` still answers
-as the fault-free run does). Progress counts from the latest message with a script (a
-session's later turns bring their own). A fault at call N fires ``times`` times for that
-conversation (keyed by that message), then the call succeeds:
+as the fault-free run does). Progress counts from the latest message with a script (a session's
+later turns bring their own). A fault at call N fires ``times`` times for that conversation
+(keyed by that message), then the call succeeds:
 
 ``429`` (with ``retry-after``), ``500``, ``fatal`` (400), ``context`` (400
 ``context_length_exceeded`` until the transcript holds a compaction summary), ``length``
@@ -168,6 +168,8 @@ def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         name = str(script.get("tool", "add"))
         text = f"step {call}" if script.get("call_text", True) else ""
         return kind, {"content": text, "tool_calls": [(f"call_{call}", name, args)]}
+    if "say" in script:  # the final answer as given (a JSON escape like \ud800 reaches the
+        return kind, {"content": str(script["say"]), "tool_calls": []}  # client as it is)
     if script.get("quote", True):
         return kind, {"content": "results: " + ",".join(outputs), "tool_calls": []}
     return kind, {"content": f"read {len(outputs)} tool results", "tool_calls": []}

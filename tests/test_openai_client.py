@@ -22,7 +22,7 @@ from bus.errors import BudgetExhausted
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Outcome, TurnInput
 from store.usage import agent_usage
-from tests.agents_for_tests import TEST_KEY_ENV
+from tests.agents_for_tests import TEST_KEY_ENV, unencodable_input
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
 SECRET = "sk-test-never-stored-0123456789"
@@ -38,6 +38,7 @@ POLLER = "tests.agents_for_tests:http_poller"
 LIMITED = "tests.agents_for_tests:http_limited"
 BUDGET = "tests.agents_for_tests:http_budget"
 SESSION_BUDGET = "tests.agents_for_tests:http_session_budget"
+FILES = "tests.agents_for_tests:http_files"
 
 
 @pytest.fixture(autouse=True)
@@ -422,3 +423,16 @@ async def test_a_sessions_tokens_add_up_across_turns_and_its_budget_ends_it(
     # the agent's totals are the finished turns', added once each
     (usage,) = [u for u in await agent_usage(real_client, keys) if u.agent == SESSION_BUDGET]
     assert (usage.turns, usage.tokens) == (len(finals), total)
+
+
+async def test_text_utf8_cannot_hold_is_made_storable_where_it_enters(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    stats, final = await run(real_client, keys, FILES, unencodable_input(), "surrogates")
+    assert stats.outcomes == {"answered": 1}
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.output == "report-\ufffd.txt"
+    assert final.answer == "done \ufffd"
+    assert final.messages[1].text.endswith("list \ufffd")
+    # and a later resume of the namespace reads it back like any other
+    assert (await TurnEngine(real_client, keys).resume_all()).turns == 0

@@ -25,9 +25,10 @@ from actors.turn.poison import (
     place,
 )
 from bus.errors import RecordError, StoreError
-from store.codec import pack, pack_model
+from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
+from store.msgpack_wire import pack
 from store.records import CheckpointRecord, Outcome
 from tests.polling import eventually
 from tests.reference import reference

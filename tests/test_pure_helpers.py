@@ -146,3 +146,21 @@ def test_scripted_faults_fire_at_the_right_call() -> None:
     assert shrunk is not None
     third = asyncio.run(m.complete(req(BASE + tuple(shrunk[0])))).message
     assert third.tool_calls[0].id == "call_2_0"  # the count survived compaction
+
+
+def test_text_from_outside_is_made_storable_and_what_is_not_is_a_typed_error() -> None:
+    from bus.errors import UnstorableRecord
+    from store.msgpack_wire import pack
+    from store.records import Message, ToolCall, ToolResult, TurnInput
+
+    lone = "a\udcffb"
+    with pytest.raises(UnstorableRecord):  # what msgpack says of a raw one, typed
+        pack(lone)
+    with pytest.raises(UnstorableRecord):
+        pack({"x": object()})
+    call = ToolCall(id="c", name="t", args={"path": lone, "nested": [lone]})
+    assert call.args == {"path": "a\ufffdb", "nested": ["a\ufffdb"]}
+    assert Message(role="assistant", text=lone, tool_calls=(call,)).text == "a\ufffdb"
+    assert ToolResult(call_id="c", name="t", status="ok", output=lone).output == "a\ufffdb"
+    assert TurnInput(message=lone).message == "a\ufffdb"
+    pack(Message(role="user", text=lone).model_dump())  # storable now

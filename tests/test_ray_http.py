@@ -25,6 +25,7 @@ from bus.events import Finished, Restarted, ToolReturned, WatchEvent
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from tests.agents_for_tests import unencodable_input
 from tests.polling import eventually
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -149,3 +150,20 @@ async def test_two_hosts_keep_to_one_declared_limit(
         _limit(openai_server)
     assert {f.counters.outcome for f in finals.values()} == {"answered"}
     assert seen["accepted"] >= 60 and seen["refused"] <= 0.1 * seen["accepted"], seen
+
+
+async def test_text_utf8_cannot_hold_is_made_storable_on_ray(
+    redis_url: str, namespace: str
+) -> None:
+    """Issue 29: one such turn on Ray made 3,959 model requests in a minute. Here it answers,
+    with U+FFFD where the input, the tool and the model had lone surrogates."""
+    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=1)
+    try:
+        await rt.submit("tests.agents_for_tests:http_files", unencodable_input(), ["sur"])
+        (final,) = (await rt.wait(["sur"], timeout=120)).values()
+    finally:
+        await rt.shutdown()
+    assert final.counters.outcome == "answered" and final.epoch == 1
+    assert final.answer == "done \ufffd"
+    assert [m.tool_result.output for m in final.messages if m.tool_result] == ["report-\ufffd.txt"]

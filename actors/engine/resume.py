@@ -17,10 +17,11 @@ from typing import Any
 from actors.turn.poison import Placement, place
 from bus.errors import RecordError, RecordNotFound, StaleOwner
 from store.checkpoint import RedisCheckpointStore
-from store.codec import dump_model, pack, unpack
+from store.codec import dump_model
 from store.inbox import Inbox
 from store.isolation import Probation
 from store.ledger import ToolLedger
+from store.msgpack_wire import pack, unpack
 from store.records import CheckpointRecord, Outcome, SaveReason, TurnSpec
 
 

@@ -51,6 +51,7 @@ from bus.errors import (
     RetryableLLMError,
     StaleOwner,
     StoreError,
+    UnstorableRecord,
 )
 from bus.events import (
     LIVE_TEXT_LIMIT,
@@ -249,7 +250,12 @@ class _Fenced(Exception):
 
 
 class _TooLarge(Exception):
-    """Internal: the next checkpoint is over the size cap; unwinds to end on the last one."""
+    """Internal: the next checkpoint cannot be stored (over the size cap, or a value no
+    encoder takes); unwinds to end on the last one with ``outcome``."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.value)
+        self.outcome = outcome
 
 
 class _Released(Exception):
@@ -350,8 +356,8 @@ class TurnLoop:
             return self._outcome(RunStop.FENCED)
         except _Released:
             return self._outcome(RunStop.RELEASED)
-        except _TooLarge:
-            return await self._end_oversized()
+        except _TooLarge as too_large:
+            return await self._end_oversized(too_large.outcome)
 
     def interrupted(self) -> TurnOutcome:
         """Outcome of a loop cut short by a store failure (its turn stays resumable)."""
@@ -618,10 +624,10 @@ class TurnLoop:
         log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
         return _Fenced()
 
-    async def _end_oversized(self) -> TurnOutcome:
+    async def _end_oversized(self, outcome: Outcome) -> TurnOutcome:
         """End the turn on its last stored checkpoint: the transcript grew past what a record
-        may hold, so nothing since that checkpoint can be kept."""
-        outcome = Outcome.ABORTED_RECORD_TOO_LARGE
+        may hold (or holds what cannot be encoded), so nothing since that checkpoint can be
+        kept."""
         self._turn = list(self._saved.messages[self._saved.baseline :])
         self._meta = list(self._saved.meta[self._saved.baseline :])
         self._counters = self._saved.counters.model_copy(update={"outcome": outcome})
@@ -899,7 +905,10 @@ class TurnLoop:
             raise self._fenced(exc) from exc
         except RecordTooLarge as exc:
             log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
-            raise _TooLarge() from exc
+            raise _TooLarge(Outcome.ABORTED_RECORD_TOO_LARGE) from exc
+        except UnstorableRecord as exc:
+            log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
+            raise _TooLarge(Outcome.ABORTED_UNSTORABLE) from exc
         except StoreError as exc:
             self.failed_saves += 1
             if final:
