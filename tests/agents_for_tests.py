@@ -159,6 +159,14 @@ def unencodable_input() -> TurnInput:
     return TurnInput(message=f"#script {json.dumps(script)}\n" + os.fsdecode(b"list \xff"))
 
 
+@tool(idempotent=True)
+def dump() -> str:
+    """Everything, at once: 2 MiB of it."""
+    return "x" * (2 << 20)
+
+
+#: Its tool returns more than one result may hold.
+http_dump = dataclasses.replace(_http("dump"), tools=ToolRegistry([add, dump]))
 #: Reads a file name no UTF-8 encoder takes.
 http_files = dataclasses.replace(_http("files"), tools=ToolRegistry([add, file_name]))
 #: Polls so far, per (turn, job): what ``job_status`` reports.

@@ -436,3 +436,20 @@ async def test_text_utf8_cannot_hold_is_made_storable_where_it_enters(
     assert final.messages[1].text.endswith("list \ufffd")
     # and a later resume of the namespace reads it back like any other
     assert (await TurnEngine(real_client, keys).resume_all()).turns == 0
+
+
+async def test_a_tool_result_over_the_cap_fails_its_call_not_the_turn(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    script = {"rounds": 1, "tool": "dump", "args": {}}
+    turn_input = TurnInput(message=f"#script {json.dumps(script)}\nDump it.")
+    stats, final = await run(
+        real_client, keys, "tests.agents_for_tests:http_dump", turn_input, "big"
+    )
+    assert stats.outcomes == {"answered": 1}
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.status == "error"
+    assert "returned 2,097,152 bytes, over the limit of 1,048,576 bytes" in result.output
+    engine = TurnEngine(real_client, keys)
+    (entry,) = (await engine.ledger.entries("big")).values()
+    assert entry.result is not None and len(entry.result.output) < 1000  # never the 2 MiB

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.engine.tomlfile import describe, read_toml
+from actors.engine.toolrun import DEFAULT_MAX_TOOL_RESULT_BYTES
 from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import ConfigError
@@ -121,6 +122,10 @@ class CheckpointSettings(_Section):
     )
     """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
     ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
+    max_tool_result_bytes: int = Field(default=DEFAULT_MAX_TOOL_RESULT_BYTES, ge=1024,
+                                       le=RECORD_BYTES_CEILING)  # fmt: skip
+    """Cap on one tool result (its UTF-8 bytes): a larger one fails that call, not the turn;
+    the model reads an error that gives the size and the cap, and the ledger holds only that."""
     atomic: AtomicSave = Field(default=AtomicSave.SCRIPT, strict=False)  # TOML gives a string
     """How a save is made atomic and fenced: ``script`` (one server-side script per save) or
     ``multi_exec`` (``WATCH``, read the fences, ``MULTI`` ... ``EXEC`` per shard). Both give

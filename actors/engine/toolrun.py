@@ -125,6 +125,25 @@ def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:
     return "run" if idempotent else "unknown"
 
 
+#: Default cap on one tool result's UTF-8 bytes (``[checkpoint] max_tool_result_bytes``).
+DEFAULT_MAX_TOOL_RESULT_BYTES = 1 << 20
+
+
+def capped(res: ToolResult, limit: int) -> ToolResult:
+    """``res``, or an error result in its place if its output is over ``limit`` bytes: the
+    call fails, not its turn, and the model reads how large it was."""
+    size = len(res.output.encode("utf-8"))
+    if size <= limit:
+        return res
+    return res.model_copy(
+        update={
+            "status": "error",
+            "output": f"{res.name} returned {size:,} bytes, over the limit of {limit:,} bytes "
+            "for one tool result; ask for less (a page, a summary, a range)",
+        }
+    )
+
+
 class BatchExecutor:
     """Runs one batch: journal, reuse what the ledger already has, run the rest concurrently."""
 
@@ -136,9 +155,11 @@ class BatchExecutor:
         effects: EffectSink | None,
         *,
         agent: str = "",
+        max_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES,
     ) -> None:
         """``agent``: import path of the agent whose tools these are (a ToolWorker on another
-        process loads the tool from it)."""
+        process loads the tool from it); ``max_result_bytes``: the cap on one result."""
+        self.max_result_bytes = max_result_bytes
         self.registry = registry
         self.runner = runner
         self.ledger = ledger
@@ -243,8 +264,11 @@ class BatchExecutor:
     async def _run(
         self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec, dispatched: bytes
     ) -> ToolResult:
-        res = await self.runner.run(
-            spec, call, ToolContext(turn_id, key, self.effects, agent=self.agent)
+        res = capped(
+            await self.runner.run(
+                spec, call, ToolContext(turn_id, key, self.effects, agent=self.agent)
+            ),
+            self.max_result_bytes,
         )
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":

@@ -26,7 +26,12 @@ from actors.engine.config import Settings
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
 from actors.engine.submission import new_turns, session_turn
-from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolRunner
+from actors.engine.toolrun import (
+    DEFAULT_MAX_TOOL_RESULT_BYTES,
+    BatchExecutor,
+    LocalToolRunner,
+    ToolRunner,
+)
 from actors.turn.agent import ModelContext
 from actors.turn.loop import (
     Checkpointer,
@@ -166,6 +171,7 @@ class TurnEngine:
         on_event: Callable[[LiveEvent], None] | None = None,
         on_status: Callable[[SoftIdle], None] | None = None,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        max_tool_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES,
         durability: Durability = Durability(),
         atomic: AtomicSave = AtomicSave.SCRIPT,
         on_isolate: Callable[[str], None] | None = None,
@@ -179,6 +185,7 @@ class TurnEngine:
             client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic
         )
         self.ledger = ToolLedger(client, keys)
+        self.max_tool_result_bytes = max_tool_result_bytes
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
@@ -201,6 +208,7 @@ class TurnEngine:
     def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
         kw.setdefault("watchdog", settings.watchdog)
         kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
+        kw.setdefault("max_tool_result_bytes", settings.checkpoint.max_tool_result_bytes)
         kw.setdefault("durability", settings.redis.durability_policy())
         kw.setdefault("atomic", settings.checkpoint.atomic)
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
@@ -399,7 +407,14 @@ class TurnEngine:
             llm=agent.client(
                 ModelContext(record.turn_id, spec.input, record.baseline, self.admission)
             ),
-            tools=BatchExecutor(registry, self.runner, self.ledger, self.effects, agent=spec.agent),
+            tools=BatchExecutor(
+                registry,
+                self.runner,
+                self.ledger,
+                self.effects,
+                agent=spec.agent,
+                max_result_bytes=self.max_tool_result_bytes,
+            ),
             registry=registry,
             checkpoints=self.checkpoints,
             inbox=self.inbox,
