@@ -275,3 +275,18 @@ def test_sourcing_bootstrap_leaves_the_shell_options_alone() -> None:
         flags = done.stdout.splitlines()[-1]
         # scripts/test relies on errexit surviving the source: a failing step must stop it
         assert ("e" in flags, "u" in flags) == (sign == "-", sign == "-"), (before, flags)
+
+
+def test_the_redis_url_can_come_from_a_file_not_argv(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    url_file = tmp_path / "url"
+    url_file.write_text(redis_url + "\n")
+    code, out = invoke("inspect", "missing", "--redis-url-file", str(url_file),
+                       "--namespace", namespace)  # fmt: skip
+    assert code == 1 and "RecordNotFound" in out  # it reached that Redis
+    code, out = invoke("inspect", "x", "--redis-url-file", str(url_file), "--redis-url", redis_url)
+    assert code == 2 and "not both" in out
+    url_file.write_text("")
+    code, out = invoke("inspect", "x", "--redis-url-file", str(url_file))
+    assert code == 2 and "is empty" in out

@@ -137,10 +137,33 @@ def _common(fn: F) -> F:
     )(fn)  # fmt: skip
     fn = click.option("--namespace", default=None, help="Key namespace (default: pl).")(fn)
     fn = click.option(
+        "--redis-url-file", type=click.Path(dir_okay=False, exists=True), default=None,
+        help="Read the Redis URL from this file (keeps a password out of argv and ps).",
+    )(_url_from_file(fn))  # fmt: skip
+    fn = click.option(
         "--redis-url", default=None,
-        help="Redis to use (else $PHASELINE_REDIS_URL, else the embedded server).",
+        help="Redis to use (else --redis-url-file, else $PHASELINE_REDIS_URL, else the "
+             "embedded server). A URL with a password is visible in ps: prefer the file or "
+             "the variable.",
     )(fn)  # fmt: skip
     return _guard(fn)
+
+
+def _url_from_file(fn: F) -> F:
+    """Fold ``--redis-url-file`` into ``redis_url``: the command sees one URL."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, redis_url_file: str | None = None, **kwargs: Any) -> Any:
+        if redis_url_file is not None:
+            if kwargs.get("redis_url"):
+                raise BadInput("give --redis-url or --redis-url-file, not both")
+            url = Path(redis_url_file).read_text(encoding="utf-8").strip()
+            if not url:
+                raise BadInput(f"{redis_url_file} is empty: it must hold a redis:// URL")
+            kwargs["redis_url"] = url
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _settings(config_path: str | None, redis_url: str | None, namespace: str | None) -> Settings:
