@@ -62,6 +62,7 @@ from store.durability import Durability, DurabilityKind
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord, SaveAck, TurnSpec
+from store.retention import Retention, retained_keys
 from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
 from store.transcript import KnownBodies
 from store.usage import tally_args
@@ -104,8 +105,10 @@ class RedisCheckpointStore:
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         durability: Durability = Durability(),
         atomic: AtomicSave = AtomicSave.SCRIPT,
+        retention: Retention = Retention(),
     ) -> None:
         self.client = client
+        self.retention = retention
         self.atomic = atomic
         self.keys = keys
         self.events_maxlen = events_maxlen
@@ -283,6 +286,7 @@ class RedisCheckpointStore:
                 [writes[i].spec for i in group],
                 self.events_maxlen,
                 wait,
+                self.retention,
             )
             replies, wait_reply = await batch.commit(self.client)
             if wait and wait_reply is not None:
@@ -372,11 +376,12 @@ class RedisCheckpointStore:
         turn_id = record.turn_id
         keys = [self.keys.turn(turn_id), self.keys.bodies(turn_id), self.keys.events_of(turn_id)]
         keys += [self.keys.in_progress_of(turn_id), self.keys.usage_of(turn_id)]
-        keys += [spec[0], self.keys.turns_of(turn_id)] if spec else []
+        keys += [*retained_keys(self.keys, turn_id), self.keys.turns_of(turn_id)]
         args: list[bytes | str | int] = [
             record.epoch, record.seq, turn_id, record.phase, record.reason,
             int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
             int(record.replace), len(record.puts), len(record.drops), *tally_args(record),
+            self.retention.ttl_ms_of(record),
         ]  # fmt: skip
         for address, body in record.puts.items():
             args += (address, body)

@@ -151,6 +151,7 @@ class Sessions:
                         wait = await self.store.wait_command()
                         pipe.multi()  # type: ignore[no-untyped-call]
                         pipe.hset(key, mapping={"turns": n, "latest": spec.turn_id})
+                        pipe.persist(key)  # its last turn's end set a time to live: it goes on
                         if queued is not None:
                             pipe.lpop(queue)
                         self.store.queue_save(
@@ -161,7 +162,7 @@ class Sessions:
                         replies = await pipe.execute()
                 except redis.WatchError:
                     continue  # a rival opened a turn, the latest turn or the queue changed
-            answer = self.store.answer(encoded, replies[2 if queued is not None else 1])
+            answer = self.store.answer(encoded, replies[3 if queued is not None else 2])
             if not isinstance(answer, SaveAck):
                 raise answer
             problem = self.store.not_durable(replies[-1]) if wait else ""

@@ -18,6 +18,7 @@ docs/ARCHITECTURE.md compares the two paths (``phaseline bench --figures atomic`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -35,6 +36,7 @@ from store.connection import (
     roundtrip,
 )
 from store.keys import KeyLayout
+from store.retention import Retention, retained_keys
 from store.usage import TALLY_COUNTERS, tally_args
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
@@ -90,10 +92,12 @@ def save_commands(
     maxlen: int,
     *,
     ends_turn: bool = False,
+    ttl_ms: int = 0,
 ) -> list[tuple[Any, ...]]:
-    """The writes of one accepted save, in the script's order; the XADD is fourth from last
-    (second from last without a spec). ``ends_turn``: the stored record is in progress, so a
-    final save adds its tally (:mod:`store.usage`)."""
+    """The writes of one accepted save, in the script's order (one of them the XADD).
+    ``ends_turn``: the stored record is in progress, so a final save adds its tally
+    (:mod:`store.usage`); ``ttl_ms``: the time to live the save sets on the turn's keys
+    (:mod:`store.retention`)."""
     turn = record.turn_id
     bodies, key = keys.bodies(turn), keys.turn(turn)
     out: list[tuple[Any, ...]] = []
@@ -120,6 +124,10 @@ def save_commands(
     if spec is not None:
         out.append(("SET", spec[0], spec[1]))
         out.append(("ZADD", keys.turns_of(turn), record.fields["updated_at"], turn))
+    if ttl_ms > 0:
+        out += [("PEXPIRE", k, ttl_ms) for k in (key, bodies, *retained_keys(keys, turn))]
+        oldest = int(time.time() * 1000) - ttl_ms
+        out.append(("ZREMRANGEBYSCORE", keys.turns_of(turn), "-inf", f"({oldest}"))
     return out
 
 
@@ -137,6 +145,8 @@ class ShardBatch:
     """Approximate cap of the shard's events stream."""
     wait: tuple[str | int, ...] | None
     """The durability command sent after ``EXEC`` (None: none)."""
+    retention: Retention = Retention()
+    """What the saves keep of a turn they end."""
 
     async def commit(self, client: StoreClient) -> tuple[list[object], object]:
         """Each save's reply in the script's shape (``['ok', id]``, a refusal, or an
@@ -223,8 +233,11 @@ class ShardBatch:
                 replies.append(refusal)
                 continue
             ends_turn = stored[2] in (b"1", "1")
-            commands = save_commands(keys, r, spec, self.maxlen, ends_turn=ends_turn)
-            xadd = len(writes) + len(commands) - (4 if spec is not None else 2)
+            commands = save_commands(
+                keys, r, spec, self.maxlen, ends_turn=ends_turn,
+                ttl_ms=self.retention.ttl_ms_of(r),
+            )  # fmt: skip
+            xadd = len(writes) + next(i for i, c in enumerate(commands) if c[0] == "XADD")
             accepted.append((i, len(writes), xadd))
             writes += commands
             replies.append(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from store.records import (
     TurnSpec,
     Usage,
 )
+from store.retention import Retention, TurnPurger
 from store.transaction import AtomicSave
 from store.transcript import CHUNK, KnownBodies, Plan, Transcript
 from store.usage import agent_usage
@@ -745,3 +747,51 @@ async def test_submitted_turns_are_listed_newest_first_from_the_index(
     assert await store.list_turns(limit=2) == listed[:2]
     assert await store.list_turns(before_ms=3000, limit=2) == listed[2:]
     assert await store.list_turns(since_ms=2000) == listed[:3]
+
+
+async def test_a_final_save_sets_the_retention_on_every_key_of_the_turn(
+    any_client: aioredis.Redis, keys: KeyLayout, atomic: AtomicSave
+) -> None:
+    store = RedisCheckpointStore(any_client, keys, atomic=atomic,
+                                 retention=Retention(finished_ttl_s=600))  # fmt: skip
+    now = int(time.time() * 1000)
+    for tid, at in (("old", 1000), ("r1", now)):  # "old": submitted long before the ttl
+        spec = TurnSpec(turn_id=tid, session_id="s1", agent="a.b:c", input={"message": "hi"},
+                        created_at=at)  # fmt: skip
+        await store.submit(spec, record(tid).model_copy(update={"seq": 0, "updated_at": at}))
+    for key in (keys.tools("r1"), keys.effects("r1"), keys.approval("r1")):
+        await any_client.hset(key, "k", "v")
+    await any_client.rpush(keys.inbox("r1"), b"x")
+    turn_keys = [keys.turn("r1"), keys.bodies("r1"), keys.spec("r1"), keys.tools("r1"),
+                 keys.effects("r1"), keys.inbox("r1"), keys.approval("r1")]  # fmt: skip
+    await store.save(record("r1", seq=1))
+    assert [await any_client.pttl(k) for k in turn_keys] == [-1] * 7  # running: kept
+    parked = record("r1", seq=2, in_progress=False).model_copy(
+        update={"counters": Counters(outcome=Outcome.SUSPENDED_POISON)}
+    )
+    await store.save(parked)
+    assert await any_client.pttl(keys.turn("r1")) == -1  # suspended is not finished
+    final = record("r1", epoch=2, seq=3, in_progress=False).model_copy(
+        update={"counters": Counters(outcome=Outcome.ANSWERED)}
+    )
+    await store.save(final)
+    ttls = [await any_client.pttl(k) for k in turn_keys]
+    assert all(0 < t <= 600_000 for t in ttls), ttls
+    assert await any_client.zrange(keys.turns_of("r1"), 0, -1) == [b"r1"]  # "old" trimmed
+
+
+async def test_purge_removes_a_finished_turn_whole_and_never_a_running_one(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    spec = TurnSpec(turn_id="p1", session_id="s1", agent="a.b:c", input={"message": "hi"},
+                    created_at=1)  # fmt: skip
+    await store.submit(spec, record("p1").model_copy(update={"seq": 0}))
+    await any_client.hset(keys.tools("p1"), "k", "v")
+    purger = TurnPurger(any_client, keys)
+    assert not await purger.purge("p1")  # in progress
+    assert not await purger.purge("nope")
+    await store.save(record("p1", seq=1, in_progress=False))
+    assert await purger.purge("p1")
+    for key in (keys.turn("p1"), keys.bodies("p1"), keys.spec("p1"), keys.tools("p1")):
+        assert not await any_client.exists(key)
+    assert await store.list_turns() == []

@@ -132,6 +132,7 @@ class CheckpointActor:
             max_record_bytes=dep.settings.checkpoint.max_record_bytes,
             durability=dep.settings.redis.durability_policy(),
             atomic=dep.settings.checkpoint.atomic,
+            retention=dep.settings.retention.policy(),
         )
         self._batches = 0
         self._saves = 0

@@ -20,6 +20,7 @@ from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
 from store.connection import DEFAULT_RETRY_S, StoreClient, check_redis_url, connect
 from store.durability import Durability, parse_durability
 from store.keys import KeyLayout
+from store.retention import Retention
 from store.streams import LiveStreams
 from store.transaction import AtomicSave
 
@@ -227,8 +228,20 @@ class LoopSectionSettings(_Section):
     ``rate_limited`` (minutes, not seconds: waiting is what a rate limit asks)."""
 
 
+class RetentionSettings(_Section):
+    finished_ttl_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
+    """Seconds a finished turn's data (record, transcript, spec, ledger, effects, inbox,
+    approvals, its session) lives after its final save; 0: for ever. A week by default:
+    long enough to inspect, watch and export a turn, short enough that Redis memory tracks the
+    load (docs/OPERATIONS.md sizes it). Suspended turns are kept until resumed or purged."""
+
+    def policy(self) -> Retention:
+        return Retention(finished_ttl_s=self.finished_ttl_s)
+
+
 class Settings(_Section):
     redis: RedisSettings = RedisSettings()
+    retention: RetentionSettings = RetentionSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
     approvals: ApprovalSettings = ApprovalSettings()
     watchdog: WatchdogSettings = WatchdogSettings()

@@ -65,6 +65,7 @@ from store.records import (
     TurnInput,
     TurnSpec,
 )
+from store.retention import Retention
 from store.sessions import Sessions
 from store.transaction import AtomicSave
 
@@ -174,6 +175,7 @@ class TurnEngine:
         max_tool_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES,
         durability: Durability = Durability(),
         atomic: AtomicSave = AtomicSave.SCRIPT,
+        retention: Retention = Retention(),
         on_isolate: Callable[[str], None] | None = None,
         probation_patience_s: float = 30.0,
     ) -> None:
@@ -182,8 +184,9 @@ class TurnEngine:
         for the isolation host."""
         self.keys = keys
         self.store = RedisCheckpointStore(
-            client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic
-        )
+            client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic,
+            retention=retention,
+        )  # fmt: skip
         self.ledger = ToolLedger(client, keys)
         self.max_tool_result_bytes = max_tool_result_bytes
         self.effects = EffectCounters(client, keys)
@@ -211,6 +214,7 @@ class TurnEngine:
         kw.setdefault("max_tool_result_bytes", settings.checkpoint.max_tool_result_bytes)
         kw.setdefault("durability", settings.redis.durability_policy())
         kw.setdefault("atomic", settings.checkpoint.atomic)
+        kw.setdefault("retention", settings.retention.policy())
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
         return cls(
             client,

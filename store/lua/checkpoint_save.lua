@@ -1,10 +1,13 @@
 -- Fenced, atomic save of one checkpoint record (store/checkpoint.py, RedisCheckpointStore).
 --
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
---       shard usage hash [, spec key of a submission, shard turns index]
+--       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
+--       session hash (the record key again for a turn of no session), shard turns index
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
---       spec value (or ''), replace (1|0: empty the bodies hash first), puts (n), drops (m),
+--       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
+--       first), puts (n), drops (m),
 --       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS),
+--       ms the keys of a turn this save ends live on (0: for ever; store/retention.py),
 --       then n digest, body pairs, then m digests to drop,
 --       then the record's hash fields as field, value, ...
 -- Answers: {'exists'} (a submission whose record or spec is already there),
@@ -15,13 +18,17 @@
 -- is written or dropped (store/transcript.py says why that keeps every needed body).
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
 -- to the agent's totals in the shard's usage hash: once per turn, with the record.
+-- A save that ends the turn with a time to live sets it on every key of the turn (and its
+-- session's), and trims the shard's turns index of turns submitted longer ago than that.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
 local record, bodies = KEYS[1], KEYS[2]
-if KEYS[6] and redis.call('EXISTS', record, KEYS[6]) > 0 then
+local submission = ARGV[8] ~= ''
+if submission and redis.call('EXISTS', record, KEYS[6]) > 0 then
   return {'exists'}
 end
 local puts, drops = tonumber(ARGV[10]), tonumber(ARGV[11])
-local head = 19  -- the first ARGV after the header and the tally
+local ttl = tonumber(ARGV[19])
+local head = 20  -- the first ARGV after the header, the tally and the time to live
 local fields = head + 2 * puts + drops  -- the first of the record's field, value pairs
 -- A save at the stored (epoch, seq) is a replay only if it is this very record, field for
 -- field: two resumers that claimed the same epoch at once send the same (epoch, seq) with
@@ -75,10 +82,18 @@ if ARGV[6] == '1' then
 else
   redis.call('SREM', KEYS[4], ARGV[3])
 end
-if KEYS[6] then
+if submission then
   redis.call('SET', KEYS[6], ARGV[8])
   for i = first, #ARGV, 2 do  -- the index orders turns by their first record's updated_at
-    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[7], ARGV[i + 1], ARGV[3]) end
+    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[12], ARGV[i + 1], ARGV[3]) end
   end
+end
+if ttl > 0 then
+  for i = 6, 11 do redis.call('PEXPIRE', KEYS[i], ttl) end
+  redis.call('PEXPIRE', record, ttl)
+  redis.call('PEXPIRE', bodies, ttl)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', '(' .. (now - ttl))
 end
 return {'ok', id}
