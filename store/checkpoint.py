@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
@@ -457,6 +458,27 @@ class RedisCheckpointStore:
                 shards = await pipe.execute()
         found = [(text(t), int(score)) for rows in shards for t, score in rows]
         return sorted(found, key=lambda x: (-x[1], x[0]))[:limit]
+
+    async def iter_turns(
+        self, *, since_ms: int = 0, until_ms: int | None = None, page: int = 500
+    ) -> AsyncIterator[tuple[str, int]]:
+        """Every turn in the index submitted in ``[since_ms, until_ms]``, with its submission
+        time, shard by shard (no order across shards), ``page`` at a time: every one once,
+        also when many share a millisecond (a run submits its turns at one)."""
+        top: int | str = "+inf" if until_ms is None else until_ms
+        for shard in self.keys.all_shards():
+            offset = 0
+            while True:
+                with translated("list turns"):
+                    rows = await self.client.zrangebyscore(
+                        self.keys.turns(shard), since_ms, top, start=offset, num=page,
+                        withscores=True,
+                    )  # fmt: skip
+                for tid, score in cast(list[tuple[bytes, float]], rows):  # withscores: pairs
+                    yield text(tid), int(score)
+                if len(rows) < page:
+                    break
+                offset += page
 
     async def list_in_progress(self) -> list[str]:
         """Ids of every turn whose latest record has ``in_progress = 1``, sorted."""

@@ -4,7 +4,9 @@ approvals, approve and deny, cancel, inject; bad input exits 2 with a message.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,3 +187,33 @@ async def test_a_busy_session_queues_or_interrupts_and_the_next_turn_opens_in_or
     assert fifth.counters.outcome == Outcome.ANSWERED and fifth.answer.endswith("| instead")
     assert await real_client.llen(keys.session_queue("q")) == 0
     assert not await real_client.sismember(keys.queued_sessions(), "q")
+
+
+async def test_export_then_purge_round_trips_every_finished_turn(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str, tmp_path: Path
+) -> None:
+    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    ids = [f"ex{i:03d}" for i in range(600)]  # one run: all submitted in the same millisecond
+    await engine.run_new(*scenario(rounds=1), ids)
+    agent, turn_input = scenario(rounds=30, llm_latency_ms=1000)
+    record = (await engine.submit_many(agent, turn_input, ["running"]))[0][1]
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("running")))
+    archive = tmp_path / "turns.jsonl"
+    code, text = await cli("export", *at(redis_url, keys), "--output", str(archive))
+    assert code == 0, text
+    lines = [json.loads(line) for line in archive.read_text().splitlines()]
+    assert sorted(line["record"]["turn_id"] for line in lines) == ids  # each once, not running
+    assert all(line["record"]["counters"]["outcome"] == "answered" for line in lines)
+    assert all(len(line["ledger"]) == 1 for line in lines)  # its tool call, with its result
+    code, text = await cli("purge", *at(redis_url, keys))
+    assert code == 2 and "--all" in text
+    code, text = await cli("purge", *at(redis_url, keys), "--all", "--dry-run")
+    assert code == 0 and "600 finished turns would be removed" in text
+    code, text = await cli("purge", *at(redis_url, keys), "--all")
+    assert code == 0 and "removed 600" in text
+    left = [k async for k in real_client.scan_iter(f"{keys.namespace}:*ex0*")]
+    assert left == []
+    assert (await engine.store.load("running")).in_progress  # never a running turn
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -27,9 +27,11 @@ from store.codec import dump_model
 from store.connection import StoreClient
 from store.inbox import Inbox
 from store.keys import KeyLayout, check_turn_id
+from store.ledger import ToolLedger
 from store.records import Approval, CheckpointRecord
+from store.retention import TurnPurger
 
-__all__ = ["approvals", "approve", "cancel", "deny", "inject", "turns"]
+__all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge", "turns"]
 
 #: Characters of arguments or a message shown in a table cell.
 CELL = 80
@@ -106,20 +108,15 @@ def turns(
     async def go(client: StoreClient) -> list[tuple[CheckpointRecord, int]]:
         store = _store(client, settings)
         found: list[tuple[CheckpointRecord, int]] = []
-        before: int | None = None
-        while len(found) < limit:
-            page = await store.list_turns(since_ms=since_ms, before_ms=before, limit=200)
-            if not page:
-                break
-            for tid, at in page:
-                try:
-                    record = await store.load(tid)
-                except (RecordError, RecordNotFound):
-                    continue  # quarantined or gone: status shows quarantined ones
-                if _matches(record, session, outcome, phase):
-                    found.append((record, at))
-            before = page[-1][1]
-        return found[:limit]
+        ids = sorted([t async for t in store.iter_turns(since_ms=since_ms)],
+                     key=lambda x: (-x[1], x[0]))  # fmt: skip
+        for tid, at in ids:  # newest first, until enough match
+            record = await _load(store, tid)
+            if record is not None and _matches(record, session, outcome, phase):
+                found.append((record, at))
+                if len(found) == limit:
+                    break
+        return found
 
     listed = _run(go, settings)
     if as_json:
@@ -146,6 +143,105 @@ def turns(
     out.print(table)
     if not listed:
         console.print("[dim]no turn matches")
+
+
+async def _load(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord | None:
+    """The turn's record, or None if it expired, was purged or is quarantined."""
+    try:
+        return await store.load(turn_id)
+    except (RecordError, RecordNotFound):
+        return None
+
+
+def _finished_filters(fn: Any) -> Any:
+    ended_so = "Only turns that ended so (answered, cancelled, aborted, ...)."
+    fn = click.option("--outcome", default=None, help=ended_so)(fn)
+    fn = click.option("--session", default=None, help="Only this session's turns.")(fn)
+    return fn
+
+
+@main.command()
+@_common
+@_finished_filters
+@click.option("--since", "since_s", type=click.FloatRange(min=0), default=None,
+              help="Only turns submitted in the last SECONDS.")  # fmt: skip
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="The JSON Lines file to write ('-': standard output).")  # fmt: skip
+def export(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    session: str | None, outcome: str | None, since_s: float | None, output: str,
+) -> None:  # fmt: skip
+    """Write finished turns as JSON Lines, one turn a line, as they are read: the record
+    (transcript, meta, counters, outcome, last error) and its tool ledger. Archive before
+    [retention] finished_ttl_s lets them expire, or before phaseline purge."""
+    settings = _settings(config_path, redis_url, namespace)
+    since_ms = 0 if since_s is None else int((time.time() - since_s) * 1000)
+
+    async def go(client: StoreClient) -> int:
+        store = _store(client, settings)
+        ledger = ToolLedger(client, _keys(settings))
+        written = 0
+        with click.open_file(output, "w", encoding="utf-8") as sink:
+            async for tid, _at in store.iter_turns(since_ms=since_ms):
+                record = await _load(store, tid)
+                if record is None or record.in_progress:
+                    continue
+                if not _matches(record, session, outcome, None):
+                    continue
+                entries = await ledger.entries(tid)
+                line = {
+                    "record": dump_model(record),
+                    "ledger": {k: dump_model(e) for k, e in sorted(entries.items())},
+                }
+                sink.write(json.dumps(line, ensure_ascii=False) + "\n")
+                written += 1
+        return written
+
+    written = _run(go, settings)
+    console.print(f"[dim]exported {written} finished turns to {output}")
+
+
+@main.command()
+@_common
+@_finished_filters
+@click.option("--older-than", "older_s", type=click.FloatRange(min=0), default=None,
+              help="Only turns whose last save is older than SECONDS.")  # fmt: skip
+@click.option("--all", "everything", is_flag=True, help="Every finished turn (no filter).")
+@click.option("--dry-run", is_flag=True, help="Say what would go; remove nothing.")
+def purge(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    session: str | None, outcome: str | None, older_s: float | None, everything: bool,
+    dry_run: bool,
+) -> None:  # fmt: skip
+    """Remove finished turns now: every key of each (record, transcript, spec, ledger,
+    effects, inbox, approvals, live stream) and its index entry, in one step per turn. A turn
+    in progress is never removed. Give a filter, or --all."""
+    settings = _settings(config_path, redis_url, namespace)
+    if not (everything or session or outcome or older_s is not None):
+        raise BadInput("say which finished turns: --older-than, --session, --outcome, or --all")
+    cutoff = None if older_s is None else int((time.time() - older_s) * 1000)
+
+    async def go(client: StoreClient) -> tuple[int, int]:
+        store = _store(client, settings)
+        purger = TurnPurger(client, _keys(settings))
+        chosen = []
+        async for tid, _at in store.iter_turns():  # collected first: purging moves the pages
+            record = await _load(store, tid)
+            if record is None or record.in_progress:
+                continue
+            if cutoff is not None and record.updated_at >= cutoff:
+                continue
+            if _matches(record, session, outcome, None):
+                chosen.append(tid)
+        if dry_run:
+            return len(chosen), 0
+        return len(chosen), sum([await purger.purge(t) for t in chosen])
+
+    chosen, removed = _run(go, settings)
+    if dry_run:
+        out.print(f"{chosen} finished turns would be removed", highlight=False)
+    else:
+        out.print(f"removed {removed} finished turns", highlight=False)
 
 
 # -- cancel and inject ------------------------------------------------------------------------
