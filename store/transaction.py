@@ -128,6 +128,7 @@ def save_commands(
         out += [("PEXPIRE", k, ttl_ms) for k in (key, bodies, *retained_keys(keys, turn))]
         oldest = int(time.time() * 1000) - ttl_ms
         out.append(("ZREMRANGEBYSCORE", keys.turns_of(turn), "-inf", f"({oldest}"))
+        out.append(("XTRIM", keys.events_of(turn), "MINID", "~", oldest))
     return out
 
 

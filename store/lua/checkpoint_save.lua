@@ -19,7 +19,7 @@
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
 -- to the agent's totals in the shard's usage hash: once per turn, with the record.
 -- A save that ends the turn with a time to live sets it on every key of the turn (and its
--- session's), and trims the shard's turns index of turns submitted longer ago than that.
+-- session's), and trims the shard's turns index and events stream of what is older than that.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
 local record, bodies = KEYS[1], KEYS[2]
 local submission = ARGV[8] ~= ''
@@ -95,5 +95,6 @@ if ttl > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', '(' .. (now - ttl))
+  redis.call('XTRIM', KEYS[3], 'MINID', '~', now - ttl)  -- the shard's checkpoint events too
 end
 return {'ok', id}
