@@ -80,6 +80,9 @@ class Outcome(StrEnum):
     SUSPENDED_POISON = "suspended:poison"
     """Parked by the poison-turn policy: not in progress, but ``phaseline resume TURN`` runs
     it again."""
+    SUSPENDED_AGENT_CHANGED = "suspended:agent_changed"
+    """Parked because it resumed under a different agent (its fingerprint changed) and the
+    deployment says to ask first (``[loop] on_agent_change = "suspend"``)."""
     SUSPENDED_AGENT_UNAVAILABLE = "suspended:agent_unavailable"
     """Parked because its agent could not be loaded on the hosts that tried (a module or an
     environment variable missing there; ``last_error`` says which, where): ``phaseline resume
@@ -342,6 +345,11 @@ class Counters(_Frozen):
     a call succeeds); capped by ``LoopSettings.rate_limit_max_wait_s``."""
     cancel_reason: str | None = None
     """Why an operator cancelled the turn (its outcome is then ``cancelled``)."""
+    agent_fingerprint: str = ""
+    """The fingerprint of the agent the turn runs with (``actors.engine.agents``), set when it
+    first starts: a resume under another one is an upgrade mid-turn."""
+    agent_changes: tuple[str, ...] = ()
+    """Each change of agent the turn went on through: ``<old> -> <new> at epoch <n>``."""
     agent_failures: int = 0
     """Hosts in a row that could not load the turn's agent; at
     :data:`AGENT_FAILURES_TO_SUSPEND` the turn is suspended (reset by a successful start)."""

@@ -8,6 +8,8 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.agents import AgentChange
+from actors.engine.resume import reopen
 from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
@@ -132,3 +134,26 @@ async def test_a_turn_planted_under_a_sessions_name_is_refused_and_moves_nothing
 def new_session_turn(turn_id: str) -> tuple[TurnSpec, CheckpointRecord]:
     build = session_turn(AGENT, TurnInput(message="planted"), turn_id.split("/")[0])
     return build(None, turn_id)
+
+
+@pytest.mark.parametrize("policy", list(AgentChange))
+async def test_a_turn_resumed_under_a_changed_agent_goes_on_noted_or_is_suspended(
+    real_client: aioredis.Redis, keys: KeyLayout, policy: AgentChange
+) -> None:
+    eng = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None, on_agent_change=policy)
+    spec, record = (await eng.submit_many(AGENT, TurnInput(message="hi"), ["up"]))[0]
+    # as if it had started on an older version of the agent, then lost its host
+    before = record.counters.model_copy(update={"agent_fingerprint": "0123456789abcdef"})
+    await eng.store.save(record.model_copy(update={"seq": 1, "counters": before}))
+    done = await eng.start(await eng.store.load("up"), spec)
+    final = await eng.store.load("up")
+    if policy is AgentChange.CONTINUE:
+        assert done.outcome == Outcome.ANSWERED
+        (change,) = final.counters.agent_changes
+        assert change.startswith("0123456789abcdef -> ") and "epoch 1" in change
+        assert final.counters.agent_fingerprint not in ("", "0123456789abcdef")
+        return
+    assert done.outcome == Outcome.SUSPENDED_AGENT_CHANGED and not final.in_progress
+    assert final.counters.last_error is not None and "changed" in final.counters.last_error.message
+    reopened = await reopen(eng.store, "up")  # the operator accepts the agent as it is now
+    assert (await eng.start(reopened, spec)).outcome == Outcome.ANSWERED

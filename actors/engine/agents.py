@@ -9,14 +9,46 @@ submitted with. A path that does not import, or names something that is not an
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import json
 import re
+from enum import StrEnum
 
 from actors.turn.agent import Agent, ModelContext
+from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError
 from store.records import TurnInput
 
-__all__ = ["agent_problem", "check_agent", "load_agent"]
+__all__ = ["AgentChange", "agent_fingerprint", "agent_problem", "check_agent", "load_agent"]
+
+
+class AgentChange(StrEnum):
+    """What a turn resumed under a different agent (``[loop] on_agent_change``) does."""
+
+    CONTINUE = "continue"
+    """Go on with the agent as it is now; the change is noted in the turn and published."""
+    SUSPEND = "suspend"
+    """Park the turn (``suspended:agent_changed``) for a person to decide: ``phaseline resume
+    TURN`` runs it on the agent as it is then."""
+
+
+def agent_fingerprint(agent: Agent, tools: ToolRegistry) -> str:
+    """A short hash of what the model sees of an agent: its model's name, system prompt, and
+    each tool's name, description, argument schema and flags. Two turns with one fingerprint
+    ran the same agent as far as the transcript can tell."""
+    shape = {
+        "model": agent.model_name,
+        "system": agent.system_prompt,
+        "tools": sorted(
+            [spec.name, spec.description, dict(spec.parameters), spec.idempotent,
+             spec.requires_approval]
+            for spec in tools
+        ),
+    }  # fmt: skip
+    blob = json.dumps(shape, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
 
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

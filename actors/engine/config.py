@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from actors.engine.agents import AgentChange
 from actors.engine.tomlfile import describe, read_toml
 from actors.engine.toolrun import DEFAULT_MAX_TOOL_RESULT_BYTES
 from actors.turn.loop import LoopSettings
@@ -226,6 +227,9 @@ class LoopSectionSettings(_Section):
     rate_limit_max_wait_s: float = Field(default=600.0, gt=0, le=86_400)
     """Seconds one model call may wait on the endpoint's rate limit before its turn aborts
     ``rate_limited`` (minutes, not seconds: waiting is what a rate limit asks)."""
+    on_agent_change: AgentChange = Field(default=AgentChange.CONTINUE, strict=False)
+    """What a turn resumed under a different agent does (its module was upgraded while it ran):
+    ``continue`` (noted in the turn and published) or ``suspend`` (for a person to decide)."""
 
 
 class RetentionSettings(_Section):

@@ -141,9 +141,14 @@ def suspended(claimed: CheckpointRecord) -> CheckpointRecord:
 def unsuspended(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
     """An operator's ``phaseline resume TURN`` of a parked turn: back in progress, evidence
     cleared (the next claim treats it as a turn that lost its host once)."""
+    changed = record.counters.outcome is Outcome.SUSPENDED_AGENT_CHANGED
     counters = record.counters.model_copy(
-        update={"outcome": None, "stalled_resumes": 0, "isolated_deaths": (), "agent_failures": 0}
-    )
+        update={
+            "outcome": None, "stalled_resumes": 0, "isolated_deaths": (), "agent_failures": 0,
+            # the operator accepts the agent as it is now: the turn goes on with it
+            **({"agent_fingerprint": ""} if changed else {}),
+        }
+    )  # fmt: skip
     return record.model_copy(
         update={
             "epoch": record.epoch + 1,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.admission import RedisAdmission
-from actors.engine.agents import load_agent
+from actors.engine.agents import AgentChange, agent_fingerprint, load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
@@ -44,7 +44,7 @@ from actors.turn.loop import (
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.errors import BudgetExhausted, ConfigError, StoreError, StoreUnavailable
-from bus.events import LiveEvent
+from bus.events import LiveEvent, Recovering
 from bus.phase import Transition
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
@@ -176,6 +176,7 @@ class TurnEngine:
         durability: Durability = Durability(),
         atomic: AtomicSave = AtomicSave.SCRIPT,
         retention: Retention = Retention(),
+        on_agent_change: AgentChange = AgentChange.CONTINUE,
         on_isolate: Callable[[str], None] | None = None,
         probation_patience_s: float = 30.0,
     ) -> None:
@@ -189,6 +190,7 @@ class TurnEngine:
         )  # fmt: skip
         self.ledger = ToolLedger(client, keys)
         self.max_tool_result_bytes = max_tool_result_bytes
+        self.on_agent_change = on_agent_change
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
@@ -215,6 +217,7 @@ class TurnEngine:
         kw.setdefault("durability", settings.redis.durability_policy())
         kw.setdefault("atomic", settings.checkpoint.atomic)
         kw.setdefault("retention", settings.retention.policy())
+        kw.setdefault("on_agent_change", settings.loop.on_agent_change)
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
         return cls(
             client,
@@ -407,6 +410,7 @@ class TurnEngine:
             counters = record.counters.model_copy(update={"agent_failures": 0})
             record = record.model_copy(update={"counters": counters})
         registry = await self.runner.registry(spec.agent, agent, spec.input)
+        record = self._same_agent(record, agent_fingerprint(agent, registry))
         wired = TurnDeps(
             llm=agent.client(
                 ModelContext(record.turn_id, spec.input, record.baseline, self.admission)
@@ -443,6 +447,32 @@ class TurnEngine:
             probation=probation,
         )
 
+    def _same_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:
+        """``record`` with the agent it runs on noted. A resume under another agent than the
+        turn started with (an upgrade of its module mid-turn) either goes on, the change noted
+        in the turn and published, or raises :class:`_AgentChanged` (``on_agent_change``)."""
+        c = record.counters
+        if c.agent_fingerprint == fingerprint:
+            return record
+        if not c.agent_fingerprint:  # its first start (or accepted by an operator's resume)
+            return record.model_copy(
+                update={"counters": c.model_copy(update={"agent_fingerprint": fingerprint})}
+            )
+        change = f"{c.agent_fingerprint} -> {fingerprint} at epoch {record.epoch}"
+        if self.on_agent_change is AgentChange.SUSPEND:
+            raise _AgentChanged(change)
+        log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
+        if self.on_event is not None:
+            self.on_event(
+                Recovering(record.turn_id, record.epoch, "agent_changed", "continue",
+                           f"the agent changed ({change}); going on with it",
+                           int(time.time() * 1000))
+            )  # fmt: skip
+        counters = c.model_copy(
+            update={"agent_fingerprint": fingerprint, "agent_changes": (*c.agent_changes, change)}
+        )
+        return record.model_copy(update={"counters": counters})
+
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
         self._loops[loop.turn_id] = loop
@@ -463,7 +493,34 @@ class TurnEngine:
             loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
             return await self._agent_unavailable(record, spec, exc)
+        except _AgentChanged as changed:
+            return await self._park(
+                record, Outcome.SUSPENDED_AGENT_CHANGED,
+                TurnError(source="agent", kind="changed", at_ms=int(time.time() * 1000),
+                          message=f"agent {spec.agent} changed since the turn started "
+                                  f"({changed}); phaseline resume {record.turn_id} goes on "
+                                  "with it as it is now"),
+            )  # fmt: skip
         return await self.drive(loop)
+
+    async def _park(
+        self, record: CheckpointRecord, outcome: Outcome, error: TurnError
+    ) -> TurnOutcome:
+        """Suspend the turn with ``outcome`` and why (a fenced save)."""
+        log.error("turn %s: %s; suspended", record.turn_id, error.message)
+        counters = record.counters.model_copy(update={"outcome": outcome, "last_error": error})
+        parked = record.model_copy(
+            update={
+                "seq": record.seq + 1, "in_progress": False, "reason": SaveReason.SUSPENDED,
+                "counters": counters, "updated_at": error.at_ms,
+            }
+        )  # fmt: skip
+        try:
+            await self.store.save(parked)
+        except StoreError as exc:
+            log.warning("turn %s: the suspension was not recorded: %s", record.turn_id, exc)
+            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+        return TurnOutcome(record.turn_id, outcome, record.epoch, 1, 0, 0, error)
 
     async def _agent_unavailable(
         self, record: CheckpointRecord, spec: TurnSpec, exc: ConfigError
@@ -561,6 +618,10 @@ class TurnEngine:
                     log.info("turn %s: %s", action.turn_id, action.label)
                     if self._on_status is not None:
                         self._on_status(action)
+
+
+class _AgentChanged(Exception):
+    """A turn resumed under another agent and the deployment says to suspend it."""
 
 
 def new_run_id() -> str:
