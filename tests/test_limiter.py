@@ -100,6 +100,16 @@ async def test_a_waiter_that_does_not_come_back_leaves_the_line(
     assert await limiter.waiting(EP) == 1
 
 
+async def admitted_after_the_pause(
+    limiter: EndpointLimiter, ticket: str, schedule: Schedule
+) -> None:
+    """Ask until admitted: the pause is a millisecond, polled until it is over."""
+    for _ in range(1000):
+        if await limiter.admit(EP, ticket, schedule, 1) == 0:
+            return
+    pytest.fail("the pause did not end")
+
+
 async def test_after_a_providers_pause_calls_go_one_at_a_time_spaced(
     limiter: EndpointLimiter,
 ) -> None:
@@ -107,11 +117,7 @@ async def test_after_a_providers_pause_calls_go_one_at_a_time_spaced(
     assert await limiter.admit(EP, "a", free, 1) == 0
     assert await limiter.admit(EP, "b", free, 1) == 0
     await limiter.pause(EP, 0.001)
-    for _ in range(1000):  # the pause is a millisecond: poll until it is over
-        if await limiter.admit(EP, "c", free, 1) == 0:
-            break
-    else:
-        pytest.fail("the pause did not end")
+    await admitted_after_the_pause(limiter, "c", free)
     # the next call waits for the spacing the refusal set (100 ms), instead of all at once
     assert 0.05 < await limiter.admit(EP, "d", free, 1) <= 0.1
     await limiter.pause(EP, 0.001)  # a second refusal doubles it
@@ -123,9 +129,5 @@ async def test_under_a_declared_rate_a_refusal_pauses_but_does_not_slow_the_sche
     limiter: EndpointLimiter,
 ) -> None:
     await limiter.pause(EP, 0.001)
-    for _ in range(1000):  # the pause is a millisecond: poll until it is over
-        if await limiter.admit(EP, "a", RATE, 1) == 0:
-            break
-    else:
-        pytest.fail("the pause did not end")
+    await admitted_after_the_pause(limiter, "a", RATE)
     assert await limiter.admit(EP, "b", RATE, 1) == 0  # the declared burst of two still holds
