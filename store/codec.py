@@ -162,6 +162,13 @@ class EncodedRecord:
             _field_bytes(fields) + transcript.nbytes,
         )  # fmt: skip
 
+    def counters(self) -> Counters:
+        """The record's counters, decoded (only the final save's tally and retention need
+        them, so this is not done for every save)."""
+        raw = self.fields["counters"]
+        blob = raw if isinstance(raw, bytes) else str(raw).encode()
+        return unpack_model(Counters, blob, key=f"counters of {self.turn_id}")
+
     @property
     def sent_bytes(self) -> int:
         """Bytes this save writes: the record's fields and the new bodies."""

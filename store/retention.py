@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from store.codec import EncodedRecord, unpack_model
+from store.codec import EncodedRecord
 from store.connection import StoreClient, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
-from store.records import CheckpointRecord, Counters
+from store.records import CheckpointRecord
 
 __all__ = ["Retention", "TurnPurger", "retained_keys"]
 
@@ -50,19 +50,10 @@ class Retention:
         turn, and not a suspension."""
         if self.finished_ttl_s <= 0 or record.in_progress:
             return 0
-        counters = (
-            record.counters
-            if isinstance(record, CheckpointRecord)
-            else unpack_model(Counters, _blob(record), key=f"counters of {record.turn_id}")
-        )
+        counters = record.counters if isinstance(record, CheckpointRecord) else record.counters()
         if counters.outcome is not None and counters.outcome.suspended:
             return 0
         return max(1, int(self.finished_ttl_s * 1000))
-
-
-def _blob(record: EncodedRecord) -> bytes:
-    raw = record.fields["counters"]
-    return raw if isinstance(raw, bytes) else str(raw).encode()
 
 
 class TurnPurger:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from store.codec import EncodedRecord, unpack_model
+from store.codec import EncodedRecord
 from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
-from store.records import Counters, Usage
+from store.records import Usage
 
 __all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
 
@@ -52,10 +52,7 @@ def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
     nothing: list[bytes | str | int] = ["", 0, 0, 0, 0, 0, 0]
     if record.in_progress:
         return nothing
-    raw = record.fields["counters"]
-    if not isinstance(raw, bytes):
-        return nothing
-    c = unpack_model(Counters, raw, key=f"counters of {record.turn_id}")
+    c = record.counters()
     if c.outcome is not None and c.outcome.suspended:
         return nothing
     t = c.tokens

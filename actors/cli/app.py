@@ -45,7 +45,7 @@ from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
 from actors.engine.shipped import scenario_path as shipped_scenario
-from actors.engine.submission import new_turns, session_turn
+from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import (
@@ -1043,7 +1043,7 @@ def submit(
                 place = await sessions.enqueue(session, queued)
                 _say_queued(session, busy.turn_id, place)
                 opened = await sessions.open_queued(
-                    session, lambda q: session_turn(q.agent, q.input, session)
+                    session, queued_turn(session)
                 )  # it may have ended before the message was queued
                 return None if opened is None else opened[0].turn_id
         tid = turn_id or new_run_id()

@@ -35,7 +35,7 @@ from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
-from actors.engine.submission import new_turns, session_turn
+from actors.engine.submission import new_turns, queued_turn, session_turn
 from bus.errors import (
     ConfigError,
     PhaselineError,
@@ -290,9 +290,7 @@ class Runtime:
         return SessionSubmit(queued_behind=running, place=place)
 
     async def _hand_over_queued(self, session: str) -> None:
-        opened = await self.sessions.open_queued(
-            session, lambda q: session_turn(q.agent, q.input, session)
-        )
+        opened = await self.sessions.open_queued(session, queued_turn(session))
         if opened is not None:
             await self._hand_over([opened[0].turn_id])
 

@@ -8,7 +8,7 @@ and the pre-turn meta as it was; ``store.sessions`` opens it atomically.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from actors.engine.agents import check_agent
 from actors.turn.agent import Agent
@@ -19,6 +19,7 @@ from store.records import (
     CheckpointRecord,
     Message,
     MessageMeta,
+    QueuedTurn,
     SaveReason,
     TurnInput,
     TurnSpec,
@@ -26,7 +27,7 @@ from store.records import (
 )
 from store.sessions import Builder
 
-__all__ = ["initial_record", "new_turns", "session_tokens", "session_turn"]
+__all__ = ["initial_record", "new_turns", "queued_turn", "session_tokens", "session_turn"]
 
 
 def initial_record(
@@ -145,6 +146,11 @@ def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Bui
         )
 
     return build
+
+
+def queued_turn(session_id: str) -> Callable[[QueuedTurn], Builder]:
+    """How ``store.sessions.Sessions.open_queued`` builds the session's next queued turn."""
+    return lambda queued: session_turn(queued.agent, queued.input, session_id)
 
 
 def session_tokens(latest: CheckpointRecord) -> Usage:

@@ -25,7 +25,7 @@ from actors.engine.agents import AgentChange, agent_fingerprint, load_agent
 from actors.engine.config import Settings
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
-from actors.engine.submission import new_turns, session_turn
+from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
     DEFAULT_MAX_TOOL_RESULT_BYTES,
     BatchExecutor,
@@ -263,9 +263,7 @@ class TurnEngine:
         free; None if its queue is empty or its turn still runs. A queued turn whose agent
         cannot load here stays queued (logged) for a host where it can."""
         try:
-            return await self.sessions.open_queued(
-                session_id, lambda q: session_turn(q.agent, q.input, session_id)
-            )
+            return await self.sessions.open_queued(session_id, queued_turn(session_id))
         except (ConfigError, BudgetExhausted) as exc:
             log.error("session %s: its next queued turn cannot open here: %s", session_id, exc)
             return None
