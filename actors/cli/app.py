@@ -40,12 +40,12 @@ from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime, ensure_ray
 from actors.cluster.status import deployment_status
 from actors.engine.agents import check_agent, load_agent
-from actors.engine.cancel import request_cancel
+from actors.engine.cancel import queue_behind
 from actors.engine.config import Settings, load_settings
 from actors.engine.resume import reopen
 from actors.engine.scenario import load_scenario
 from actors.engine.shipped import scenario_path as shipped_scenario
-from actors.engine.submission import new_turns, queued_turn, session_turn
+from actors.engine.submission import new_turns, session_turn
 from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import (
@@ -69,7 +69,6 @@ from bus.errors import (
     RecordNotFound,
     SessionBusy,
     TurnExists,
-    TurnNotRunning,
 )
 from bus.events import WatchEvent
 from bus.phase import Transition, TurnPhase
@@ -1034,17 +1033,13 @@ def submit(
             except SessionBusy as busy:
                 if policy is IfBusy.REJECT:
                     raise
-                if policy is IfBusy.INTERRUPT:
-                    with contextlib.suppress(TurnNotRunning):
-                        await request_cancel(store, Inbox(client, keys), busy.turn_id,
-                                             "interrupted by a new message", by=by)  # fmt: skip
                 queued = QueuedTurn(agent=agent_path, input=turn_input,
                                     at_ms=int(time.time() * 1000), by=by)  # fmt: skip
-                place = await sessions.enqueue(session, queued)
+                place, opened = await queue_behind(
+                    sessions, Inbox(client, keys), session, busy.turn_id, queued,
+                    interrupt=policy is IfBusy.INTERRUPT,
+                )  # fmt: skip
                 _say_queued(session, busy.turn_id, place)
-                opened = await sessions.open_queued(
-                    session, queued_turn(session)
-                )  # it may have ended before the message was queued
                 return None if opened is None else opened[0].turn_id
         tid = turn_id or new_run_id()
         await store.submit(*new_turns(agent_path, turn_input, [tid])[0])

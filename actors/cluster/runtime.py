@@ -33,9 +33,9 @@ from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
 from actors.cluster.placement import singleton_options
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
-from actors.engine.cancel import Cancelled, request_cancel
+from actors.engine.cancel import Cancelled, queue_behind, request_cancel
 from actors.engine.config import Settings
-from actors.engine.submission import new_turns, queued_turn, session_turn
+from actors.engine.submission import new_turns, session_turn
 from bus.errors import (
     ConfigError,
     PhaselineError,
@@ -45,7 +45,6 @@ from bus.errors import (
     StoreError,
     StoreUnavailable,
     TurnExists,
-    TurnNotRunning,
 )
 from bus.events import WatchEvent
 from store.approvals import Approvals
@@ -280,19 +279,16 @@ class Runtime:
             if if_busy is IfBusy.REJECT:
                 raise
             running = busy.turn_id
-        if if_busy is IfBusy.INTERRUPT:
-            with contextlib.suppress(TurnNotRunning):  # it ended meanwhile: nothing to cancel
-                await self.cancel(running, "interrupted by a new message", by=by)
         queued = QueuedTurn(agent=agent, input=turn_input, at_ms=int(time.time() * 1000), by=by)
-        place = await self.sessions.enqueue(session, queued)
-        # the running turn may have ended before the message was queued: open it now if so
-        await self._hand_over_queued(session)
+        interrupt = if_busy is IfBusy.INTERRUPT
+        place, now_open = await queue_behind(
+            self.sessions, self.inbox, session, running, queued, interrupt=interrupt
+        )
+        if interrupt:
+            await self._tell_cancel(running)
+        if now_open is not None:
+            await self._hand_over([now_open[0].turn_id])
         return SessionSubmit(queued_behind=running, place=place)
-
-    async def _hand_over_queued(self, session: str) -> None:
-        opened = await self.sessions.open_queued(session, queued_turn(session))
-        if opened is not None:
-            await self._hand_over([opened[0].turn_id])
 
     async def _check_on_a_host(self, agent: str, turn_input: TurnInput) -> None:
         """Refuse (:class:`ConfigError`) an agent that one of the deployment's hosts cannot
@@ -376,11 +372,15 @@ class Runtime:
         that already ended."""
         done = await request_cancel(self.store, self.inbox, turn_id, reason, by=by)
         if done is Cancelled.REQUESTED:
-            host = await self.hosts.handle(self.dep.slot_of(turn_id))
-            if host is not None:  # else, or if it fails: the next incarnation reads the inbox
-                with contextlib.suppress(TimeoutError, ray.exceptions.RayActorError):
-                    await ask(host.cancel_turn.remote(turn_id), 10)
+            await self._tell_cancel(turn_id)
         return done
+
+    async def _tell_cancel(self, turn_id: str) -> None:
+        """Tell the turn's host of its cancel now (the request is already in its inbox)."""
+        host = await self.hosts.handle(self.dep.slot_of(turn_id))
+        if host is not None:  # else, or if it fails: the next incarnation reads the inbox
+            with contextlib.suppress(TimeoutError, ray.exceptions.RayActorError):
+                await ask(host.cancel_turn.remote(turn_id), 10)
 
     async def pending_approvals(self, turn_id: str) -> dict[str, Approval]:
         """The turn's calls waiting for a decision, by call key (tool, arguments, when)."""

@@ -10,15 +10,21 @@ stays exact. A suspended turn has no incarnation: cancelling it writes its final
 
 from __future__ import annotations
 
+import contextlib
 import time
 from enum import StrEnum
 
+from actors.engine.submission import queued_turn
 from bus.errors import RecordNotFound, TurnNotRunning
 from store.checkpoint import RedisCheckpointStore
 from store.inbox import Inbox
-from store.records import Outcome, SaveReason
+from store.records import CheckpointRecord, Outcome, QueuedTurn, SaveReason, TurnSpec
+from store.sessions import Sessions
 
-__all__ = ["Cancelled", "request_cancel"]
+__all__ = ["Cancelled", "queue_behind", "request_cancel"]
+
+#: Why a turn cancelled by ``--if-busy interrupt`` ended.
+INTERRUPTED = "interrupted by a new message"
 
 
 class Cancelled(StrEnum):
@@ -61,3 +67,17 @@ async def request_cancel(
         )
     )
     return Cancelled.ENDED
+
+
+async def queue_behind(
+    sessions: Sessions, inbox: Inbox, session: str, running: str, queued: QueuedTurn,
+    *, interrupt: bool,
+) -> tuple[int, tuple[TurnSpec, CheckpointRecord] | None]:  # fmt: skip
+    """A message for a busy session (``IfBusy.QUEUE``, or ``INTERRUPT``: the running turn
+    cancelled first, durably): queued behind ``running``; returns its place, and the turn it
+    opened if the session was already free again (the running turn ended meanwhile)."""
+    if interrupt:
+        with contextlib.suppress(TurnNotRunning):  # it ended meanwhile: nothing to cancel
+            await request_cancel(sessions.store, inbox, running, INTERRUPTED, by=queued.by)
+    place = await sessions.enqueue(session, queued)
+    return place, await sessions.open_queued(session, queued_turn(session))
