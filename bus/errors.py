@@ -33,6 +33,14 @@ class StoreUnavailable(StoreError):
     AOF, out of memory, a failover. The same operation may succeed later."""
 
 
+class StoreRefused(StoreUnavailable):
+    """Redis answered that it did not run the command: out of memory, writes stopped by a
+    failing disk, a read-only replica, loading, a cluster slot moving. Unlike a lost
+    connection (where a write may or may not have landed) nothing was written, so whatever the
+    write guarded (a tool's dispatch, its effect) is known not to have happened and may be
+    tried again. A script is refused only before its first write, so none is half applied."""
+
+
 class StaleOwner(StoreError):
     """A save was refused by fencing: a newer owner (epoch) or a newer checkpoint (seq) exists.
 

@@ -14,7 +14,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
 
-from bus.errors import RecordError, StoreError, StoreUnavailable
+from bus.errors import RecordError, StoreError, StoreRefused, StoreUnavailable
 
 StoreClient: TypeAlias = aioredis.Redis | aioredis.RedisCluster
 """What every store class talks through: one server's client, or a Redis Cluster's
@@ -276,24 +276,54 @@ def slot_of(client: StoreClient, key: str) -> int:
 @contextmanager
 def translated(action: str) -> Iterator[None]:
     """Re-raise ``redis.RedisError`` (and socket errors) as :class:`StoreError`:
-    :class:`StoreUnavailable` for what passes (see :func:`is_transient`)."""
+    :class:`StoreRefused` for a command the server answered it did not run,
+    :class:`StoreUnavailable` for what else passes (see :func:`is_transient`)."""
     try:
         yield
     except (redis.RedisError, OSError) as exc:
-        kind = StoreUnavailable if is_transient(exc) else StoreError
-        raise kind(f"{action}: {type(exc).__name__}: {exc}") from exc
+        raise _store_error(exc, action) from exc
 
 
-#: Reply prefixes of a server that will answer again: loading, out of memory, a failover.
-_TRANSIENT_REPLIES = ("LOADING", "OOM", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "BUSY")
+def _store_error(exc: BaseException, action: str) -> StoreError:
+    kind = (
+        StoreRefused if is_refusal(exc) else StoreUnavailable if is_transient(exc) else StoreError
+    )
+    return kind(f"{action}: {type(exc).__name__}: {exc}")
+
+
+#: Codes of the error replies by which a server refuses to run a command it will take later:
+#: loading its data, out of memory, writes stopped by a failing disk (MISCONF), a read-only
+#: replica, too few replicas, a failover, a slot moving, a long script running. redis-py gives
+#: some their own classes and keeps the code in ``status_code`` or at the head of the message.
+_REFUSALS = frozenset(
+    {"LOADING", "OOM", "MISCONF", "READONLY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN",
+     "CLUSTERDOWN", "BUSY"}
+)  # fmt: skip
+_REFUSAL_CLASSES = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether Redis answered that it did not run the command (so nothing was written)."""
+    if isinstance(exc, _REFUSAL_CLASSES):
+        return True
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code in _REFUSALS
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether waiting can fix it: a lost or refused connection, a timeout, a server that is
-    loading, full, failing over or running a long script."""
+    """Whether waiting can fix it: a lost or refused connection, a timeout, a server that
+    refused the command for now (:func:`is_refusal`)."""
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+    return is_refusal(exc)
 
 
 @contextmanager
@@ -304,11 +334,11 @@ def reading(key: str, action: str) -> Iterator[None]:
     try:
         yield
     except redis.ResponseError as exc:
-        if str(exc).startswith("WRONGTYPE"):
+        if str(exc).startswith("WRONGTYPE") or getattr(exc, "status_code", None) == "WRONGTYPE":
             raise RecordError(key, f"wrong Redis type: {exc}") from exc
-        raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+        raise _store_error(exc, action) from exc
     except (redis.RedisError, OSError) as exc:
-        raise StoreError(f"{action}: {type(exc).__name__}: {exc}") from exc
+        raise _store_error(exc, action) from exc
 
 
 StreamEntries = list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]

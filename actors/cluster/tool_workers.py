@@ -38,13 +38,15 @@ from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
     lost_call,
     lost_why,
+    not_run,
+    refusals_waited,
     timed_out,
     tool_result,
 )
 from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
-from bus.errors import ConfigError, StoreError, ToolExecutorLost
+from bus.errors import ConfigError, StoreError, StoreRefused, ToolExecutorLost
 from store.connection import connect
 from store.effects import EffectCounters
 from store.pools import PoolSizes
@@ -224,6 +226,18 @@ class RayToolRunner:
     async def _send(
         self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext
     ) -> ToolResult:
+        """The call's result from a worker of ``pool``; a write of its effect that Redis refused
+        did not happen, so any tool is tried again, and reported not run if it stays refused."""
+        try:
+            return await refusals_waited(
+                f"write {call.name}'s effect", lambda: self._attempts(spec, pool, call, ctx)
+            )
+        except StoreRefused as exc:
+            return not_run(call, exc)
+
+    async def _attempts(
+        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext
+    ) -> ToolResult:
         args = json.dumps(call.args)
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
         for attempt in range(attempts):
@@ -247,6 +261,8 @@ class RayToolRunner:
                 continue
             except RayError as exc:
                 cause = getattr(exc, "cause", None)
+                if isinstance(cause, StoreRefused):
+                    raise cause from exc
                 if not isinstance(cause, StoreError | ToolExecutorLost):
                     return tool_result(call, "error", _last_line(exc))  # the tool's own failure
                 log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt,

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from typing import Protocol, TypeVar
 
 from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
-from bus.errors import StoreError, ToolExecutorLost, UnknownTool
+from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
 from store.codec import pack_model
 from store.ledger import Change, Ledger, call_key
 from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus, TurnInput
@@ -58,6 +59,33 @@ def timed_out(call: ToolCall, spec: ToolSpec) -> ToolResult:
     return tool_result(call, "timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
 
 
+#: Waits before each new try of a write Redis refused (it ran nothing: trying again is safe).
+REFUSED_BACKOFF_S = (0.5, 1.0, 2.0)
+
+_T = TypeVar("_T")
+
+
+async def refusals_waited(what: str, op: Callable[[], Awaitable[_T]]) -> _T:
+    """``op()``, tried again after each :class:`StoreRefused` (Redis out of memory, its disk
+    failing) along :data:`REFUSED_BACKOFF_S`; the last refusal is raised."""
+    for wait in REFUSED_BACKOFF_S:
+        try:
+            return await op()
+        except StoreRefused as exc:
+            log.warning("Redis refused to %s; trying again in %g s: %s", what, wait, exc)
+            await asyncio.sleep(wait)
+    return await op()
+
+
+def not_run(call: ToolCall, exc: StoreRefused) -> ToolResult:
+    """The result of a call whose effect Redis refused to write every time it was tried: it is
+    known not to have happened, which the model is told (it may call it again)."""
+    return tool_result(
+        call, "error", f"{call.name} was not run: the store refused its write ({exc}); it had no "
+        "effect",
+    )  # fmt: skip
+
+
 def lost_call(call: ToolCall, why: str) -> ToolResult:
     """The result of a non-idempotent call whose executor failed under it: nobody can tell
     whether its effect happened, so the model is told so and the call is never re-run."""
@@ -73,7 +101,8 @@ class LocalToolRunner:
 
     A tool that fails because the store under it failed (``StoreError``) is an infrastructure
     failure, not the tool's answer: an idempotent tool is retried, a non-idempotent one is
-    reported ``outcome_unknown``.
+    reported ``outcome_unknown``. A write Redis refused (:class:`StoreRefused`) did not happen,
+    so any tool is tried again, and reported not run if it stays refused.
     """
 
     def __init__(self) -> None:
@@ -81,24 +110,34 @@ class LocalToolRunner:
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
-        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
         async with limit:
-            for attempt in range(attempts):
-                try:
-                    output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
-                    return tool_result(call, "ok", output)
-                except TimeoutError:
-                    return timed_out(call, spec)
-                except (StoreError, ToolExecutorLost) as exc:
-                    log.warning(
-                        "tool %s lost its executor (attempt %d): %s", call.name, attempt, exc
-                    )
-                    if not spec.idempotent:
-                        return lost_call(call, lost_why(exc))
-                    await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
-                except Exception as exc:  # a tool's bug is the model's problem, not the turn's
-                    log.info("tool %s failed: %r", call.name, exc)
-                    return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
+            try:
+                return await refusals_waited(
+                    f"write {call.name}'s effect", lambda: self._attempts(spec, call, ctx)
+                )
+            except StoreRefused as exc:
+                return not_run(call, exc)
+
+    async def _attempts(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+        """Run the call, again if it is idempotent and its executor failed under it; a
+        refusal (:class:`StoreRefused`) is raised: the call is known not to have run."""
+        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
+        for attempt in range(attempts):
+            try:
+                output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
+                return tool_result(call, "ok", output)
+            except TimeoutError:
+                return timed_out(call, spec)
+            except StoreRefused:
+                raise
+            except (StoreError, ToolExecutorLost) as exc:
+                log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt, exc)
+                if not spec.idempotent:
+                    return lost_call(call, lost_why(exc))
+                await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
+            except Exception as exc:  # a tool's bug is the model's problem, not the turn's
+                log.info("tool %s failed: %r", call.name, exc)
+                return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
         return tool_result(
             call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
         )
@@ -187,8 +226,9 @@ class BatchExecutor:
         step, then one per call as it finishes.
         """
         keys = self.keys_for(turn_id, batch, calls)
-        reads = await self.ledger.prepare(
-            turn_id, [(k, c.name) for k, c in zip(keys, calls, strict=True)]
+        named = [(k, c.name) for k, c in zip(keys, calls, strict=True)]
+        reads = await refusals_waited(
+            f"journal batch {batch} of {turn_id}", partial(self.ledger.prepare, turn_id, named)
         )
         results: list[ToolResult | None] = [None] * len(calls)
         runnable: dict[int, tuple[ToolSpec, bytes]] = {}
@@ -213,7 +253,10 @@ class BatchExecutor:
                         epoch=epoch, writer=uuid.uuid4().hex,
                     )  # fmt: skip
                     changes[key] = Change(reads[key].raw, entry)
-            won = await self.ledger.transition(turn_id, changes, epoch=epoch)
+            won = await refusals_waited(
+                f"dispatch batch {batch} of {turn_id}",
+                partial(self.ledger.transition, turn_id, changes, epoch=epoch),
+            )
             lost = {i: k for i, k in pending.items() if k in won and not won[k]}
             if not lost:
                 break
@@ -279,7 +322,18 @@ class BatchExecutor:
             state=state, name=call.name, result=res, updated_at=_now_ms(),
             writer=uuid.uuid4().hex,
         )  # fmt: skip
-        won = await self.ledger.transition(turn_id, {key: Change(dispatched, entry)}, epoch=None)
+        try:
+            settle = {key: Change(dispatched, entry)}
+            won = await refusals_waited(
+                f"journal the outcome of {key}",
+                partial(self.ledger.transition, turn_id, settle, epoch=None),
+            )
+        except StoreError as exc:
+            # The model still reads the result; the batch's checkpoint keeps it. Only a resume
+            # from before that checkpoint finds the call dispatched (and re-runs it if it is
+            # idempotent, else reports it outcome_unknown): true, as its result is lost then.
+            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, key, exc)
+            return res
         if not won[key]:
             log.warning(
                 "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
