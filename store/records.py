@@ -64,6 +64,8 @@ class Outcome(StrEnum):
     """The model failed in a way retrying cannot fix."""
     ABORTED_EMPTY_REPLY = "aborted:empty_reply"
     """The model kept answering nothing after its nudges."""
+    ABORTED_OVERSIZED_REPLY = "aborted:oversized_reply"
+    """The model's replies stayed over the size limit for one reply after its nudges."""
     ABORTED_LOOP = "aborted:loop"
     """The model kept repeating its tool calls after its nudges."""
     ABORTED_TRUNCATED = "aborted:truncated"

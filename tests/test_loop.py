@@ -13,10 +13,10 @@ import redis.asyncio as aioredis
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.resume import claim_for_resume, plan_resume
 from actors.engine.scenario import Scenario, parse_scenario
-from actors.engine.scripted import ScriptedLLM, scripted_turn
+from actors.engine.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.llm import LLMReply, LLMRequest
-from actors.turn.loop import LoopSettings, RunStop, TurnLoop, TurnOutcome
+from actors.turn.loop import LoopSettings, RunStop, TurnLoop, TurnOutcome, reply_bytes
 from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
@@ -188,6 +188,36 @@ async def test_an_empty_reply_is_nudged_once(real_client: aioredis.Redis, keys: 
     final = rec.saved[-1]
     assert final.counters.outcome == "answered" and final.counters.nudges == 1
     assert P.INJECTING_MESSAGE in {m.dst for m in moves}
+
+
+async def test_an_oversized_reply_is_not_kept_and_the_model_is_told_its_size(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(faults=[{"at_call": 2, "kind": "oversized"}])
+    _, rec, _ = await run_with_recorder(engine, sc, "big")
+    final = rec.saved[-1]
+    assert final.counters.outcome == "answered" and final.counters.nudges == 1
+    assert max(reply_bytes(m) for m in final.messages) < FAST.max_reply_bytes  # never stored
+    (nudge,) = [
+        m for m, meta in zip(final.messages, final.meta, strict=True) if meta.system_injected
+    ]
+    assert f"it was {OVERSIZED_REPLY_BYTES:,} bytes" in nudge.text
+    assert f"over the limit of {FAST.max_reply_bytes:,} bytes" in nudge.text
+    error = final.counters.last_error
+    assert error is not None and error.kind == "oversized_reply"
+
+
+async def test_replies_that_stay_oversized_end_the_turn_after_three_nudges(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    sc = scenario(faults=[{"at_call": 1, "kind": "oversized", "times": 4}])
+    _, rec, _ = await run_with_recorder(engine, sc, "huge")
+    final = rec.saved[-1]
+    assert final.counters.outcome == Outcome.ABORTED_OVERSIZED_REPLY and not final.in_progress
+    assert final.counters.nudges == 3
+    assert max(reply_bytes(m) for m in final.messages) < FAST.max_reply_bytes
 
 
 async def test_a_failed_save_stays_dirty_and_is_retried_at_the_next_site(

@@ -38,6 +38,8 @@ CASES = [
     (Situation(Pr.LOOP, nudges=3), A.ABORT, "loop", 0),
     (Situation(Pr.EMPTY_REPLY, nudges=0), A.NUDGE, "empty_reply", 0),
     (Situation(Pr.EMPTY_REPLY, nudges=3), A.ABORT, "empty_reply", 0),
+    (Situation(Pr.OVERSIZED_REPLY, nudges=2), A.NUDGE, "oversized_reply", 0),
+    (Situation(Pr.OVERSIZED_REPLY, nudges=3), A.ABORT, "oversized_reply", 0),
     (Situation(Pr.FATAL), A.ABORT, "fatal", 0),
     # a tool call cut by the caller's cap: asked again once at once (with more room), no
     # transient attempt spent, never a compaction; a second cut aborts as truncated

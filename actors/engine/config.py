@@ -128,6 +128,11 @@ class CheckpointSettings(_Section):
                                        le=RECORD_BYTES_CEILING)  # fmt: skip
     """Cap on one tool result (its UTF-8 bytes): a larger one fails that call, not the turn;
     the model reads an error that gives the size and the cap, and the ledger holds only that."""
+    max_model_reply_bytes: int = Field(default=DEFAULT_MAX_TOOL_RESULT_BYTES, ge=1024,
+                                       le=RECORD_BYTES_CEILING)  # fmt: skip
+    """Cap on one model reply (its text and tool calls' arguments, UTF-8 bytes): a larger one
+    is not kept; the model is told its size and the cap and asked again (a nudge), and a turn
+    whose replies stay over it after its nudges ends ``aborted:oversized_reply``."""
     atomic: AtomicSave = Field(default=AtomicSave.SCRIPT, strict=False)  # TOML gives a string
     """How a save is made atomic and fenced: ``script`` (one server-side script per save) or
     ``multi_exec`` (``WATCH``, read the fences, ``MULTI`` ... ``EXEC`` per shard). Both give
@@ -274,6 +279,7 @@ class Settings(_Section):
             approval_poll_s=self.approvals.poll_s,
             backoff_scale=self.loop.backoff_scale,
             rate_limit_max_wait_s=self.loop.rate_limit_max_wait_s,
+            max_reply_bytes=self.checkpoint.max_model_reply_bytes,
         )
 
     def with_overrides(self, **redis: Any) -> Settings:

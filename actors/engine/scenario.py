@@ -20,7 +20,9 @@ MAX_ROUND_BYTES = 64 * 2**20
 #: Bytes a whole scripted transcript may reach: the largest record a checkpoint may hold.
 MAX_TURN_BYTES = RECORD_BYTES_CEILING
 
-FaultKind = Literal["retryable", "context_length", "hang", "empty", "loop", "fatal", "crash"]
+FaultKind = Literal[
+    "retryable", "context_length", "hang", "empty", "oversized", "loop", "fatal", "crash"
+]
 
 
 class Fault(BaseModel):
@@ -33,7 +35,7 @@ class Fault(BaseModel):
     kind: FaultKind
     """What goes wrong (see the scripted model)."""
     times: StrictInt = Field(default=1, ge=1, le=100)
-    """For ``retryable``: how many consecutive attempts of that call fail."""
+    """For ``retryable`` and ``oversized``: how many consecutive attempts of that call fail."""
 
 
 class Scenario(BaseModel):

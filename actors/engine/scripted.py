@@ -8,6 +8,8 @@ Nth model call of the turn, counted from the transcript (through compaction summ
 * ``context_length``: that call raises ContextLengthError until the turn has been compacted;
 * ``hang``: that call never returns (until the watchdog cancels it);
 * ``empty``: that call returns an empty reply, unless the model was just nudged;
+* ``oversized``: that call's first ``times`` attempts return a reply of
+  :data:`OVERSIZED_REPLY_BYTES` (over the default cap on one reply; each is answered by a nudge);
 * ``loop``: from that call on, the model repeats one identical tool call forever;
 * ``fatal``: that call raises FatalLLMError;
 * ``crash``: that call SIGKILLs the process it runs in, every time it is reached (a poison
@@ -20,6 +22,7 @@ import asyncio
 import hashlib
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from actors.engine.builtin_tools import BUILTIN_TOOLS
@@ -31,6 +34,9 @@ from actors.turn.recovery import NUDGE_PREFIX
 from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError, ContextLengthError, FatalLLMError, RetryableLLMError
 from store.records import SCRIPTED_AGENT, Message, ToolCall, TurnInput
+
+#: Size of a reply of the ``oversized`` fault: twice the default ``max_model_reply_bytes``.
+OVERSIZED_REPLY_BYTES = 2 << 20
 
 
 def payload(seed: str, size: int) -> str:
@@ -74,6 +80,10 @@ class ScriptedLLM:
             nudged = bool(turn) and turn[-1].text.startswith(NUDGE_PREFIX)
             if fault.kind == "empty" and not nudged:
                 return Message(role="assistant", text="")
+            if fault.kind == "oversized" and _nudges_since_last_reply(turn) < fault.times:
+                return Message(
+                    role="assistant", text=payload(f"{seed}|oversized", OVERSIZED_REPLY_BYTES)
+                )
         looping = any(f.kind == "loop" and call >= f.at_call for f in sc.faults)
         if looping:
             args = {"text": "same again", "delay_ms": sc.tool_latency_ms}
@@ -99,6 +109,16 @@ class ScriptedLLM:
         return Message(
             role="assistant", text=payload(f"{seed}|reply|{r}", sc.payload_bytes), tool_calls=calls
         )
+
+
+def _nudges_since_last_reply(turn: Sequence[Message]) -> int:
+    """Nudges the current call has had (a reply not kept leaves only its nudge)."""
+    told = 0
+    for m in reversed(turn):
+        if m.role == "assistant":
+            break
+        told += m.role == "user" and m.text.startswith(NUDGE_PREFIX)
+    return told
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,9 @@ class LoopSettings:
     max_tokens_per_session: int | None = None
     """The agent's token budget per session (this turn's and its earlier turns' tokens); past
     it the turn wraps up the same way."""
+    max_reply_bytes: int = 1 << 20
+    """Cap on one model reply (its text and tool calls' arguments, UTF-8 bytes): a larger one
+    is not kept; the model is told its size and the cap (a nudge), and asked again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +443,15 @@ class TurnLoop:
                 if done is not None:
                     return done
                 continue
+            size, cap = reply_bytes(reply), self.settings.max_reply_bytes
+            if size > cap:  # never kept: the record and its next saves stay within bounds
+                why = f"it was {size:,} bytes, over the limit of {cap:,} bytes for one reply"
+                self._note_error(Problem.OVERSIZED_REPLY, why)
+                problem = Problem.OVERSIZED_REPLY
+                done = await self._apply(self._decide(problem), problem, why)
+                if done is not None:
+                    return done
+                continue
             self._counters = self._counters.model_copy(
                 update={
                     "retry_attempts": 0, "cut_retries": 0,
@@ -555,7 +567,7 @@ class TurnLoop:
             t.to(back)
             return None
         if action is Action.NUDGE:
-            text = nudge_text(problem)
+            text = nudge_text(problem, detail)
             log.info("turn %s: %s; nudging the model: %s", self.turn_id, problem.value, detail)
             self._recovering(problem, action, f"{detail}; told the model: {text}")
             t.to(P.INJECTING_MESSAGE)
@@ -929,6 +941,13 @@ class TurnLoop:
     def _emit(self, event: LiveEvent) -> None:
         if self.deps.events is not None:
             self.deps.events(event)
+
+
+def reply_bytes(reply: Message) -> int:
+    """A model reply's size as the cap counts it: its text and its calls' arguments, UTF-8
+    (a lone surrogate counted as the three bytes it would take)."""
+    parts = [reply.text or "", *(c.arguments_json() for c in reply.tool_calls)]
+    return sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
 
 
 #: Tool result statuses kept as the turn's last error.

@@ -8,7 +8,8 @@
    ``max_tokens`` cap, not yet retried                 -> retry at once with twice the room
 5. retryable model error, attempts < 3                 -> retry after 1 s, 2 s, 4 s
 6. the loop detector says stop                         -> force stop
-7. a behaviour problem (empty reply, suspected loop),
+7. a behaviour problem (empty or oversized reply,
+   suspected loop),
    nudges < 3                                          -> nudge and continue
 8. anything else                                       -> abort
 
@@ -59,6 +60,9 @@ class Problem(StrEnum):
     """A reply with tool calls was cut by the caller's ``max_tokens`` cap."""
     EMPTY_REPLY = "empty_reply"
     """The model answered nothing."""
+    OVERSIZED_REPLY = "oversized_reply"
+    """A reply over the loop's size limit for one reply (``[checkpoint]
+    max_model_reply_bytes``); it was not kept."""
     LOOP = "loop"
     """The model repeats its tool calls."""
 
@@ -120,7 +124,7 @@ class Decision:
     """Ask again with twice the reply's token cap (RETRY of a cut reply only)."""
 
 
-_NUDGEABLE = frozenset({Problem.EMPTY_REPLY, Problem.LOOP})
+_NUDGEABLE = frozenset({Problem.EMPTY_REPLY, Problem.OVERSIZED_REPLY, Problem.LOOP})
 
 
 def decide_recovery(s: Situation) -> Decision:
@@ -151,10 +155,16 @@ def rate_limit_wait_s(s: Situation) -> float:
     return max(0.0, min(wait, s.rate_limit_max_wait_s - s.rate_limit_waited_s))
 
 
-def nudge_text(problem: Problem) -> str:
+def nudge_text(problem: Problem, detail: str = "") -> str:
+    """What the model is told; ``detail`` says what was wrong (an oversized reply's size)."""
     if problem is Problem.LOOP:
         return (
             f"{NUDGE_PREFIX} You are repeating the same tool calls. Try a different approach "
             "or give your final answer."
+        )
+    if problem is Problem.OVERSIZED_REPLY:
+        return (
+            f"{NUDGE_PREFIX} Your last reply was not kept: {detail}. Reply with less: "
+            "summarise, or do the work in smaller steps."
         )
     return f"{NUDGE_PREFIX} Your last reply was empty. Please continue the task."
