@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
+from store.archive import FinishedTurn
 from store.records import Message, ToolCall, TurnInput
 
 #: Threads the sync tool ran in (it must not run on the event loop's thread).
@@ -306,3 +308,28 @@ llama_adder = Agent(
     ),
     model_name="smollm2",
 )
+
+
+#: Where :func:`archive` writes: a file per turn, so a test on any process reads what it got.
+ARCHIVE_DIR = Path(tempfile.gettempdir()) / "phaseline-tests-on-finish"
+
+
+def archived(turn_id: str) -> Path:
+    return ARCHIVE_DIR / f"{turn_id.replace('/', '~')}.jsonl"
+
+
+def archive(turn: FinishedTurn) -> None:
+    """An ``on_finish`` hook: appends the turn's export line to its file (twice = called twice)."""
+    ARCHIVE_DIR.mkdir(exist_ok=True)
+    with archived(turn.turn_id).open("a", encoding="utf-8") as sink:
+        sink.write(turn.json_line())
+
+
+async def archive_or_fail(turn: FinishedTurn) -> None:
+    """An ``on_finish`` coroutine that fails for turns whose id starts with ``bad``."""
+    if turn.turn_id.startswith("bad"):
+        raise RuntimeError("the archive is down")
+    archive(turn)
+
+
+not_a_hook = "archive"

@@ -22,6 +22,7 @@ from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
 from bus.errors import ConfigError, RecordError, RecordNotFound
 from store.approvals import Approvals
+from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import StoreClient
@@ -188,12 +189,7 @@ def export(
                     continue
                 if not _matches(record, session, outcome, None):
                     continue
-                entries = await ledger.entries(tid)
-                line = {
-                    "record": dump_model(record),
-                    "ledger": {k: dump_model(e) for k, e in sorted(entries.items())},
-                }
-                sink.write(json.dumps(line, ensure_ascii=False) + "\n")
+                sink.write(FinishedTurn(record, await ledger.entries(tid)).json_line())
                 written += 1
         return written
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import json
-import re
 from enum import StrEnum
 
+from actors.engine.imports import load_by_path
 from actors.turn.agent import Agent, ModelContext
 from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError
@@ -50,27 +49,12 @@ def agent_fingerprint(agent: Agent, tools: ToolRegistry) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
 @functools.cache
 def load_agent(path: str) -> Agent:
     """The agent at ``path``; cached, so every turn of a process shares one."""
-    if not _PATH.match(path):
-        raise ConfigError(f"agent {path!r}: not an import path of the form 'package.module:name'")
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # anything the user's module raises while importing
-        raise ConfigError(f"agent {path!r}: cannot import {module_name}: {exc!r}") from exc
-    try:
-        agent = getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"agent {path!r}: module {module_name} has no {attr!r}") from None
+    agent = load_by_path(path, "agent")
     if not isinstance(agent, Agent):
-        raise ConfigError(
-            f"agent {path!r}: {module_name}.{attr} is a {type(agent).__name__}, not an Agent"
-        )
+        raise ConfigError(f"agent {path!r}: {path} is a {type(agent).__name__}, not an Agent")
     return agent
 
 

@@ -243,6 +243,9 @@ class RetentionSettings(_Section):
     approvals, its session) lives after its final save; 0: for ever. A week by default:
     long enough to inspect, watch and export a turn, short enough that Redis memory tracks the
     load (docs/OPERATIONS.md sizes it). Suspended turns are kept until resumed or purged."""
+    on_finish: str = Field(default="", pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$")
+    """Import path (``"pkg.mod:fn"``) of a function every host calls with each turn it ends,
+    after the final save (``actors.engine.on_finish``): to archive continuously. Empty: none."""
 
     def policy(self) -> Retention:
         return Retention(finished_ttl_s=self.finished_ttl_s)

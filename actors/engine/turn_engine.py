@@ -23,6 +23,7 @@ from typing import Any
 from actors.engine.admission import RedisAdmission
 from actors.engine.agents import AgentChange, agent_fingerprint, load_agent
 from actors.engine.config import Settings
+from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, plan_resume
 from actors.engine.submission import new_turns, queued_turn, session_turn
@@ -47,6 +48,7 @@ from bus.errors import BudgetExhausted, ConfigError, StoreError, StoreUnavailabl
 from bus.events import LiveEvent, Recovering
 from bus.phase import Transition
 from store.approvals import Approvals
+from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.connection import StoreClient
@@ -104,6 +106,8 @@ class RunStats:
     errors: Counter[str] = field(default_factory=Counter)
     """The last error of each turn that ended ``aborted:*`` (one line each), counted: why the
     turns that failed failed."""
+    on_finish_failures: int = 0
+    """Calls of the ``on_finish`` hook that raised (each logged with its traceback)."""
 
     @property
     def aborted(self) -> int:
@@ -179,11 +183,14 @@ class TurnEngine:
         on_agent_change: AgentChange = AgentChange.CONTINUE,
         on_isolate: Callable[[str], None] | None = None,
         probation_patience_s: float = 30.0,
+        on_finish: OnFinish | None = None,
     ) -> None:
         """``on_event`` hears what a watcher sees besides transitions (streamed text, tool calls
         and results, restarts, final answers); ``on_isolate`` of every turn this engine queued
-        for the isolation host."""
+        for the isolation host; ``on_finish`` (``actors.engine.on_finish``) of every turn that
+        ends here, after its final save."""
         self.keys = keys
+        self.on_finish = on_finish
         self.store = RedisCheckpointStore(
             client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic,
             retention=retention,
@@ -219,6 +226,8 @@ class TurnEngine:
         kw.setdefault("retention", settings.retention.policy())
         kw.setdefault("on_agent_change", settings.loop.on_agent_change)
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
+        if settings.retention.on_finish:
+            kw.setdefault("on_finish", load_on_finish(settings.retention.on_finish))
         return cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),
@@ -475,7 +484,7 @@ class TurnEngine:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
         self._loops[loop.turn_id] = loop
         try:
-            return await loop.run()
+            outcome = await loop.run()
         except StoreError as exc:
             # Redis failed under this turn. Its last checkpoint is intact and still marked in
             # progress, so a resume picks it up; the other turns go on.
@@ -483,6 +492,22 @@ class TurnEngine:
             return loop.interrupted()
         finally:
             self._loops.pop(loop.turn_id, None)
+        final = loop.saved
+        ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended
+        if self.on_finish is not None and ended and not final.in_progress:
+            await self._finished(self.on_finish, final)
+        return outcome
+
+    async def _finished(self, hook: OnFinish, final: CheckpointRecord) -> None:
+        try:
+            ledger = await self.ledger.entries(final.turn_id)
+        except StoreError as exc:
+            log.error("on_finish of turn %s not called, its ledger is unreadable: %s",
+                      final.turn_id, exc)  # fmt: skip
+            self.stats.on_finish_failures += 1
+            return
+        if not await call_on_finish(hook, FinishedTurn(final, ledger)):
+            self.stats.on_finish_failures += 1
 
     async def start(self, record: CheckpointRecord, spec: TurnSpec, **loop_kw: Any) -> TurnOutcome:
         """Run ``record`` (``loop_kw`` go to :meth:`build_loop`). An agent that does not load

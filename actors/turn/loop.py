@@ -362,6 +362,11 @@ class TurnLoop:
         except _TooLarge as too_large:
             return await self._end_oversized(too_large.outcome)
 
+    @property
+    def saved(self) -> CheckpointRecord:
+        """The last record this loop knows stored (its final one once the turn ended)."""
+        return self._saved
+
     def interrupted(self) -> TurnOutcome:
         """Outcome of a loop cut short by a store failure (its turn stays resumable)."""
         return self._outcome(RunStop.INTERRUPTED)
