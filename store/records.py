@@ -28,6 +28,9 @@ SCHEMA_VERSION = 3
 
 #: Failed loads of a turn's agent, in a row, after which the turn is suspended.
 AGENT_FAILURES_TO_SUSPEND = 3
+#: Runs of a turn in a row that end in an unexpected error on a live host (no checkpoint
+#: between them), after which the turn is suspended (``suspended:failing``).
+RUN_FAILURES_TO_SUSPEND = 3
 
 #: Largest epoch and seq a record may carry: the save script compares them as Lua numbers
 #: (doubles), exact only up to 2^53. A record past it is quarantined on read.
@@ -85,6 +88,10 @@ class Outcome(StrEnum):
     SUSPENDED_AGENT_CHANGED = "suspended:agent_changed"
     """Parked because it resumed under a different agent (its fingerprint changed) and the
     deployment says to ask first (``[loop] on_agent_change = "suspend"``)."""
+    SUSPENDED_FAILING = "suspended:failing"
+    """Parked because its runs kept ending in an unexpected error (a bug in the agent's code
+    or phaseline's; ``last_error`` has it) on a host that stayed alive, backing off between
+    tries: ``phaseline resume TURN`` runs it again after a fix."""
     SUSPENDED_AGENT_UNAVAILABLE = "suspended:agent_unavailable"
     """Parked because its agent could not be loaded on the hosts that tried (a module or an
     environment variable missing there; ``last_error`` says which, where): ``phaseline resume
@@ -268,8 +275,9 @@ class TurnError(_Text):
     """The last model or tool error of a turn, as a person needs it to see why it failed.
     Never a key or a header: only what the endpoint or tool said, cut short."""
 
-    source: Literal["model", "tool", "agent"]
-    """Who failed: the model endpoint, a tool call, or loading the agent on a host."""
+    source: Literal["model", "tool", "agent", "host"]
+    """Who failed: the model endpoint, a tool call, loading the agent on a host, or the host
+    running the turn (an unexpected error: a bug)."""
     kind: str
     """The recovery problem for a model error (``retryable``, ``fatal``, ``context_length``,
     ``truncated`` ...), the result status for a tool error (``error``, ``timeout`` ...)."""

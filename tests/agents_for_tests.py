@@ -333,3 +333,25 @@ async def archive_or_fail(turn: FinishedTurn) -> None:
 
 
 not_a_hook = "archive"
+
+
+#: Model calls the buggy model had, per turn (this process's).
+BUGGY_CALLS: dict[str, int] = {}
+
+
+class BuggyModel:
+    """A model adapter with a bug: every call raises an error no client maps (a KeyError)."""
+
+    def __init__(self, turn_id: str) -> None:
+        self.turn_id = turn_id
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        BUGGY_CALLS[self.turn_id] = BUGGY_CALLS.get(self.turn_id, 0) + 1
+        raise KeyError("choices")
+
+
+#: Its model adapter fails with an unexpected error on every call.
+buggy = Agent(
+    model=lambda ctx: BuggyModel(ctx.turn_id), tools=ToolRegistry([add]),
+    system_prompt="You add numbers.",
+)  # fmt: skip

@@ -29,7 +29,8 @@ from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
-from store.records import CheckpointRecord, Outcome
+from store.records import CheckpointRecord, Outcome, TurnInput
+from tests.agents_for_tests import BUGGY_CALLS
 from tests.polling import eventually
 from tests.reference import reference
 
@@ -339,3 +340,25 @@ async def test_a_slow_probation_does_not_hold_the_queue(
     released = await engine.probations.run_settled("next")
     assert released.done() and released.result().outcome == "released"
     slow.cancel()
+
+
+async def test_a_turn_whose_runs_keep_failing_backs_off_then_is_suspended(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """A bug (here the model adapter's KeyError) fails one turn, not the run: it is resumed
+    with a backoff, and suspended with the error after three runs in a row; the other turns of
+    the run answer."""
+    engine = TurnEngine(real_client, keys, loop_settings=FAST)
+    ask = TurnInput(message="2+3")
+    await asyncio.gather(
+        engine.run_new("tests.agents_for_tests:buggy", ask, ["bug"]),
+        engine.run_new("tests.agents_for_tests:calculator", ask, ["ok1", "ok2"]),
+    )
+    for tid in ("ok1", "ok2"):
+        assert (await engine.store.load(tid)).counters.outcome is Outcome.ANSWERED
+    assert BUGGY_CALLS["bug"] == 3  # three runs, then it stopped: no spinning
+    record = await engine.store.load("bug")
+    assert not record.in_progress and record.counters.outcome is Outcome.SUSPENDED_FAILING
+    error = record.counters.last_error
+    assert error is not None and error.source == "host" and "KeyError: 'choices'" in error.message
+    assert record.epoch == 3  # resumed twice, each a new incarnation

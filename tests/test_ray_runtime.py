@@ -502,3 +502,20 @@ async def test_a_queued_message_opens_the_sessions_next_turn_on_ray(
     await eventually(opened, timeout=60, what="the queued turn to open")
     (done,) = (await rt.wait(["rq/2"], timeout=120)).values()
     assert done.answer == "heard: #sleep 2 | then this"
+
+
+async def test_a_turn_failing_on_a_live_host_is_suspended_not_spun(
+    start_runtime: StartRuntime,
+) -> None:
+    """A bug that fails one turn on every run (the buggy model adapter's KeyError): its host
+    backs off and, after three runs, suspends it with the error; a turn beside it answers."""
+    rt = await start_runtime(hosts=2)
+    await rt.submit("tests.agents_for_tests:buggy", "2+3", ["buggy"])
+    await rt.submit("tests.agents_for_tests:calculator", "2+3", ["fine"])
+    finals = await rt.wait(["buggy", "fine"], timeout=120)
+    assert finals["fine"].counters.outcome is Outcome.ANSWERED
+    bug = finals["buggy"]
+    assert bug.counters.outcome is Outcome.SUSPENDED_FAILING and not bug.in_progress
+    assert bug.epoch == 3  # three runs, not thousands
+    error = bug.counters.last_error
+    assert error is not None and "KeyError: 'choices'" in error.message

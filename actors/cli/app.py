@@ -878,6 +878,12 @@ def inspect(
             f"{evidence(c.stalled_resumes, c.isolated_deaths)}; after a fix, "
             f"phaseline resume {turn_id} runs it again",
         )
+    elif c.outcome is Outcome.SUSPENDED_FAILING:
+        fields.add_row(
+            "suspended because",
+            f"its runs kept failing with an unexpected error (the last error says which); after "
+            f"a fix, phaseline resume {turn_id} runs it again",
+        )
     elif c.outcome is Outcome.SUSPENDED_AGENT_UNAVAILABLE:
         fields.add_row(
             "suspended because",

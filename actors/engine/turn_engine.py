@@ -25,7 +25,7 @@ from actors.engine.agents import AgentChange, agent_fingerprint, load_agent
 from actors.engine.config import Settings
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
-from actors.engine.resume import PlanAction, ResumePlan, plan_resume
+from actors.engine.resume import PlanAction, ResumePlan, claim_for_resume, plan_resume
 from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
     DEFAULT_MAX_TOOL_RESULT_BYTES,
@@ -44,7 +44,7 @@ from actors.turn.loop import (
     TurnOutcome,
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import BudgetExhausted, ConfigError, StoreError, StoreUnavailable
+from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError, StoreUnavailable
 from bus.events import LiveEvent, Recovering
 from bus.phase import Transition
 from store.approvals import Approvals
@@ -60,6 +60,7 @@ from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import (
     AGENT_FAILURES_TO_SUSPEND,
+    RUN_FAILURES_TO_SUSPEND,
     CheckpointRecord,
     Outcome,
     SaveReason,
@@ -215,6 +216,8 @@ class TurnEngine:
         self._on_status = on_status
         self._on_isolate = on_isolate
         self.probations = Probations(self, patience_s=probation_patience_s)
+        self._failures: dict[str, int] = {}
+        """Runs in a row of each turn that ended in an unexpected error here."""
 
     @classmethod
     def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
@@ -483,6 +486,7 @@ class TurnEngine:
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
         self._loops[loop.turn_id] = loop
+        started_at = loop.saved.seq
         try:
             outcome = await loop.run()
         except StoreError as exc:
@@ -490,8 +494,11 @@ class TurnEngine:
             # progress, so a resume picks it up; the other turns go on.
             log.error("turn %s interrupted: %s", loop.turn_id, exc)
             return loop.interrupted()
+        except Exception as exc:  # a bug (the agent's code, phaseline's): this turn's alone
+            return await self._run_failed(loop.saved, exc, progressed=loop.saved.seq > started_at)
         finally:
             self._loops.pop(loop.turn_id, None)
+        self._failures.pop(loop.turn_id, None)
         final = loop.saved
         ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended
         if self.on_finish is not None and ended and not final.in_progress:
@@ -516,6 +523,8 @@ class TurnEngine:
             loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
             return await self._agent_unavailable(record, spec, exc)
+        except Exception as exc:  # the agent's own code failed while its turn was set up
+            return await self._run_failed(record, exc, progressed=False)
         except _AgentChanged as changed:
             return await self._park(
                 record, Outcome.SUSPENDED_AGENT_CHANGED,
@@ -525,6 +534,50 @@ class TurnEngine:
                                   "with it as it is now"),
             )  # fmt: skip
         return await self.drive(loop)
+
+    async def _run_failed(
+        self, record: CheckpointRecord, exc: Exception, *, progressed: bool
+    ) -> TurnOutcome:
+        """A run of the turn ended in an unexpected error; ``record`` is its last stored one.
+        The turn is resumed from it after a backoff (1 s, doubling; the loop's
+        ``backoff_scale``), and after :data:`RUN_FAILURES_TO_SUSPEND` runs in a row with no
+        checkpoint between them it is suspended with the error, as a poison turn is: it never
+        spins on a live host, and the other turns go on."""
+        tid = record.turn_id
+        failures = self._failures[tid] = 1 if progressed else self._failures.get(tid, 0) + 1
+        where = f"{socket.gethostname()} (pid {os.getpid()})"
+        error = TurnError(
+            source="host", kind="failed", at_ms=int(time.time() * 1000),
+            message=f"{type(exc).__name__}: {exc} (on {where})"[:500],
+        )  # fmt: skip
+        log.error("turn %s failed (%d in a row): %s", tid, failures, error.message, exc_info=exc)
+        if failures >= RUN_FAILURES_TO_SUSPEND:
+            self._failures.pop(tid, None)
+            return await self._park(record, Outcome.SUSPENDED_FAILING, error)
+        wait = 2 ** (failures - 1) * self.loop_settings.backoff_scale
+        if self.on_event is not None:
+            self.on_event(
+                Recovering(tid, record.epoch, "run_failed", "retry",
+                           f"{error.message}; resuming from its last checkpoint in {wait:g} s",
+                           error.at_ms)
+            )  # fmt: skip
+        await asyncio.sleep(wait)  # backoff before the next run, not a synchronisation
+        return await self._rerun(record)
+
+    async def _rerun(self, record: CheckpointRecord) -> TurnOutcome:
+        """Run a failed turn again from ``record``, its last stored one, under a new epoch
+        (a claim, so whatever its failed run left behind is fenced). Not through the
+        poison-turn planner: this host did not die, it caught the failure."""
+        claimed = claim_for_resume(record, now_ms=int(time.time() * 1000))
+        try:
+            await self.store.save(claimed)
+            spec = await self.store.load_spec(record.turn_id)
+        except StaleOwner:  # another owner took it meanwhile: theirs now
+            return TurnOutcome(record.turn_id, RunStop.FENCED, record.epoch, 0, 0, 0)
+        except StoreError as exc:
+            log.error("turn %s interrupted: %s", record.turn_id, exc)
+            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+        return await self.start(claimed, spec, resume_from=record.reason)
 
     async def _park(
         self, record: CheckpointRecord, outcome: Outcome, error: TurnError
