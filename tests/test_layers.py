@@ -82,3 +82,67 @@ def test_the_rules_catch_a_breach(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    import ray\n    from redis.asyncio import Redis\n")
     assert imports_of(bad) == {"ray", "redis.asyncio"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (anywhere in it, type-checking blocks
+    included: a cycle there is still two modules that must be read together)."""
+    paths = [p for pkg in ("bus", "store", "actors") for p in modules(pkg)]
+    names = {_module_name(p) for p in paths}
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        targets = set()
+        for name in imports_of(path):
+            while name and name not in names:  # "from pkg.mod import x" where x is a name
+                name = name.rpartition(".")[0]
+            if name:
+                targets.add(name)
+        graph[_module_name(path)] = targets - {_module_name(path)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    # a package's __init__ re-exporting its modules is not a circle of the design
+    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in import_graph().items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

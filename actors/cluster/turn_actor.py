@@ -39,7 +39,7 @@ from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
-from actors.engine.resume import ResumePlan, plan_resume
+from actors.engine.resume import ResumePlan
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
 from actors.turn.recovery import Problem
@@ -336,9 +336,4 @@ class TurnActor:
             return [ResumePlan.from_wire(w) for w in await actor.plan_many.remote(turn_ids)]
         except (RayActorError, ValueError) as exc:
             log.warning("recovery actor unavailable (%s); planning %d locally", exc, len(turn_ids))
-            e = self.engine
-            return list(
-                await asyncio.gather(
-                    *(plan_resume(e.store, e.ledger, e.inbox, t) for t in turn_ids)
-                )
-            )
+            return list(await asyncio.gather(*(self.engine.plan(t) for t in turn_ids)))

@@ -15,16 +15,28 @@ import asyncio
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from actors.engine.resume import PlanAction, died_inside, plan_resume
+from actors.engine.resume import PlanAction, ResumePlan, died_inside
 from actors.turn.loop import RunStop, TurnOutcome
 from actors.turn.poison import isolation_backoff_s
 from bus.errors import StaleOwner, StoreError
-from store.isolation import Isolation
+from store.isolation import Isolation, Probation
+from store.records import CheckpointRecord
 
-if TYPE_CHECKING:
-    from actors.engine.turn_engine import TurnEngine
+
+class ProbationEngine(Protocol):
+    """What probation runs need of the engine that drives them (``TurnEngine``)."""
+
+    @property
+    def isolation(self) -> Isolation: ...
+    async def load(self, turn_id: str) -> CheckpointRecord: ...
+    async def plan(
+        self, turn_id: str, *, isolated: bool = False, marker: Probation | None = None
+    ) -> ResumePlan: ...
+    async def run_plan(self, plan: ResumePlan, **loop_kw: Any) -> TurnOutcome: ...
+    async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome: ...
+
 
 __all__ = ["Probations"]
 
@@ -56,7 +68,7 @@ class _ProbationNotes:
 class Probations:
     """The probation runs of one engine; at most one runs at a time."""
 
-    def __init__(self, engine: TurnEngine, *, patience_s: float) -> None:
+    def __init__(self, engine: ProbationEngine, *, patience_s: float) -> None:
         self.engine = engine
         self.isolation = engine.isolation
         self.patience_s = patience_s
@@ -80,7 +92,7 @@ class Probations:
             await self.isolation.forget()
             return
         try:
-            record = await self.engine.store.load(marker.turn_id)
+            record = await self.engine.load(marker.turn_id)
         except StoreError:  # RecordNotFound and RecordError included: nothing to count
             return
         if died_inside(marker, record) is not None:
@@ -114,10 +126,7 @@ class Probations:
             await self.isolation.end(*self._unended)
             self._unended = None
         engine = self.engine
-        plan = await plan_resume(
-            engine.store, engine.ledger, engine.inbox, turn_id,
-            isolated=True, marker=await self.isolation.current(),
-        )  # fmt: skip
+        plan = await engine.plan(turn_id, isolated=True, marker=await self.isolation.current())
         if turn_id == self._died_first:
             self._died_first = None  # its claim has recorded the death: it went first
         if plan.action is not PlanAction.RESUME or plan.record is None:

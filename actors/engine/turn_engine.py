@@ -55,7 +55,7 @@ from store.connection import StoreClient
 from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
-from store.isolation import Isolation
+from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import (
@@ -328,11 +328,23 @@ class TurnEngine:
 
         return await self._run_all_from(everything)
 
+    async def load(self, turn_id: str) -> CheckpointRecord:
+        """The turn's stored record (:class:`RecordNotFound`, :class:`RecordError`)."""
+        return await self.store.load(turn_id)
+
+    async def plan(
+        self, turn_id: str, *, isolated: bool = False, marker: Probation | None = None
+    ) -> ResumePlan:
+        """Load, inspect and claim a turn to resume it (``actors.engine.resume``)."""
+        return await plan_resume(
+            self.store, self.ledger, self.inbox, turn_id, isolated=isolated, marker=marker
+        )
+
     async def resume(self, turn_id: str, plan: ResumePlan | None = None) -> TurnOutcome:
         """Continue a turn from its last checkpoint under a new epoch (claimed by the plan).
         A turn the policy isolates is queued for the isolation host instead (``isolate``)."""
         if plan is None:
-            plan = await plan_resume(self.store, self.ledger, self.inbox, turn_id)
+            plan = await self.plan(turn_id)
         if plan.action is PlanAction.ISOLATE:
             await self.isolation.enqueue(turn_id)
             log.warning("turn %s: %s", turn_id, plan.detail)
