@@ -37,7 +37,7 @@ _EXPORTS = {
     "LLMReply": "actors.turn.llm",
     "ModelLimits": "actors.turn.llm",
     "TurnInput": "store.records",
-    "Usage": "store.records",
+    "Usage": "bus.messages",
     # the model and tool interfaces
     "LLMClient": "actors.turn.llm",
     "LLMRequest": "actors.turn.llm",
@@ -47,14 +47,14 @@ _EXPORTS = {
     # records
     "CheckpointRecord": "store.records",
     "Counters": "store.records",
-    "Message": "store.records",
+    "Message": "bus.messages",
     "MessageMeta": "store.records",
-    "ToolCall": "store.records",
-    "ToolResult": "store.records",
+    "ToolCall": "bus.messages",
+    "ToolResult": "bus.messages",
     "TurnSpec": "store.records",
     "InboxItem": "store.records",
-    "Outcome": "store.records",
-    "SaveReason": "store.records",
+    "Outcome": "bus.outcomes",
+    "SaveReason": "bus.outcomes",
     "TurnError": "store.records",
     "Approval": "store.records",
     "TurnPhase": "bus.phase",
@@ -204,22 +204,18 @@ if TYPE_CHECKING:
         ToolReturned,
         WatchEvent,
     )
+    from bus.messages import Message, ToolCall, ToolResult, Usage
+    from bus.outcomes import Outcome, SaveReason
     from bus.phase import TurnPhase
     from store.records import (
         Approval,
         CheckpointRecord,
         Counters,
         InboxItem,
-        Message,
         MessageMeta,
-        Outcome,
-        SaveReason,
-        ToolCall,
-        ToolResult,
         TurnError,
         TurnInput,
         TurnSpec,
-        Usage,
     )
     from store.sessions import IfBusy
 

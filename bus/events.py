@@ -6,11 +6,14 @@ and is moved to the dead-letter stream by the reader instead of stopping anybody
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, get_args
 
 from bus.errors import PhaselineError
+from bus.messages import ToolStatus
+from bus.outcomes import Action, EngineProblem, Outcome, Problem, SaveReason
 from bus.phase import Transition, TurnPhase
 
 
@@ -94,8 +97,8 @@ class ToolReturned:
     """The model's id for the call."""
     name: str
     """Tool name."""
-    status: str
-    """The ledger's word for it: ``committed``, ``failed``, ``outcome_unknown`` ..."""
+    status: ToolStatus
+    """How it came out, as the model reads it (``ok``, ``error``, ``outcome_unknown`` ...)."""
     output: str
     """What the model reads, cut to :data:`LIVE_TEXT_LIMIT` characters."""
     at_ms: int
@@ -112,9 +115,9 @@ class Restarted:
     """The turn."""
     epoch: int
     """The new owner's epoch."""
-    resumed_from: str
-    """Why the checkpoint it resumed from was written (a ``store.records.SaveReason`` value;
-    ``submitted``: the turn had none yet and starts over)."""
+    resumed_from: SaveReason | None
+    """Why the checkpoint it resumed from was written (``submitted``: the turn had none yet
+    and starts over; None: not known)."""
     messages: int
     """Messages of that checkpoint: where the transcript picks up."""
     at_ms: int
@@ -129,9 +132,8 @@ class Finished:
     """The turn."""
     epoch: int
     """Owner epoch that finished it."""
-    outcome: str
-    """The record's outcome (a ``store.records.Outcome`` value: ``answered``,
-    ``aborted:<problem>`` ...); the bus layer does not import the store."""
+    outcome: Outcome | None
+    """The record's outcome (None only for a record of a build that stored none)."""
     answer: str
     """Text of the last assistant message (empty if there is none)."""
     at_ms: int
@@ -150,11 +152,11 @@ class Recovering:
     """The turn."""
     epoch: int
     """Owner epoch that acted."""
-    problem: str
-    """What went wrong (an ``actors.turn.recovery.Problem`` value: ``retryable``, ``loop`` ...)."""
-    action: str
-    """What the policy does about it (``retry``, ``compact``, ``nudge``, ``force_stop``,
-    ``abort``)."""
+    problem: Problem | EngineProblem
+    """What went wrong: a model call's or reply's problem, or one the engine met."""
+    action: Action
+    """What is done about it (``retry``, ``wait``, ``compact``, ``nudge``, ``force_stop``,
+    ``abort``, ``continue``)."""
     detail: str
     """A line a person can read: the endpoint's error, the skipped call, the nudge's text."""
     at_ms: int
@@ -194,7 +196,8 @@ def encode_event(event: WatchEvent) -> dict[str, str | int]:
         }
     fields: dict[str, str | int] = {"kind": _KIND_OF[type(event)]}
     for name in event.__slots__:
-        fields[name] = getattr(event, name)
+        value = getattr(event, name)
+        fields[name] = "" if value is None else value
     return fields
 
 
@@ -207,8 +210,30 @@ _KINDS: dict[str, type[LiveEvent]] = {
     "recovering": Recovering,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
-_INT_FIELDS = frozenset({"epoch", "at_ms", "messages"})
 _OPTIONAL_FIELDS = frozenset({"error"})
+_TOOL_STATUSES = frozenset(get_args(ToolStatus))
+
+
+def _tool_status(value: str) -> str:
+    if value not in _TOOL_STATUSES:
+        raise ValueError(f"{value!r} is not a tool status")
+    return value
+
+
+def _problem(value: str) -> Problem | EngineProblem:
+    return Problem(value) if value in Problem.__members__.values() else EngineProblem(value)
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    return lambda value: None if value == "" else parse(value)
+
+
+#: How each typed field of a live event is read back from its string (the rest are str).
+_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
+    "epoch": int, "at_ms": int, "messages": int,
+    "status": _tool_status, "resumed_from": _or_none(SaveReason), "outcome": _or_none(Outcome),
+    "problem": _problem, "action": Action,
+}  # fmt: skip
 
 
 def _s(value: bytes | str | int) -> str:
@@ -241,11 +266,11 @@ def decode_event(fields: Mapping[bytes, bytes] | Mapping[str, str | int]) -> Wat
         if cls is None:
             raise BadBusEntry(f"unknown event kind {kind!r}")
         values = {
-            n: int(f[n]) if n in _INT_FIELDS else f[n]
+            n: _FIELD_TYPES.get(n, str)(f[n])
             for n in cls.__slots__
             if n in f or n not in _OPTIONAL_FIELDS  # written by a build that lacked them
         }
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
     except (KeyError, ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
         raise BadBusEntry(f"malformed bus entry {dict(fields)!r}: {exc!r}") from exc
 

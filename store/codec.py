@@ -10,17 +10,11 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from bus.errors import RecordError, RecordTooLarge, UnknownSchema
+from bus.messages import Message
+from bus.outcomes import SaveReason
 from bus.phase import TurnPhase
 from store.msgpack_wire import pack, unpack
-from store.records import (
-    MAX_FENCE,
-    SCHEMA_VERSION,
-    CheckpointRecord,
-    Counters,
-    Message,
-    MessageMeta,
-    SaveReason,
-)
+from store.records import MAX_FENCE, SCHEMA_VERSION, CheckpointRecord, Counters, MessageMeta
 from store.transcript import (
     DIGEST_BYTES,
     MESSAGES,

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bus.errors import RecordError, StaleOwner, StoreError
+from bus.messages import canonical_json
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient, reading, text, translated
 from store.connection import raw as raw_bytes
 from store.keys import KeyLayout
 from store.lua import lua_script
-from store.records import LedgerEntry, canonical_json
+from store.records import LedgerEntry
 
 
 def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:

@@ -1,21 +1,22 @@
 """Record schemas: what a turn's durable state looks like, validated on every read.
 
-All models are frozen: a snapshot handed to the store cannot change under it. Unknown fields
-are rejected so a record written by a newer build fails loudly instead of losing data.
+All models are frozen (:class:`~bus.messages.FrozenModel`): a snapshot handed to the store
+cannot change under it. Unknown fields are rejected so a record written by a newer build fails
+loudly instead of losing data. The words they are made of (messages, outcomes, save reasons)
+are the bus's, shared with every layer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from bus.events import Finished
+from bus.messages import FrozenModel, Message, Source, TextModel, ToolResult, Usage
+from bus.outcomes import Outcome, SaveReason
 from bus.phase import TurnPhase
 
 log = logging.getLogger(__name__)
@@ -36,225 +37,10 @@ RUN_FAILURES_TO_SUSPEND = 3
 #: (doubles), exact only up to 2^53. A record past it is quarantined on read.
 MAX_FENCE = 2**53 - 1
 
-Role = Literal["system", "user", "assistant", "tool"]
-ToolStatus = Literal["ok", "error", "denied", "timeout", "outcome_unknown", "skipped"]
-Source = Literal["prompt", "llm", "tool", "inbox", "system"]
 LedgerState = Literal["prepared", "dispatched", "committed", "failed", "outcome_unknown"]
 
 
-class Outcome(StrEnum):
-    """How a turn ended, as its final record says. The value is what the record stores and
-    what reports count; ``aborted:<problem>`` names the recovery problem that ended it."""
-
-    ANSWERED = "answered"
-    """The model gave its final answer."""
-    FORCE_STOPPED = "force_stopped"
-    """The loop detector stopped the turn; the model wrapped up without tools."""
-    BUDGET_EXHAUSTED = "budget_exhausted"
-    """The turn reached its agent's token budget; the model wrapped up without tools."""
-    TRUNCATED = "truncated"
-    """The final answer was cut by the agent's own ``max_tokens`` cap; it is kept as it came
-    (a text reply is usable, cut or not; raise the cap to get it whole)."""
-    ABORTED_HARD_IDLE_TIMEOUT = "aborted:hard_idle_timeout"
-    """The watchdog cancelled a model call that went silent past the hard timeout."""
-    ABORTED_CONTEXT_LENGTH = "aborted:context_length"
-    """The transcript still did not fit after a reactive compaction (or could not shrink)."""
-    ABORTED_RATE_LIMITED = "aborted:rate_limited"
-    """The endpoint's rate limit outlasted the per-call cap on waiting for it."""
-    ABORTED_RETRYABLE = "aborted:retryable"
-    """A transient model error outlasted its retries."""
-    ABORTED_FATAL = "aborted:fatal"
-    """The model failed in a way retrying cannot fix."""
-    ABORTED_EMPTY_REPLY = "aborted:empty_reply"
-    """The model kept answering nothing after its nudges."""
-    ABORTED_OVERSIZED_REPLY = "aborted:oversized_reply"
-    """The model's replies stayed over the size limit for one reply after its nudges."""
-    ABORTED_LOOP = "aborted:loop"
-    """The model kept repeating its tool calls after its nudges."""
-    ABORTED_TRUNCATED = "aborted:truncated"
-    """A reply with tool calls was cut by the ``max_tokens`` cap again after one retry with
-    twice the room: its calls' arguments cannot be trusted, so none was run."""
-    ABORTED_UNSTORABLE = "aborted:unstorable"
-    """The record could not be encoded (a value no encoder takes); it ends on its last
-    record."""
-    ABORTED_RECORD_TOO_LARGE = "aborted:record_too_large"
-    """The transcript outgrew ``[checkpoint] max_record_bytes``; it ends on its last record."""
-    CANCELLED = "cancelled"
-    """An operator cancelled the turn (``phaseline cancel``); it ended at its next boundary,
-    its in-flight model call cancelled and its tools in flight finished and journaled."""
-    SUSPENDED_POISON = "suspended:poison"
-    """Parked by the poison-turn policy: not in progress, but ``phaseline resume TURN`` runs
-    it again."""
-    SUSPENDED_AGENT_CHANGED = "suspended:agent_changed"
-    """Parked because it resumed under a different agent (its fingerprint changed) and the
-    deployment says to ask first (``[loop] on_agent_change = "suspend"``)."""
-    SUSPENDED_FAILING = "suspended:failing"
-    """Parked because its runs kept ending in an unexpected error (a bug in the agent's code
-    or phaseline's; ``last_error`` has it) on a host that stayed alive, backing off between
-    tries: ``phaseline resume TURN`` runs it again after a fix."""
-    SUSPENDED_AGENT_UNAVAILABLE = "suspended:agent_unavailable"
-    """Parked because its agent could not be loaded on the hosts that tried (a module or an
-    environment variable missing there; ``last_error`` says which, where): ``phaseline resume
-    TURN`` runs it again after a fix."""
-
-    @property
-    def aborted(self) -> bool:
-        """Ended by the recovery policy rather than by an answer."""
-        return self.value.startswith("aborted:")
-
-    @property
-    def suspended(self) -> bool:
-        """Parked, not ended: ``phaseline resume TURN`` runs it again."""
-        return self.value.startswith("suspended:")
-
-
-#: The outcomes of a turn that ended with the model's own text: answered, wrapped up after a
-#: stop or a budget, or an answer cut by the caller's cap. Members compare equal to their string
-#: values, so an event's ``outcome`` string is found here too.
-ANSWER_OUTCOMES = frozenset(
-    {Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED, Outcome.BUDGET_EXHAUSTED}
-)
-
-
-class SaveReason(StrEnum):
-    """Why a record was written (the record's ``reason`` field)."""
-
-    SUBMITTED = "submitted"
-    """The first record of a turn, written at submission."""
-    RESUME = "resume"
-    """A new owner's claim (epoch bumped); the turn restarts from the checkpoint before it."""
-    TOOL_BATCH = "tool_batch"
-    """A tool batch completed."""
-    COMPACTION = "compaction"
-    """A reactive compaction succeeded."""
-    FORCE_STOP = "force_stop"
-    """About to enter ``force_stop``; a resume goes straight to the wrap-up call."""
-    FINAL = "final"
-    """The turn reached ``done``."""
-    SUSPENDED = "suspended"
-    """The poison-turn policy parked the turn, or its agent could not be loaded."""
-    AGENT_UNAVAILABLE = "agent_unavailable"
-    """A host could not load the turn's agent; the record counts it and keeps the error."""
-    UNSUSPENDED = "unsuspended"
-    """An operator reopened a suspended turn (``phaseline resume TURN``)."""
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-#: A lone UTF-16 surrogate: a Python string may hold one (``os.fsdecode`` of a non-UTF-8 file
-#: name, a JSON ``\ud800`` escape, a non-UTF-8 byte in argv), UTF-8 (and so msgpack) cannot.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-#: What stands for each one in stored text.
-REPLACEMENT = "\ufffd"
-
-
-def storable(value: Any) -> Any:
-    """``value`` with every lone surrogate in its strings (nested in lists and dicts too)
-    replaced by U+FFFD, so it can be encoded; anything else as it is."""
-    if isinstance(value, str):
-        if _SURROGATE.search(value) is None:
-            return value
-        log.warning("replaced %d unencodable character(s) (lone surrogates) with U+FFFD",
-                    len(_SURROGATE.findall(value)))  # fmt: skip
-        return _SURROGATE.sub(REPLACEMENT, value)
-    if isinstance(value, dict):
-        return {storable(k): storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(storable(v) for v in value)
-    return value
-
-
-class _Text(_Frozen):
-    """A value holding text from outside (a model, a tool, a user): made storable when it is
-    built, at the boundary, so no text that UTF-8 cannot hold reaches a record or Redis."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _storable(cls, data: Any) -> Any:
-        return storable(data) if isinstance(data, dict) else data
-
-
-class ToolCall(_Text):
-    """One tool invocation requested by the model."""
-
-    id: str
-    """Model-assigned call id; tool results refer to it."""
-    name: str
-    """Registered tool name."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """JSON-like arguments; canonicalised (sorted keys) when hashed into the call key."""
-
-    def arguments_json(self) -> str:
-        """The arguments as canonical JSON (what the call key hashes)."""
-        return canonical_json(self.args)
-
-
-def canonical_json(value: Any) -> str:
-    """One spelling of a JSON value: sorted keys, no spaces, unicode kept."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-class ToolResult(_Text):
-    """The outcome of one tool call, as the model will read it."""
-
-    call_id: str
-    """The :attr:`ToolCall.id` this answers."""
-    name: str
-    """Tool name, repeated for readability of stored transcripts."""
-    status: ToolStatus
-    """``ok``, or why there is no real output (``outcome_unknown``: in flight at a crash)."""
-    output: str = ""
-    """Text the model sees."""
-
-
-class Message(_Text):
-    """One transcript entry. Equality of transcripts is equality of these, message for message."""
-
-    role: Role
-    """Who speaks."""
-    text: str = ""
-    """Plain text content (may be empty for a pure tool-call message)."""
-    tool_calls: tuple[ToolCall, ...] = ()
-    """Calls requested by an assistant message."""
-    tool_result: ToolResult | None = None
-    """Set on ``tool`` messages only."""
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> Message:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool calls")
-        if (self.role == "tool") != (self.tool_result is not None):
-            raise ValueError("tool messages, and only they, carry a tool result")
-        return self
-
-
-class Usage(_Frozen):
-    """Tokens one model call used, as the endpoint reported them."""
-
-    prompt_tokens: int = Field(default=0, ge=0)
-    """Tokens of the request."""
-    completion_tokens: int = Field(default=0, ge=0)
-    """Tokens of the reply."""
-    cached_tokens: int = Field(default=0, ge=0)
-    """Of the request's tokens, those the endpoint served from its prompt cache (when it
-    says)."""
-
-    @property
-    def total(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def plus(self, other: Usage) -> Usage:
-        """Both calls' tokens together."""
-        return Usage(
-            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
-            completion_tokens=self.completion_tokens + other.completion_tokens,
-            cached_tokens=self.cached_tokens + other.cached_tokens,
-        )
-
-
-class MessageMeta(_Frozen):
+class MessageMeta(FrozenModel):
     """Bookkeeping beside a message (index-aligned), never shown to the model."""
 
     source: Source
@@ -271,7 +57,7 @@ class MessageMeta(_Frozen):
     """On the result of a call that needed approval: the decision (who, when, why)."""
 
 
-class TurnError(_Text):
+class TurnError(TextModel):
     """The last model or tool error of a turn, as a person needs it to see why it failed.
     Never a key or a header: only what the endpoint or tool said, cut short."""
 
@@ -308,7 +94,7 @@ class TurnError(_Text):
         return text + (f" (request {self.request_id})" if self.request_id else "")
 
 
-class Counters(_Frozen):
+class Counters(FrozenModel):
     """Small per-turn counters that recovery decisions depend on, so they survive a crash."""
 
     retry_attempts: int = 0
@@ -391,7 +177,7 @@ class Counters(_Frozen):
         return None if value == "" else value  # records written before the enum stored ""
 
 
-class CheckpointRecord(_Frozen):
+class CheckpointRecord(FrozenModel):
     """The checkpoint hash of DESIGN §3, one per turn; every field is written on every save."""
 
     schema_version: int = Field(default=SCHEMA_VERSION, alias="schema")
@@ -444,7 +230,7 @@ class CheckpointRecord(_Frozen):
         return Finished(
             turn_id=self.turn_id,
             epoch=self.epoch,
-            outcome="" if outcome is None else outcome.value,
+            outcome=outcome,
             answer=self.answer,
             at_ms=self.updated_at,
             error=self._why(),
@@ -464,7 +250,7 @@ class CheckpointRecord(_Frozen):
 SCRIPTED_AGENT = "actors.engine.scripted:agent"
 
 
-class TurnInput(_Text):
+class TurnInput(TextModel):
     """What the user gave the turn."""
 
     message: str
@@ -473,7 +259,7 @@ class TurnInput(_Text):
     """Extra JSON-like context for the agent (the scripted agent reads its scenario here)."""
 
 
-class TurnSpec(_Frozen):
+class TurnSpec(FrozenModel):
     """What a turn was asked to do; written once at submission so any host can resume it."""
 
     turn_id: str
@@ -501,7 +287,7 @@ class TurnSpec(_Frozen):
         return data
 
 
-class LedgerEntry(_Frozen):
+class LedgerEntry(FrozenModel):
     """One tool call's journal entry: ``prepared -> dispatched -> committed | failed``."""
 
     state: LedgerState
@@ -534,7 +320,7 @@ class SaveAck:
     """Id of the checkpoint event in the shard's events stream."""
 
 
-class QueuedTurn(_Frozen):
+class QueuedTurn(FrozenModel):
     """A session's next turn, waiting for the one that runs to end (``submit --if-busy
     queue``): opened, in order, when the session is free."""
 
@@ -548,7 +334,7 @@ class QueuedTurn(_Frozen):
     """Who queued it."""
 
 
-class Approval(_Text):
+class Approval(TextModel):
     """A tool call's approval: asked, then decided (``store.approvals``). Kept after the
     decision, so who decided, when and why stays with the turn."""
 
@@ -574,7 +360,7 @@ class Approval(_Text):
         return f"{verb}{who}" + (f": {self.reason}" if self.reason else "")
 
 
-class InboxItem(_Text):
+class InboxItem(TextModel):
     """One injected message, or a request to cancel the turn."""
 
     message_id: str

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 import msgpack
 from pydantic import TypeAdapter
 
+from bus.messages import Message
 from store.msgpack_wire import pack, unpack
-from store.records import Message, MessageMeta
+from store.records import MessageMeta
 
 __all__ = [
     "CHUNK",

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bus.messages import Usage
 from store.codec import EncodedRecord
 from store.connection import StoreClient, text, translated
 from store.keys import KeyLayout
-from store.records import Usage
 
 __all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
 

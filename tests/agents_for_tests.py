@@ -18,8 +18,9 @@ from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
+from bus.messages import Message, ToolCall
 from store.archive import FinishedTurn
-from store.records import Message, ToolCall, TurnInput
+from store.records import TurnInput
 
 #: Threads the sync tool ran in (it must not run on the event loop's thread).
 ADD_THREADS: list[int] = []

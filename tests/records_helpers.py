@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from bus.messages import Message
 from bus.phase import TurnPhase
 from store.codec import encode_record, pack_model
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Counters, LedgerEntry, Message, MessageMeta
+from store.records import CheckpointRecord, Counters, LedgerEntry, MessageMeta
 from store.transcript import Transcript
 
 

@@ -14,9 +14,9 @@ from actors.cli import main
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import RunStats, TurnEngine
+from bus.outcomes import Outcome
 from store.connection import check_redis_url, connect, redact_url, seed_urls
 from store.keys import KeyLayout
-from store.records import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")

@@ -18,9 +18,10 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
+from bus.outcomes import Outcome
 from bus.phase import TurnPhase
 from store.keys import KeyLayout
-from store.records import Outcome, TurnInput
+from store.records import TurnInput
 from tests.polling import eventually
 
 

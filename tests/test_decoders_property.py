@@ -15,6 +15,7 @@ from bus.errors import RecordError
 from bus.events import (
     BadBusEntry,
     Finished,
+    Recovering,
     Restarted,
     TextDelta,
     ToolCalled,
@@ -23,6 +24,7 @@ from bus.events import (
     decode_event,
     encode_event,
 )
+from bus.outcomes import Action, EngineProblem, Outcome, Problem, SaveReason
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
 from store.records import InboxItem, LedgerEntry, TurnSpec
@@ -189,10 +191,31 @@ def test_a_valid_bus_entry_round_trips() -> None:
         TextDelta("t1", 2, "héllo\n", 1),
         ToolCalled("t1", 2, "c1", "echo", '{"a":1}', 2),
         ToolReturned("t1", 2, "c1", "echo", "outcome_unknown", "", 3),
-        Restarted("t1", 3, "tool_batch", 7, 4),
-        Finished("t1", 3, "answered", "done", 5),
+        Restarted("t1", 3, SaveReason.TOOL_BATCH, 7, 4),
+        Restarted("t1", 3, None, 7, 4),
+        Finished("t1", 3, Outcome.ABORTED_LOOP, "done", 5, "model loop: again"),
+        Recovering("t1", 3, Problem.RATE_LIMITED, Action.WAIT, "429", 6),
+        Recovering("t1", 3, EngineProblem.RUN_FAILED, Action.RETRY, "KeyError", 6),
     ):
         wire = {k.encode(): str(v).encode() for k, v in encode_event(live).items()}
         assert decode_event(wire) == live
         with pytest.raises(BadBusEntry):
             decode_bus_event(wire)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("status", "exploded"), ("outcome", "aborted:boredom"), ("problem", "gremlins"),
+     ("action", "panic"), ("resumed_from", "whim")],
+)  # fmt: skip
+def test_a_live_event_with_a_word_no_layer_knows_is_a_bad_entry(field: str, value: str) -> None:
+    events = {
+        "status": ToolReturned("t1", 2, "c1", "echo", "ok", "", 3),
+        "outcome": Finished("t1", 3, Outcome.ANSWERED, "done", 5),
+        "problem": Recovering("t1", 3, Problem.LOOP, Action.NUDGE, "", 6),
+        "action": Recovering("t1", 3, Problem.LOOP, Action.NUDGE, "", 6),
+        "resumed_from": Restarted("t1", 3, SaveReason.FINAL, 7, 4),
+    }
+    wire = {**encode_event(events[field]), field: value}
+    with pytest.raises(BadBusEntry):
+        decode_event(wire)

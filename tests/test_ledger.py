@@ -13,11 +13,12 @@ from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.toolrun import BatchExecutor, LocalToolRunner
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
+from bus.messages import ToolCall
 from store.checkpoint import RedisCheckpointStore
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.ledger import Change, LedgerRead, ToolLedger, call_key
-from store.records import LedgerEntry, ToolCall
+from store.records import LedgerEntry
 from tests.records_helpers import record
 
 

@@ -24,8 +24,9 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
+from bus.outcomes import Outcome
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Outcome, TurnInput
+from store.records import CheckpointRecord, TurnInput
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDER = "tests.agents_for_tests:llama_adder"

@@ -20,20 +20,15 @@ from actors.turn.loop import LoopSettings, RunStop, TurnLoop, TurnOutcome, reply
 from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
+from bus.messages import ToolResult
+from bus.outcomes import Outcome, SaveReason
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import (
-    CheckpointRecord,
-    LedgerEntry,
-    Outcome,
-    SaveAck,
-    SaveReason,
-    ToolResult,
-)
+from store.records import CheckpointRecord, LedgerEntry, SaveAck
 from tests.polling import eventually
 from tests.records_helpers import put_ledger
 

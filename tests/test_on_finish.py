@@ -18,9 +18,9 @@ from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from bus.errors import ConfigError
+from bus.outcomes import Outcome
 from store.archive import FinishedTurn
 from store.keys import KeyLayout
-from store.records import Outcome
 from tests.agents_for_tests import archived
 from tests.polling import eventually
 

@@ -19,8 +19,9 @@ from actors.engine.turn_engine import RunStats, TurnEngine
 from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import BudgetExhausted
+from bus.outcomes import Outcome
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Outcome, TurnInput
+from store.records import CheckpointRecord, TurnInput
 from store.usage import agent_usage
 from tests.agents_for_tests import TEST_KEY_ENV, unencodable_input
 

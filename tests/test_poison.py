@@ -25,11 +25,12 @@ from actors.turn.poison import (
     place,
 )
 from bus.errors import RecordError, StoreError
+from bus.outcomes import Outcome
 from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
-from store.records import CheckpointRecord, Outcome, TurnInput
+from store.records import CheckpointRecord, TurnInput
 from tests.agents_for_tests import BUGGY_CALLS
 from tests.polling import eventually
 from tests.reference import reference

@@ -12,7 +12,8 @@ from actors.turn.compaction import compact, progress, read_summary
 from actors.turn.llm import LLMRequest
 from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
 from bus.errors import ContextLengthError, RetryableLLMError
-from store.records import Message, MessageMeta, ToolCall, ToolResult
+from bus.messages import Message, ToolCall, ToolResult
+from store.records import MessageMeta
 
 
 def call(name: str = "echo", text: str = "x") -> ToolCall:
@@ -150,8 +151,9 @@ def test_scripted_faults_fire_at_the_right_call() -> None:
 
 def test_text_from_outside_is_made_storable_and_what_is_not_is_a_typed_error() -> None:
     from bus.errors import UnstorableRecord
+    from bus.messages import Message, ToolCall, ToolResult
     from store.msgpack_wire import pack
-    from store.records import Message, ToolCall, ToolResult, TurnInput
+    from store.records import TurnInput
 
     lone = "a\udcffb"
     with pytest.raises(UnstorableRecord):  # what msgpack says of a raw one, typed

@@ -22,12 +22,13 @@ from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
-from actors.turn.recovery import Action, Decision, Problem
+from actors.turn.recovery import Decision
 from bus.errors import TurnNotRunning
 from bus.events import StatusEvent, decode_event
+from bus.outcomes import Action, Outcome, Problem
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Outcome
+from store.records import CheckpointRecord
 from store.sessions import IfBusy
 from tests.polling import eventually
 from tests.reference import reference

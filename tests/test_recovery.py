@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.turn.loop import aborted
-from actors.turn.recovery import Action, Problem, Situation, decide_recovery
-from store.records import Outcome
+from actors.turn.recovery import Situation, decide_recovery
+from bus.outcomes import Action, Outcome, OutcomeKind, Problem, RecordProblem, SuspendCause
 
 Pr = Problem
 A = Action
@@ -69,11 +68,20 @@ def test_decide_recovery(situation: Situation, action: Action, cause: str, backo
 
 def test_every_problem_the_policy_can_abort_for_has_an_outcome() -> None:
     # the two a store refusal ends a turn with, not the recovery policy
-    assert {aborted(p) for p in Problem} == {o for o in Outcome if o.aborted} - {
+    assert {Outcome.aborted_by(p) for p in Problem} == {o for o in Outcome if o.aborted} - {
         Outcome.ABORTED_RECORD_TOO_LARGE,
         Outcome.ABORTED_UNSTORABLE,
     }
+    assert all(Outcome.aborted_by(p).cause is p for p in Problem)
+
+
+def test_an_outcome_is_a_kind_and_a_cause() -> None:
+    assert (Outcome.ANSWERED.kind, Outcome.ANSWERED.cause) == (OutcomeKind.ANSWERED, None)
+    assert Outcome.ABORTED_UNSTORABLE.cause is RecordProblem.UNSTORABLE
+    assert Outcome.SUSPENDED_FAILING.kind is OutcomeKind.SUSPENDED
+    assert Outcome.SUSPENDED_FAILING.cause is SuspendCause.FAILING
+    assert Outcome.CANCELLED.kind is OutcomeKind.CANCELLED and not Outcome.CANCELLED.aborted
 
 
 def test_every_action_is_reachable() -> None:
-    assert {a for _, a, _, _ in CASES} == set(Action)
+    assert {a for _, a, _, _ in CASES} == set(Action) - {Action.CONTINUE}  # the engine's

@@ -19,12 +19,12 @@ from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.toolrun import BatchExecutor, LocalToolRunner
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreRefused, StoreUnavailable
+from bus.messages import ToolCall
 from store.checkpoint import RedisCheckpointStore
 from store.connection import translated
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.ledger import Change, ToolLedger, call_key
-from store.records import ToolCall
 from tests.records_helpers import record
 
 

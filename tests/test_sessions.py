@@ -14,8 +14,9 @@ from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from bus.errors import ConfigError, RecordError, SessionBusy, TurnExists
+from bus.outcomes import Outcome
 from store.keys import KeyLayout, check_session_id, check_turn_id
-from store.records import CheckpointRecord, Outcome, TurnInput, TurnSpec
+from store.records import CheckpointRecord, TurnInput, TurnSpec
 
 AGENT = "tests.agents_for_tests:recall"
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0)

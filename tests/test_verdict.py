@@ -9,10 +9,11 @@ from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import VerdictMode, first_difference, judge, reference_transcript
 from actors.harness.work import Work
+from bus.messages import Message, ToolResult
+from bus.outcomes import SaveReason
 from store.checkpoint import RedisCheckpointStore
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import Message, SaveReason, ToolResult
 from tests.records_helpers import put_record
 from tests.reference import FAST
 

@@ -71,6 +71,7 @@ from bus.errors import (
     TurnExists,
 )
 from bus.events import WatchEvent
+from bus.outcomes import ANSWER_OUTCOMES, Outcome
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
@@ -80,7 +81,7 @@ from store.embedded_cluster import EmbeddedCluster
 from store.inbox import Inbox
 from store.keys import KeyLayout, check_session_id, check_turn_id
 from store.ownership import NamespaceOwner, holding
-from store.records import ANSWER_OUTCOMES, CheckpointRecord, Outcome, QueuedTurn, TurnInput
+from store.records import CheckpointRecord, QueuedTurn, TurnInput
 from store.sessions import IfBusy, Sessions
 from store.watch import watch_turn
 

@@ -17,7 +17,8 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.engine.resume import plan_resume
-from actors.turn.recovery import Decision, Problem, Situation, decide_recovery
+from actors.turn.recovery import Decision, Situation, decide_recovery
+from bus.outcomes import Problem
 from store.checkpoint import RedisCheckpointStore
 from store.inbox import Inbox
 from store.ledger import ToolLedger

@@ -47,10 +47,11 @@ from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import ConfigError, StoreError, StoreRefused, ToolExecutorLost
+from bus.messages import ToolCall, ToolResult
 from store.connection import connect
 from store.effects import EffectCounters
 from store.pools import PoolSizes
-from store.records import ToolCall, ToolResult, TurnInput
+from store.records import TurnInput
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from actors.engine.agents import agent_problem
 from actors.engine.resume import ResumePlan
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import RunStop, TurnOutcome
-from actors.turn.recovery import Problem
 from bus.errors import PhaselineError
 from bus.events import LiveEvent, Recovering, encode_event
+from bus.outcomes import Problem, SaveReason
 from bus.phase import TurnPhase
 from store.leases import HostLeases
 from store.pools import PoolSizes
-from store.records import SaveReason, TurnInput
+from store.records import TurnInput
 from store.streams import BufferedPublisher, RedisBus
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class TurnActor:
         self._renewing: asyncio.Task[None] | None = None
 
     def _on_event(self, event: LiveEvent) -> None:
-        if isinstance(event, Recovering) and event.problem == Problem.RATE_LIMITED.value:
+        if isinstance(event, Recovering) and event.problem is Problem.RATE_LIMITED:
             metrics().rate_limit_waits.inc(1, tags={"host": self.dep.host_label(self.slot)})
         self.publisher.add(event)
 

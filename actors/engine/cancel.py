@@ -16,9 +16,10 @@ from enum import StrEnum
 
 from actors.engine.submission import queued_turn
 from bus.errors import RecordNotFound, TurnNotRunning
+from bus.outcomes import Outcome, SaveReason
 from store.checkpoint import RedisCheckpointStore
 from store.inbox import Inbox
-from store.records import CheckpointRecord, Outcome, QueuedTurn, SaveReason, TurnSpec
+from store.records import CheckpointRecord, QueuedTurn, TurnSpec
 from store.sessions import Sessions
 
 __all__ = ["Cancelled", "queue_behind", "request_cancel"]

@@ -75,9 +75,9 @@ from bus.errors import (
     RetryableLLMError,
     StoreError,
 )
+from bus.messages import Message, ToolCall, Usage
 from store.connection import redact_url
 from store.limiter import endpoint_id
-from store.records import Message, ToolCall, Usage
 
 __all__ = ["OpenAIChat", "OpenAIChatClient"]
 

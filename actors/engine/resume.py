@@ -16,13 +16,14 @@ from typing import Any
 
 from actors.turn.poison import Placement, place
 from bus.errors import RecordError, RecordNotFound, StaleOwner
+from bus.outcomes import Outcome, SaveReason
 from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.inbox import Inbox
 from store.isolation import Probation
 from store.ledger import ToolLedger
 from store.msgpack_wire import pack, unpack
-from store.records import CheckpointRecord, Outcome, SaveReason, TurnSpec
+from store.records import CheckpointRecord, TurnSpec
 
 
 class PlanAction(StrEnum):

@@ -33,7 +33,8 @@ from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.recovery import NUDGE_PREFIX
 from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError, ContextLengthError, FatalLLMError, RetryableLLMError
-from store.records import SCRIPTED_AGENT, Message, ToolCall, TurnInput
+from bus.messages import Message, ToolCall
+from store.records import SCRIPTED_AGENT, TurnInput
 
 #: Size of a reply of the ``oversized`` fault: twice the default ``max_model_reply_bytes``.
 OVERSIZED_REPLY_BYTES = 2 << 20

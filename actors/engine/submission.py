@@ -13,18 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from actors.engine.agents import check_agent
 from actors.turn.agent import Agent
 from bus.errors import BudgetExhausted, ConfigError
+from bus.messages import Message, Usage
+from bus.outcomes import SaveReason
 from bus.phase import TurnPhase
 from store.keys import check_turn_id
-from store.records import (
-    CheckpointRecord,
-    Message,
-    MessageMeta,
-    QueuedTurn,
-    SaveReason,
-    TurnInput,
-    TurnSpec,
-    Usage,
-)
+from store.records import CheckpointRecord, MessageMeta, QueuedTurn, TurnInput, TurnSpec
 from store.sessions import Builder
 
 __all__ = ["initial_record", "new_turns", "queued_turn", "session_tokens", "session_turn"]

@@ -19,9 +19,10 @@ from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
+from bus.messages import ToolCall, ToolResult, ToolStatus
 from store.codec import pack_model
 from store.ledger import Change, Ledger, call_key
-from store.records import LedgerEntry, LedgerState, ToolCall, ToolResult, ToolStatus, TurnInput
+from store.records import LedgerEntry, LedgerState, TurnInput
 
 log = logging.getLogger(__name__)
 

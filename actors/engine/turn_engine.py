@@ -46,6 +46,7 @@ from actors.turn.loop import (
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError, StoreUnavailable
 from bus.events import LiveEvent, Recovering
+from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
 from bus.phase import Transition
 from store.approvals import Approvals
 from store.archive import FinishedTurn
@@ -62,8 +63,6 @@ from store.records import (
     AGENT_FAILURES_TO_SUSPEND,
     RUN_FAILURES_TO_SUSPEND,
     CheckpointRecord,
-    Outcome,
-    SaveReason,
     TurnError,
     TurnInput,
     TurnSpec,
@@ -486,8 +485,8 @@ class TurnEngine:
         log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
         if self.on_event is not None:
             self.on_event(
-                Recovering(record.turn_id, record.epoch, "agent_changed", "continue",
-                           f"the agent changed ({change}); going on with it",
+                Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
+                           Action.CONTINUE, f"the agent changed ({change}); going on with it",
                            int(time.time() * 1000))
             )  # fmt: skip
         counters = c.model_copy(
@@ -569,7 +568,7 @@ class TurnEngine:
         wait = 2 ** (failures - 1) * self.loop_settings.backoff_scale
         if self.on_event is not None:
             self.on_event(
-                Recovering(tid, record.epoch, "run_failed", "retry",
+                Recovering(tid, record.epoch, EngineProblem.RUN_FAILED, Action.RETRY,
                            f"{error.message}; resuming from its last checkpoint in {wait:g} s",
                            error.at_ms)
             )  # fmt: skip

@@ -21,6 +21,7 @@ from bus.events import (
     ToolReturned,
     WatchEvent,
 )
+from bus.outcomes import Action, Outcome
 from bus.phase import Transition, TurnPhase
 
 #: Characters of tool arguments and results printed on a line.
@@ -72,12 +73,13 @@ class LiveView:
             colour = {"ok": "green", "skipped": "yellow"}.get(event.status, "red")
             return f"[{colour}]  ↳ {event.status}: {escape(_cut(event.output))}"
         if isinstance(event, Recovering):
-            colour = "red" if event.action == "abort" else "yellow"
+            colour = "red" if event.action is Action.ABORT else "yellow"
             return f"[{colour}]! {event.problem}: {event.action}: {escape(_cut(event.detail))}"
         if isinstance(event, Restarted):
             return (
                 f"[bold red]↻ resumed by a new owner (epoch {event.epoch}) from its "
-                f"{event.resumed_from} checkpoint of {event.messages} messages; text streamed "
+                f"{event.resumed_from or 'last'} checkpoint of {event.messages} messages; text "
+                "streamed "
                 "after that checkpoint was lost with its host"
             )
         if not isinstance(event, Finished):  # a TextDelta: shown above
@@ -85,7 +87,7 @@ class LiveView:
         self.finished = event
         if not self._spoke and event.answer:  # its stream was gone: the record's answer
             self.console.print(escape(event.answer), highlight=False, soft_wrap=True)
-        if event.outcome == "answered":
+        if event.outcome is Outcome.ANSWERED:
             return "[dim]· answered"
         why = f": {escape(event.error)}" if event.error else ""
         return f"[bold red]· turn ended {event.outcome}{why}"

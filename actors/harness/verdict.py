@@ -32,11 +32,13 @@ from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
 from actors.turn.loop import LoopSettings
 from bus.errors import RecordError, RecordNotFound
+from bus.messages import Message
+from bus.outcomes import Outcome
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient, read_range, text
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, Message, Outcome
+from store.records import CheckpointRecord
 
 
 class VerdictMode(StrEnum):

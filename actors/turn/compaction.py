@@ -14,7 +14,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from store.records import Message, MessageMeta
+from bus.messages import Message
+from store.records import MessageMeta
 
 _MARK = re.compile(r"^\[compacted: (\d+) messages, (\d+) replies, (\d+) rounds\]")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from actors.turn.tools import ToolSpec
-from store.records import Message, Usage
+from bus.messages import Message, Usage
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,15 +31,7 @@ from actors.turn.compaction import compact, size_chars
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
 from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
 from actors.turn.poison import step_name
-from actors.turn.recovery import (
-    MAX_RETRIES,
-    Action,
-    Decision,
-    Problem,
-    Situation,
-    decide_recovery,
-    nudge_text,
-)
+from actors.turn.recovery import MAX_RETRIES, Decision, Situation, decide_recovery, nudge_text
 from actors.turn.tools import ToolRegistry, ToolSpec
 from bus.errors import (
     AwaitingAdmission,
@@ -62,22 +54,10 @@ from bus.events import (
     ToolCalled,
     ToolReturned,
 )
+from bus.messages import Message, Source, ToolCall, ToolResult, Usage
+from bus.outcomes import Action, Outcome, Problem, SaveReason
 from bus.phase import Listener, PhaseTracker, TurnPhase
-from store.records import (
-    Approval,
-    CheckpointRecord,
-    InboxItem,
-    Message,
-    MessageMeta,
-    Outcome,
-    SaveAck,
-    SaveReason,
-    Source,
-    ToolCall,
-    ToolResult,
-    TurnError,
-    Usage,
-)
+from store.records import Approval, CheckpointRecord, InboxItem, MessageMeta, SaveAck, TurnError
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -213,11 +193,6 @@ class RunStop(StrEnum):
         return self is not RunStop.FINISHED
 
 
-def aborted(problem: Problem) -> Outcome:
-    """The outcome of a turn the recovery policy aborted for ``problem``."""
-    return Outcome(f"aborted:{problem.value}")
-
-
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
     """How a run of a turn ended, as seen by the loop (or engine) that ran it."""
@@ -342,10 +317,12 @@ class TurnLoop:
     async def run(self) -> TurnOutcome:
         t = self.tracker
         if self.epoch > 1:  # a new owner: what streamed after the last checkpoint is gone
-            since = "" if self._resume_from is None else self._resume_from.value
             self._emit(
-                Restarted(self.turn_id, self.epoch, since, len(self.messages), self._now_ms())
-            )
+                Restarted(
+                    self.turn_id, self.epoch, self._resume_from, len(self.messages),
+                    self._now_ms(),
+                )
+            )  # fmt: skip
         try:
             t.to(P.SETUP)
             if self._resume_from is SaveReason.FORCE_STOP:
@@ -586,13 +563,13 @@ class TurnLoop:
             return await self._force_stop(checkpoint_first=True)
         log.warning("turn %s: aborted (%s): %s", self.turn_id, decision.cause.value, detail)
         self._recovering(problem, action, detail)
-        return await self._finish(aborted(decision.cause))
+        return await self._finish(Outcome.aborted_by(decision.cause))
 
     def _recovering(self, problem: Problem, action: Action, detail: str) -> None:
         self._emit(
             Recovering(
-                self.turn_id, self.epoch, problem.value, action.value,
-                detail[:LIVE_TEXT_LIMIT], self._now_ms(),
+                self.turn_id, self.epoch, problem, action, detail[:LIVE_TEXT_LIMIT],
+                self._now_ms(),
             )
         )  # fmt: skip
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from store.records import Message, ToolCall, ToolResult, canonical_json
+from bus.messages import Message, ToolCall, ToolResult, canonical_json
 
 
 class LoopVerdict(StrEnum):

@@ -33,7 +33,8 @@ through this one policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+
+from bus.outcomes import Action, Problem
 
 MAX_RETRIES = 3
 MAX_NUDGES = 3
@@ -43,44 +44,6 @@ MAX_RATE_BACKOFF_S = 60.0
 
 #: Every nudge starts with this, so a transcript reader (or the scripted model) can tell one.
 NUDGE_PREFIX = "[nudge]"
-
-
-class Problem(StrEnum):
-    HARD_IDLE_TIMEOUT = "hard_idle_timeout"
-    """The watchdog cancelled the model call."""
-    CONTEXT_LENGTH = "context_length"
-    """The transcript does not fit the model."""
-    RATE_LIMITED = "rate_limited"
-    """The endpoint refused the call for its rate limit."""
-    RETRYABLE = "retryable"
-    """Transient model failure."""
-    FATAL = "fatal"
-    """Model failure that will not go away."""
-    TRUNCATED = "truncated"
-    """A reply with tool calls was cut by the caller's ``max_tokens`` cap."""
-    EMPTY_REPLY = "empty_reply"
-    """The model answered nothing."""
-    OVERSIZED_REPLY = "oversized_reply"
-    """A reply over the loop's size limit for one reply (``[checkpoint]
-    max_model_reply_bytes``); it was not kept."""
-    LOOP = "loop"
-    """The model repeats its tool calls."""
-
-
-class Action(StrEnum):
-    ABORT = "abort"
-    """End the turn now, saving what it has."""
-    COMPACT = "compact"
-    """Compact the transcript, checkpoint, call the model again."""
-    RETRY = "retry"
-    """Back off in ``retrying_llm``, then call again."""
-    WAIT = "wait"
-    """Wait in ``retrying_llm`` as long as the endpoint's rate limit asks, then call again
-    (spends no retry attempt)."""
-    FORCE_STOP = "force_stop"
-    """Checkpoint, enter ``force_stop``, one tool-less wrap-up call, done."""
-    NUDGE = "nudge"
-    """Append a system-injected user message and call again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,10 +25,10 @@ from actors.engine.toolrun import BatchExecutor
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from bus.errors import StoreError
+from bus.outcomes import Outcome
 from store.connection import connect
 from store.keys import KeyLayout
 from store.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
-from store.records import Outcome
 
 SCENARIO = Scenario(
     name="durable_loop", rounds=10, tools_per_round=1, tools=["echo"], payload_bytes=500

@@ -25,7 +25,7 @@ from actors.harness.bench.workload import deployed
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves
 from bus.errors import PhaselineError
-from store.records import Outcome
+from bus.outcomes import Outcome
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from actors.engine.scripted import payload
+from bus.messages import Message, ToolCall, ToolResult
 from bus.phase import TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
 from store.connection import StoreClient, translated
-from store.records import CheckpointRecord, Message, MessageMeta, ToolCall, ToolResult
+from store.records import CheckpointRecord, MessageMeta
 
 
 def bench_record(

@@ -12,6 +12,7 @@ from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import new_run_id, turn_ids
 from actors.harness.bench.napping import PER_WORKER
+from bus.outcomes import Outcome
 
 #: Import path of the figure's agent.
 NAPPING = "actors.harness.bench.napping:agent"
@@ -51,7 +52,7 @@ async def tool_scaling(
             wall = time.perf_counter() - t0
         finally:
             await rt.shutdown()
-        answered = sum(r.counters.outcome == "answered" for r in finals.values())
+        answered = sum(r.counters.outcome is Outcome.ANSWERED for r in finals.values())
         calls = turns * rounds
         rows.append(
             {
