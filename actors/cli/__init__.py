@@ -1,10 +1,19 @@
-"""The ``phaseline`` command line: :mod:`actors.cli.app` (the group, the shared options, the
-run, demo, chaos, bench, serve and inspection verbs) and :mod:`actors.cli.operate` (the
-operator's verbs on running turns: turns, cancel, inject, approvals, approve, deny)."""
+"""The ``phaseline`` command line, a module per group of verbs, all registered on one group.
+
+* :mod:`actors.cli.app`: the group, its shared options and how a verb reaches Redis and Ray;
+* :mod:`actors.cli.runs`: ``run``, ``resume``, ``demo``;
+* :mod:`actors.cli.harness`: ``chaos``, ``bench``;
+* :mod:`actors.cli.views`: ``inspect``, ``watch``, ``status``;
+* :mod:`actors.cli.sessions`: ``submit``, ``chat``;
+* :mod:`actors.cli.serve`: ``serve``, ``redis``;
+* :mod:`actors.cli.operate`: the operator's verbs on turns (``turns``, ``cancel``, ``inject``,
+  ``approvals``, ``approve``, ``deny``, ``export``, ``purge``).
+"""
 
 from __future__ import annotations
 
-from actors.cli import operate as _operate  # noqa: F401  (registers its verbs on main)
+# Each module registers its verbs on ``main`` when imported.
+from actors.cli import harness, operate, runs, serve, sessions, views  # noqa: F401
 from actors.cli.app import main
 
 __all__ = ["main"]

@@ -1,0 +1,219 @@
+"""The harness verbs: ``chaos`` (kill things, judge the turns) and ``bench``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import ray
+from rich.table import Table
+from rich.text import Text
+
+from actors.cli.app import (
+    BadInput,
+    ExitStatus,
+    _common,
+    _redis_cluster_option,
+    _scratch_redis,
+    _scratch_store,
+    _settings,
+    console,
+    main,
+    out,
+)
+from actors.cli.runs import (
+    _Bar,
+    _nodes_option,
+    _ray_nodes,
+    _verdict_option,
+    _work,
+    _work_options,
+)
+from actors.cluster.local_nodes import LocalNodes
+from actors.cluster.runtime import Runtime, ensure_ray
+from actors.engine.config import Settings
+from actors.engine.turn_engine import new_run_id
+from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
+from actors.harness.chaos import (
+    TARGETS,
+    WITNESSED,
+    ChaosReport,
+    ChaosSettings,
+    parse_targets,
+    run_chaos,
+)
+from actors.harness.chaos import plot as plot_chaos
+from actors.harness.verdict import VerdictMode
+from store.embedded import EmbeddedRedis
+from store.embedded_cluster import EmbeddedCluster
+
+
+@main.command()
+@_common
+@_work_options
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
+@click.option("--duration", type=click.FloatRange(1, 86_400), default=30, show_default=True,
+              help="Seconds of fault injection (turns arrive during the first half).")  # fmt: skip
+@click.option("--kill-interval", type=click.FloatRange(0.1, 3600), default=2, show_default=True,
+              help="Mean seconds between faults.")  # fmt: skip
+@click.option("--targets", default="all", show_default=True,
+              help=f"Comma-separated fault targets: {', '.join(TARGETS)} ('none': only the "
+              "poison turns' own faults).")  # fmt: skip
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--poison", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
+              help="Turns that run a poison variant of the scenario (a model call that "
+              "SIGKILLs its process); each must end suspended:poison.")  # fmt: skip
+@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True)
+@_nodes_option
+@_redis_cluster_option
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@_verdict_option
+@click.option("--report", type=click.Path(dir_okay=False), required=True,
+              help="Write the JSON report here.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write the PNG timeline here.")  # fmt: skip
+def chaos(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
+    nodes: int, redis_cluster: bool, ray_address: str | None, verdict_mode: str, report: str,
+    plot: str | None,
+) -> None:  # fmt: skip
+    """Kill runtime processes at random under load, running a scenario or an agent on one
+    input; exit 1 unless the evidence is clean."""
+    settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
+    work = _work(scenario_path, agent_path, input_text)
+    chosen = parse_targets(
+        targets,
+        embedded=settings.redis.url is None and not redis_cluster,
+        nodes=nodes > 1 and ray_address is None,
+        cluster=redis_cluster,
+    )
+    if poison > turns:
+        raise BadInput(f"--poison {poison} is more than --turns {turns}")
+    cfg = ChaosSettings(
+        work, turns, duration, kill_interval, chosen, seed, poison, VerdictMode(verdict_mode)
+    )
+    bar = _Bar(turns, f"chaos seed {seed}", force=True)
+
+    async def go(
+        server: EmbeddedRedis | None,
+        cluster: EmbeddedCluster | None,
+        settings: Settings,
+        local: LocalNodes | None,
+    ) -> ChaosReport:
+        # Orphaned turns (cut off by a Redis restart) are re-adopted every 2 s, not 10.
+        sup = settings.supervisor.model_copy(update={"adopt_interval_s": 2.0})
+        tuned = settings.model_copy(update={"supervisor": sup})
+        # Faults that can lose Redis writes: side effects are counted on a witness outside
+        # the Redis under test, so a lost counter cannot hide a duplicate.
+        witness_cm = (
+            EmbeddedRedis(appendfsync="always")
+            if any(t in WITNESSED for t in chosen)
+            else contextlib.nullcontext()
+        )
+        assert settings.redis.url is not None
+        with witness_cm as witness:
+            rt = await Runtime.start(
+                tuned, redis_url=settings.redis.url, hosts=hosts,
+                ray_address=local.address if local else ray_address,
+                effects_url=None if witness is None else witness.url,
+            )  # fmt: skip
+            try:
+                with bar.progress:
+                    return await run_chaos(
+                        rt, server, cfg, nodes=local, cluster=cluster,
+                        on_submitted=lambda n: None, on_done=bar.advance,
+                    )  # fmt: skip
+            finally:
+                await rt.shutdown()
+
+    with (
+        _scratch_store(settings, "chaos", redis_cluster=redis_cluster) as (server, rc, store),
+        _ray_nodes(nodes, ray_address) as (_address, local),
+    ):
+        result = asyncio.run(go(server, rc, store, local))
+    data = result.as_dict()
+    Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    if plot:
+        plot_chaos(result, plot)
+    v = data["verdict"]
+    table = Table(
+        title=f"chaos seed {seed}: {turns} turns, {len(result.faults)} faults", show_header=False
+    )
+    for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
+              "duplicate_side_effects", "stale_writes_accepted", "suspended_unexpectedly",
+              "aborted", "outcome_unknown_results", "resumed_turns",
+              "most_resumes_of_one_turn"):  # fmt: skip
+        table.add_row(k, str(v[k]))
+    if poison:
+        table.add_row(
+            "poison turns suspended", f"{v['poison_suspended']} of {v['poison_turns']}, "
+            f"{v['poison_host_deaths']} host deaths under them",
+        )  # fmt: skip
+    table.add_row("kills", json.dumps(data["kills_per_target"]))
+    table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
+    table.add_row(
+        "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
+    )
+    for kind, lat in data["recovery_latency_ms_by_kind"].items():
+        table.add_row(f"  after {kind} (n={lat['n']})", "{p50}/{p99}/{max}".format(**lat))
+    for kind, lat in data["recovery_last_turn_ms_by_kind"].items():
+        table.add_row(
+            f"  {kind} → its last turn moving, ms (n={lat['n']})",
+            "{p50}/{p99}/{max}".format(**lat),
+        )
+    table.add_row("turns/s", str(data["turns_per_s"]))
+    table.add_row(f"verdict ({cfg.verdict.value})", "[green]ok" if data["ok"] else "[red]NOT OK")
+    out.print(table)
+    if not data["ok"]:
+        # The report holds the evidence; print it too, so a failed CI log says which turn.
+        for kind, examples in v["examples"].items():
+            for example in examples:
+                out.print(Text.assemble((kind, "red"), " ", example), highlight=False)
+        sys.exit(ExitStatus.ERROR)
+
+
+@main.command()
+@_common
+@click.option("--quick", is_flag=True, help="The small sizes (a few minutes; what CI runs).")
+@click.option("--figures", default="all", show_default=True,
+              help=f"Comma-separated subset of: {', '.join(FIGURES)}.")  # fmt: skip
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@click.option("--report", type=click.Path(dir_okay=False), required=True,
+              help="Write the JSON report here.")  # fmt: skip
+def bench(
+    redis_url: str | None, namespace: str | None, config_path: str | None, quick: bool,
+    figures: str, ray_address: str | None, report: str,
+) -> None:  # fmt: skip
+    """Measure what durability costs, each figure beside a baseline from the same run."""
+    settings = _settings(config_path, redis_url, namespace)
+    chosen = parse_figures(figures)
+    cfg = QUICK if quick else FULL
+
+    def show(name: str, data: Any) -> None:
+        console.print(f"[bold]{name}[/]: {json.dumps(data)[:400]}")
+
+    with _scratch_redis(settings, "bench") as (_server, url):
+        owns_ray = ensure_ray(ray_address)
+        try:
+            console.print(f"[dim]bench ({'quick' if quick else 'full'}): {', '.join(chosen)}")
+            data = asyncio.run(run_bench(settings, url, cfg, figures=chosen, on_figure=show))
+        finally:
+            if owns_ray:
+                ray.shutdown()
+    data["command"] = "phaseline " + " ".join(sys.argv[1:])
+    data["quick"] = quick
+    Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    table = Table(title=f"phaseline bench ({'quick' if quick else 'full'})")
+    for col in ("target", "value", "wanted", "met"):
+        table.add_column(col)
+    for t in data["targets"]:
+        met = "[green]yes" if t["met"] else "[red]no"
+        table.add_row(t["name"], str(t["value"]), t["target"], met)
+    out.print(table)

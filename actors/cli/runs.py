@@ -1,0 +1,441 @@
+"""Running turns from the command line: ``run``, ``resume`` and ``demo``, with their progress bar
+and summaries."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+import ray
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actors.cli.app import (
+    BadInput,
+    ExitStatus,
+    F,
+    T,
+    _common,
+    _exit_on_signals,
+    _run,
+    _run_with_url,
+    _settings,
+    console,
+    main,
+    out,
+)
+from actors.cluster.local_nodes import LocalNodes
+from actors.cluster.runtime import Runtime
+from actors.engine.agents import check_agent
+from actors.engine.config import Settings
+from actors.engine.resume import reopen
+from actors.engine.scenario import load_scenario
+from actors.engine.shipped import scenario_path as shipped_scenario
+from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
+from actors.harness.demo import DemoReport, run_demo
+from actors.harness.verdict import VerdictMode
+from actors.harness.work import Work
+from bus.errors import (
+    RecordNotFound,
+)
+from bus.phase import Transition, TurnPhase
+from store.checkpoint import RedisCheckpointStore
+from store.connection import StoreClient
+from store.keys import KeyLayout, check_turn_id
+from store.ownership import NamespaceOwner, holding
+from store.records import CheckpointRecord
+
+
+class _Bar:
+    """A live progress bar counting finished turns (quiet when not on a terminal)."""
+
+    def __init__(self, total: int, label: str, *, force: bool = False) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=False,
+            disable=not (force or console.is_terminal),
+        )  # fmt: skip
+        self.task = self.progress.add_task(label, total=total)
+
+    def advance(self, _turn_id: str = "") -> None:
+        self.progress.advance(self.task)
+
+    def on_transition(self, t: Transition) -> None:
+        if t.dst is TurnPhase.DONE:
+            self.advance()
+
+
+def _summary(title: str, stats: RunStats, report: str | None, turn_ids: Sequence[str] = ()) -> None:
+    """The run's table; ``--report`` gets the same as JSON, with the ids of its turns."""
+    data = stats.as_dict()
+    table = Table(title=title, show_header=False)
+    for k, v in data.items():
+        if k == "errors":
+            continue  # printed below, one line each
+        table.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    out.print(table)
+    for line, n in stats.errors.most_common(10):
+        console.print(f"[red]{n} aborted with: {escape(line)}")
+    if report:
+        Path(report).write_text(json.dumps({**data, "turn_ids": list(turn_ids)}, indent=2) + "\n")
+
+
+def _few(ids: list[str]) -> str:
+    return ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
+
+
+def _exit_unless_final(stats: RunStats) -> None:
+    """Exit :attr:`ExitStatus.UNFINISHED`, with the counts, unless every turn is final; then
+    :attr:`ExitStatus.ABORTED` if any ended ``aborted:*``."""
+    if stats.all_final:
+        if stats.aborted:
+            console.print(
+                f"[red]{stats.aborted} of {stats.turns} turns aborted "
+                "(phaseline inspect TURN says why)"
+            )
+            sys.exit(ExitStatus.ABORTED)
+        return
+    if stats.quarantined:
+        console.print(
+            f"[red]quarantined ({len(stats.quarantined)}): {', '.join(stats.quarantined)}"
+        )
+    if stats.suspended:
+        console.print(
+            f"[red]suspended as poison ({len(stats.suspended)}): {_few(stats.suspended)} "
+            "(phaseline inspect TURN says why; phaseline resume TURN runs it again)"
+        )
+    if stats.unfinished:
+        shown = _few(stats.unfinished)
+        console.print(
+            f"[red]{len(stats.unfinished)} of {stats.turns} turns not finished "
+            f"(still in progress: phaseline resume continues them): {shown}"
+        )
+    sys.exit(ExitStatus.UNFINISHED)
+
+
+def _ray_options(fn: F) -> F:
+    fn = click.option(
+        "--ray-address", default=None, help="Join this Ray cluster ('auto': the running one)."
+    )(fn)
+    fn = click.option(
+        "--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+        help="Number of TurnActor actors.",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--in-process", is_flag=True, help="Run the turns in this process, without Ray."
+    )(fn)
+    return fn
+
+
+def _report_option(fn: F) -> F:
+    return click.option(
+        "--report", type=click.Path(dir_okay=False), default=None,
+        help="Write the summary as JSON here.",
+    )(fn)  # fmt: skip
+
+
+_verdict_option = click.option(
+    "--verdict", "verdict_mode", type=click.Choice([m.value for m in VerdictMode]),
+    default=VerdictMode.EXACT.value, show_default=True,
+    help="exact: every transcript equals a fault-free run's (modulo tool-call ids), for a "
+         "deterministic model; promises: what the runtime promises (every turn final, none "
+         "lost or aborted, no side effect twice, no meta drift), for any model.",
+)  # fmt: skip
+
+_nodes_option = click.option(
+    "--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
+    help="Start a local Ray cluster of this many nodes (raylets) and run on it.",
+)  # fmt: skip
+
+
+@contextmanager
+def _ray_nodes(
+    nodes: int, ray_address: str | None
+) -> Iterator[tuple[str | None, LocalNodes | None]]:
+    """The Ray address to run on, and the local multi-node cluster started for ``--nodes``
+    (stopped on the way out); with one node, Ray starts as usual (or ``--ray-address``)."""
+    if nodes <= 1:
+        yield ray_address, None
+        return
+    if ray_address is not None:
+        raise BadInput("--nodes starts a local cluster; it cannot be used with --ray-address")
+    console.print(f"[dim]starting a local Ray cluster of {nodes} nodes ...")
+    with LocalNodes(nodes) as local:
+        try:
+            yield local.address, local
+        finally:
+            ray.shutdown()  # the driver leaves before the raylets stop
+
+
+def _run_on_ray(
+    settings: Settings, hosts: int, ray_address: str | None, work: Callable[[Runtime], Awaitable[T]]
+) -> T:
+    """Start (or join) the Ray runtime on the configured Redis, run ``work``, shut it down."""
+
+    async def go(_client: StoreClient, url: str) -> T:
+        console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
+        rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
+        _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
+        try:
+            return await work(rt)
+        finally:
+            await rt.shutdown()
+
+    return _run_with_url(go, settings)
+
+
+def _either(
+    in_process: bool,
+    in_proc: Callable[[StoreClient], Awaitable[T]],
+    on_ray: Callable[[Runtime], Awaitable[T]],
+    settings: Settings,
+    hosts: int,
+    ray_address: str | None,
+) -> T:
+    if in_process:
+        return _run(lambda client: _in_process(client, settings, in_proc), settings)
+    return _run_on_ray(settings, hosts, ray_address, on_ray)
+
+
+async def _in_process(
+    client: StoreClient, settings: Settings, work: Callable[[StoreClient], Awaitable[T]]
+) -> T:
+    """Run ``work`` holding the namespace (``store.ownership``): no deployment may run it
+    meanwhile, nor another command running turns in process."""
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    owners = NamespaceOwner(client, keys, ttl_s=settings.supervisor.owner_ttl_s)
+    async with holding(owners, " ".join(["phaseline", *sys.argv[1:2]])):
+        return await work(client)
+
+
+def _stats_of(finals: dict[str, CheckpointRecord], wall_s: float) -> RunStats:
+    stats = RunStats(wall_s=wall_s)
+    for record in finals.values():
+        stats.turns += 1
+        if record.counters.outcome is not None:  # a final record always has one
+            stats.outcomes[record.counters.outcome] += 1
+        if record.counters.outcome is not None and record.counters.outcome.suspended:
+            stats.suspended.append(record.turn_id)
+        stats.resumed += record.counters.resume_attempts > 0
+        stats.checkpoints += record.seq
+        if record.counters.outcome is not None:
+            stats.note_error(record.counters.outcome, record.counters.last_error)
+    return stats
+
+
+def _work(scenario_path: str | None, agent_path: str | None, input_text: str | None) -> Work:
+    """What each turn runs: a scripted scenario, or an agent on one message."""
+    if (scenario_path is None) == (agent_path is None):
+        raise BadInput("give either --scenario (the scripted agent) or --agent")
+    if agent_path is None:
+        assert scenario_path is not None
+        if input_text is not None:
+            raise BadInput("--input goes with --agent; a scenario carries its own prompt")
+        work = Work.scripted(load_scenario(shipped_scenario(scenario_path)))
+        check_agent(work.agent, work.turn_input)
+        return work
+    if not input_text:
+        raise BadInput("--agent needs --input, the user message of each turn")
+    return Work.of_agent(agent_path, input_text)
+
+
+def _work_options(fn: F) -> F:
+    """``--scenario`` / ``--agent`` + ``--input``: what :func:`_work` reads."""
+    fn = click.option("--input", "input_text", default=None,
+                      help="With --agent: the user message of each turn.")(fn)  # fmt: skip
+    fn = click.option(
+        "--agent", "agent_path", default=None,
+        help="Import path of an agent (pkg.module:name), instead of --scenario.",
+    )(fn)  # fmt: skip
+    return click.option(
+        "--scenario", "scenario_path", default=None, type=click.Path(dir_okay=False),
+        help="Scenario file, or the name of a shipped one (e.g. tool_loop), run by the "
+             "scripted agent.",
+    )(fn)  # fmt: skip
+
+
+@main.command()
+@_common
+@_work_options
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=1, show_default=True)
+@click.option("--run-id", default=None, help="Prefix of the turn ids (default: random).")
+@_ray_options
+@_report_option
+def run(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    run_id: str | None, in_process: bool, hosts: int, ray_address: str | None,
+    report: str | None,
+) -> None:  # fmt: skip
+    """Run TURNS turns concurrently (on Ray unless --in-process): of a scenario, or of an
+    agent on one input."""
+    settings = _settings(config_path, redis_url, namespace)
+    work = _work(scenario_path, agent_path, input_text)
+    agent, turn_input = work.agent, work.turn_input
+    rid = check_turn_id(run_id) if run_id else new_run_id()
+    ids = turn_ids(rid, turns)
+    bar = _Bar(turns, f"run {rid}")
+    named = ids[0] if turns == 1 else f"{ids[0]} … {ids[-1]}"
+    console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
+
+    async def in_proc(client: StoreClient) -> RunStats:
+        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        with bar.progress:
+            return await engine.run_new(agent, turn_input, ids)
+
+    async def on_ray(rt: Runtime) -> RunStats:
+        started = time.monotonic()
+        unusable: list[str] = []
+        with bar.progress:
+            await rt.submit(agent, turn_input, ids)
+            finals = await rt.wait(
+                ids, timeout=24 * 3600, on_done=bar.advance,
+                on_unusable=lambda tid, _exc: unusable.append(tid),
+            )  # fmt: skip
+        stats = _stats_of(finals, time.monotonic() - started)
+        stats.quarantined.extend(unusable)
+        stats.host_rss_mib = [round(h.rss_bytes / 2**20, 1) for h in await rt.host_info()]
+        return stats
+
+    stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
+    _summary(f"run {rid}: {work.label}", stats, report, ids)
+    _exit_unless_final(stats)
+
+
+@main.command()
+@_common
+@click.argument("named", metavar="[TURN_ID]...", nargs=-1)
+@_ray_options
+@_report_option
+def resume(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    named: tuple[str, ...], in_process: bool, hosts: int, ray_address: str | None,
+    report: str | None,
+) -> None:  # fmt: skip
+    """Resume every in-progress turn in the store, or just the TURN_IDs (a suspended one too:
+    after a fix, it runs again), and run them to the end."""
+    settings = _settings(config_path, redis_url, namespace)
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    for tid in named:
+        check_turn_id(tid)
+
+    async def chosen(store: RedisCheckpointStore) -> list[str]:
+        """The named turns that are (now) in progress; the others are reported as they are."""
+        ids = []
+        for tid in dict.fromkeys(named):
+            try:
+                record = await reopen(store, tid)
+            except RecordNotFound:
+                raise BadInput(f"no turn {tid} in namespace {keys.namespace!r}") from None
+            if record.in_progress:
+                ids.append(tid)
+            else:
+                console.print(f"turn {tid} is final already ({record.counters.outcome})")
+        return ids
+
+    async def in_proc(client: StoreClient) -> RunStats:
+        store = RedisCheckpointStore(client, keys)
+        ids = await chosen(store) if named else None
+        bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
+        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        with bar.progress:
+            if ids is None:
+                return await engine.resume_all()
+            await engine.probations.note_predecessor(died=True)
+            return await engine.resume_turns(ids)
+
+    async def on_ray(rt: Runtime) -> RunStats:
+        # The supervisor has every host adopt its slot's in-progress turns as it starts.
+        started = time.monotonic()
+        errors: list[str] = []
+        if named:
+            ids = await chosen(rt.store)
+            await rt.adopt(ids)
+        else:
+            scan = await rt.store.load_in_progress()
+            ids = [r.turn_id for r in scan.records]
+            errors = [e.key for e in scan.errors]
+        bar = _Bar(len(ids), "resume")
+        with bar.progress:
+            finals = await rt.wait(
+                ids, timeout=24 * 3600, on_done=bar.advance,
+                on_unusable=lambda tid, _exc: errors.append(tid),
+            )  # fmt: skip
+        stats = _stats_of(finals, time.monotonic() - started)
+        stats.quarantined.extend(errors)
+        return stats
+
+    stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
+    _summary("resume", stats, report)
+    _exit_unless_final(stats)
+
+
+@main.command()
+@_common
+@_work_options
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
+@click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
+@_nodes_option
+@click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
+              help="SIGKILL host 0 once this fraction of the turns has finished "
+                   "(0: as soon as they are submitted).")  # fmt: skip
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@_verdict_option
+@_report_option
+def demo(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, verdict_mode: str,
+    report: str | None,
+) -> None:  # fmt: skip
+    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
+    of a scenario (default tool_loop), or of an agent on one input. The exact verdict compares
+    each transcript with a fault-free run in this process (the endpoint must answer each
+    conversation deterministically: a local model at temperature 0 does); --verdict promises
+    checks the runtime's promises for any model."""
+    rid = f"demo{new_run_id()}"
+    settings = _settings(config_path, redis_url, namespace or rid)
+    if scenario_path is None and agent_path is None:
+        scenario_path = "tool_loop"
+    work = _work(scenario_path, agent_path, input_text)
+    ids = turn_ids(rid, turns)
+    bar = _Bar(turns, f"demo {rid}", force=True)
+
+    mode = VerdictMode(verdict_mode)
+
+    def killed(pid: int) -> None:
+        console.print(
+            f"[yellow]SIGKILLed host 0 (pid {pid}) on purpose: the demo's kill. Ray reports "
+            "the worker's death next (it may guess the OOM killer); its turns resume elsewhere."
+        )
+
+    async def go(rt: Runtime) -> DemoReport:
+        with bar.progress:
+            return await run_demo(
+                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed
+            )
+
+    with _ray_nodes(nodes, ray_address) as (address, _local):
+        result = _run_on_ray(settings, hosts, address, go)
+    data = result.as_dict()
+    title = f"demo {rid}: {turns} turns of {work.label} on {hosts} hosts"
+    table = Table(title=title, show_header=False)
+    for k in ("completed", "correct", "resumed", "checkpoints", "kills", "respawns", "wall_s",
+              "turns_per_s"):  # fmt: skip
+        value = data[k]
+        table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
+    table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")
+    out.print(table)
+    for kind, examples in result.verdict.as_dict()["examples"].items():  # type: ignore[attr-defined]
+        for line in examples:
+            console.print(f"[red]{kind}: {line}")
+    if report:
+        Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    if not result.ok:
+        sys.exit(ExitStatus.ERROR)

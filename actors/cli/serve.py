@@ -1,0 +1,180 @@
+"""Running a deployment: ``serve`` (until a signal, optionally draining) and ``redis`` (the
+embedded server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+
+import click
+import ray
+
+from actors.cli.app import _appendfsync, _common, _run_with_url, _settings, console, main, out
+from actors.cluster.runtime import Runtime
+from actors.engine.config import Settings
+from store.connection import StoreClient, redact_url
+from store.embedded import EmbeddedRedis
+
+
+@main.command()
+@_common
+@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+              help="Number of TurnActor actors.")  # fmt: skip
+@click.option("--agent", "agents", multiple=True,
+              help="Import path of an agent whose tools need Ray resources, so their tool "
+                   "worker pools start (repeat it).")  # fmt: skip
+@click.option("--ray-address", default=None,
+              help="Join this Ray cluster (default: start a private one; others join it with "
+                   "--ray-address and the address this prints).")  # fmt: skip
+@click.option("--drain", is_flag=True, default=False,
+              help="When stopped, wait for the running turns to finish (a second Ctrl-C stops "
+                   "at once).")  # fmt: skip
+def serve(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    hosts: int, agents: tuple[str, ...], ray_address: str | None, drain: bool,
+) -> None:  # fmt: skip
+    """Run a deployment until stopped. SIGTERM or Ctrl-C stops it cleanly: no new turns start,
+    running ones get [supervisor] stop_grace_s to reach their next checkpoint (--drain: to
+    finish), then it says how many are left in progress (they resume when the namespace is
+    served again). A serve that finds its namespace already served on this Ray cluster
+    attaches to it instead, and leaving stops nothing. Submit with phaseline submit
+    --ray-address ..., follow turns with phaseline watch."""
+    settings = _settings(config_path, redis_url, namespace)
+    ns = settings.redis.namespace
+
+    async def go(_client: StoreClient, url: str) -> None:
+        rt = await Runtime.start(
+            settings, redis_url=url, hosts=hosts, ray_address=ray_address, agents=agents
+        )
+        stops = _StopSignals()  # after Ray's start: its core worker sets a SIGTERM handler
+        address = ray.get_runtime_context().gcs_address
+        if rt.owner is None:
+            console.print(
+                f"attached to the deployment of namespace {ns!r} already running on this Ray "
+                "cluster (this serve is a client of it: leaving stops nothing)"
+            )
+        console.print(
+            f"serving namespace {ns!r}: {rt.dep.hosts} hosts on Redis {redact_url(url)}, Ray "
+            f"cluster {address}; submit with: phaseline submit --ray-address {address} "
+            "--agent PATH --input TEXT"
+        )
+        try:
+            while not stops.first.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stops.first.wait(), SERVE_CHECK_S)  # the check period
+                if not stops.first.is_set() and not await rt.alive():
+                    raise click.ClickException(
+                        f"the deployment of namespace {ns!r} stopped under this serve (its "
+                        "supervisor is gone: the Ray cluster lost it, or another deployment took "
+                        "the namespace over); in-progress turns stay in Redis"
+                    )
+            if rt.owner is None:
+                console.print(f"leaving; the deployment of namespace {ns!r} keeps running")
+                return
+            await _stop_serving(rt, settings, drain, stops)
+        finally:
+            await rt.shutdown()
+            stops.restore()
+
+    try:
+        _run_with_url(go, settings)
+    except KeyboardInterrupt:  # Ctrl-C while starting: nothing ran yet
+        sys.exit(130)
+
+
+#: How often ``serve`` checks that its deployment still runs.
+SERVE_CHECK_S = 2.0
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT as events of the running loop: the first asks for a clean stop,
+    the second for a stop now."""
+
+    def __init__(self) -> None:
+        self.first, self.second = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
+
+    def restore(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
+
+
+async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _StopSignals) -> None:
+    """No new turns; the running ones reach their next checkpoint (or finish, with
+    ``drain``) unless a second signal comes; then say what is left."""
+    running = await rt.stop_taking()
+    before = {t: (await rt.store.load(t)).seq for t in await rt.store.list_in_progress()}
+    grace = settings.supervisor.stop_grace_s
+    if drain:
+        console.print(f"stopping: waiting for {len(before)} turns in progress to finish "
+                      "(Ctrl-C again stops now)")  # fmt: skip
+    else:
+        console.print(f"stopping: {running} turns running get {grace:g} s to reach their next "
+                      "checkpoint (Ctrl-C again stops now)")  # fmt: skip
+
+    async def settled() -> bool:
+        left = await rt.store.list_in_progress()
+        if drain:
+            return not left
+        for tid in left:
+            if tid in before and (await rt.store.load(tid)).seq == before[tid]:
+                return False
+        return True
+
+    deadline = None if drain else time.monotonic() + grace
+    while not stops.second.is_set() and not await settled():
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stops.second.wait(), 0.5)  # the poll period
+    left = len(await rt.store.list_in_progress())
+    console.print(
+        f"stopped: {left} turns left in progress; they resume from their last checkpoints when "
+        f"namespace {settings.redis.namespace!r} is served again"
+        if left
+        else "stopped: no turn left in progress"
+    )
+
+
+@main.command("redis")
+@_common
+@click.option("--data-dir", default=None,
+              help="AOF directory (default: [redis] data_dir, else $PHASELINE_DATA_DIR, else "
+                   "~/.local/state/phaseline/redis).")  # fmt: skip
+def redis_cmd(
+    redis_url: str | None, namespace: str | None, config_path: str | None, data_dir: str | None
+) -> None:
+    """Start the embedded redis-server, print its URL, keep it until interrupted."""
+    settings = _settings(config_path, redis_url, namespace)
+    server = EmbeddedRedis(
+        data_dir=data_dir or settings.redis.data_path(),
+        appendfsync=_appendfsync(settings),
+    )
+    try:
+        url = server.start()
+        out.print(redact_url(url), highlight=False)
+        console.print(
+            f"[dim]full URL (with the password) in {server.data_dir / 'url'}, mode 0600; "
+            "commands without --redis-url find it there"
+        )
+        assert server.process is not None
+        # Never one blocking wait: a signal that lands just before the waitpid call would
+        # only run its handler once the call returns (never, the server runs on). A wait
+        # with a timeout polls, and each poll lets a pending handler run.
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(timeout=1.0)
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
