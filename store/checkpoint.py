@@ -59,22 +59,18 @@ from store.connection import (
     translated,
 )
 from store.connection import raw as raw_bytes
-from store.durability import Durability, DurabilityKind
+from store.durability import Durability, DurabilityWait
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord, SaveAck, TurnSpec
-from store.retention import Retention, retained_keys
+from store.retention import Retention
+from store.save_script import REPLAYED, SAVE_LUA, save_answer, save_call
 from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
 from store.transcript import KnownBodies
-from store.usage import tally_args
 
 log = logging.getLogger(__name__)
 
-_SAVE_LUA = lua_script("checkpoint_save.lua")
 _LOAD_LUA = lua_script("checkpoint_load.lua")
-
-#: ``SaveAck.event_id`` of a save that had already landed (its event id is not re-read).
-REPLAYED = "replayed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +111,8 @@ class RedisCheckpointStore:
         self.events_maxlen = events_maxlen
         self.max_record_bytes = max_record_bytes
         self.durability = durability
-        self._has_waitaof: bool | None = None
-        self._save_script = client.register_script(_SAVE_LUA)
+        self.waiter = DurabilityWait(client, durability)
+        self._save_script = client.register_script(SAVE_LUA)
         self._load_script = client.register_script(_LOAD_LUA)
         self.known = KnownBodies()
         """What this store's own saves (of :class:`CheckpointRecord`) left in Redis, so the
@@ -180,7 +176,7 @@ class RedisCheckpointStore:
                 answers[i] = exc
         if sent:
             try:
-                wait = await self.wait_command()
+                wait = await self.waiter.command()
                 if self.atomic is AtomicSave.SCRIPT:
                     replies = await self._pipelined(writes, sent, wait)
                 else:
@@ -223,7 +219,7 @@ class RedisCheckpointStore:
             if not todo:
                 break
             with translated("load the save script"):
-                await self.client.script_load(_SAVE_LUA)
+                await self.client.script_load(SAVE_LUA)
         return [out[i] for i in sent]
 
     async def _pipelined_by_slot(
@@ -249,7 +245,7 @@ class RedisCheckpointStore:
         slot_key = self.keys.turn(writes[group[0]].record.turn_id)
         for _ in range(REDIRECT_ATTEMPTS):
             with translated(f"save {len(todo)} records"):
-                commands: list[tuple[object, ...]] = [("SCRIPT", "LOAD", _SAVE_LUA)] * load
+                commands: list[tuple[object, ...]] = [("SCRIPT", "LOAD", SAVE_LUA)] * load
                 for i in todo:
                     keys, args = self._save_call(writes[i].record, writes[i].spec)
                     commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
@@ -302,7 +298,7 @@ class RedisCheckpointStore:
         self, writes: Sequence[_Write], replies: list[object], wait_reply: object
     ) -> list[object]:
         """Saves that landed but whose durability wait fell short become NotDurable."""
-        problem = self.not_durable(wait_reply)
+        problem = self.waiter.shortfall(wait_reply)
         if not problem:
             return replies
         return [
@@ -311,51 +307,6 @@ class RedisCheckpointStore:
             else r
             for w, r in zip(writes, replies, strict=True)
         ]
-
-    async def wait_command(self) -> tuple[str | int, ...] | None:
-        """The command that ends a batch under the configured durability (None: none)."""
-        d = self.durability
-        if d.kind is DurabilityKind.ACK:
-            return None
-        if d.kind is DurabilityKind.REPLICAS:
-            return ("WAIT", d.replicas, d.timeout_ms)
-        if self._has_waitaof is None:
-            self._has_waitaof = await self._probe_fsync()
-        return ("WAITAOF", 1, 0, d.timeout_ms) if self._has_waitaof else None
-
-    async def _probe_fsync(self) -> bool:
-        """True if the server has WAITAOF; False if it fsyncs every write anyway
-        (``appendfsync always``: what the embedded Redis 6.2 fallback runs with); otherwise
-        ``fsync`` cannot be promised and saves fail as :class:`NotDurable`."""
-        try:
-            await self.client.execute_command("WAITAOF", 0, 0, 0)
-            return True
-        except redis.ResponseError as exc:
-            if "unknown command" not in str(exc).lower():
-                raise NotDurable(f"durability fsync: WAITAOF refused ({exc})") from exc
-        except (redis.RedisError, OSError) as exc:
-            raise StoreError(f"probe WAITAOF: {exc}") from exc
-        try:
-            conf = await self.client.config_get("appendfsync")
-        except (redis.RedisError, OSError) as exc:
-            raise NotDurable(f"durability fsync: no WAITAOF and CONFIG refused ({exc})") from exc
-        if text(next(iter(conf.values()), None) or b"") == "always":
-            return False
-        raise NotDurable(
-            "durability fsync needs WAITAOF (Redis >= 7.2, Valkey) or appendfsync always"
-        )
-
-    def not_durable(self, reply: object) -> str:
-        """Why a batch's WAIT/WAITAOF reply falls short of the promise ('' if it does not)."""
-        if isinstance(reply, Exception):
-            return f"{self.durability} not confirmed: {reply}"
-        d = self.durability
-        if d.kind is DurabilityKind.REPLICAS:
-            got = int(reply) if isinstance(reply, int) else -1
-            return "" if got >= d.replicas else f"{got} of {d.replicas} replicas in time"
-        if isinstance(reply, list) and reply and int(reply[0]) >= 1:
-            return ""
-        return f"local AOF not fsynced within {d.timeout_ms} ms ({reply!r})"
 
     def queue_save(
         self,
@@ -368,51 +319,18 @@ class RedisCheckpointStore:
         the script's text, which needs no ``SCRIPT LOAD`` beforehand on whichever node the
         pipeline reaches (opening a session's turn is rare; the text is 3 KB)."""
         keys, args = self._save_call(record, spec)
-        pipe.eval(_SAVE_LUA, len(keys), *keys, *args)
+        pipe.eval(SAVE_LUA, len(keys), *keys, *args)
 
     def _save_call(
         self, record: EncodedRecord, spec: tuple[str, bytes] | None
     ) -> tuple[list[str], list[bytes | str | int]]:
-        """KEYS and ARGV of the save script (its contract is on top of the script)."""
-        turn_id = record.turn_id
-        keys = [self.keys.turn(turn_id), self.keys.bodies(turn_id), self.keys.events_of(turn_id)]
-        keys += [self.keys.in_progress_of(turn_id), self.keys.usage_of(turn_id)]
-        keys += [*retained_keys(self.keys, turn_id), self.keys.turns_of(turn_id)]
-        args: list[bytes | str | int] = [
-            record.epoch, record.seq, turn_id, record.phase, record.reason,
-            int(record.in_progress), self.events_maxlen, b"" if spec is None else spec[1],
-            int(record.replace), len(record.puts), len(record.drops), *tally_args(record),
-            self.retention.ttl_ms_of(record),
-        ]  # fmt: skip
-        for address, body in record.puts.items():
-            args += (address, body)
-        args += record.drops
-        for name, value in record.fields.items():
-            args += (name, value)
-        return keys, args
+        return save_call(
+            self.keys, record, spec, events_maxlen=self.events_maxlen, retention=self.retention
+        )
 
     def answer(self, record: EncodedRecord, reply: object) -> SaveAck | StoreError:
         """Turn the script's reply for one save into an ack or the typed refusal."""
-        turn, key = record.turn_id, self.keys.turn(record.turn_id)
-        if isinstance(reply, Exception):
-            return StoreError(f"save of {turn} failed in Redis: {reply}")
-        if not isinstance(reply, list) or not reply:
-            return StoreError(f"save of {turn}: unexpected reply {reply!r:.80}")
-        status, *rest = (text(v) if isinstance(v, bytes | str) else str(v) for v in reply)
-        if status == "ok":
-            return SaveAck(turn, record.epoch, record.seq, rest[0])
-        if status == "exists":
-            return TurnExists(f"turn {turn} already exists")
-        stored = f"stored epoch {rest[0]!r} seq {rest[1]!r}" if len(rest) == 2 else "?"
-        if status == "unreadable":
-            return RecordError(key, f"stored epoch/seq unreadable: {stored}")
-        if status == "stale_epoch":
-            return StaleOwner(f"turn {turn}: epoch {record.epoch} is stale, {stored}")
-        if status == "already":
-            return AlreadySaved(f"turn {turn}: seq {record.seq} already stored, {stored}")
-        if status == "stale_seq":
-            return StaleOwner(f"turn {turn}: seq {record.seq} is not newer, {stored}")
-        return StoreError(f"save of {turn}: unknown script answer {status!r}")
+        return save_answer(record, self.keys.turn(record.turn_id), reply)
 
     async def load(self, turn_id: str) -> CheckpointRecord:
         """The stored record; a record that fails to decode is quarantined and reported."""

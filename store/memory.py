@@ -14,6 +14,7 @@ from bus.errors import StaleOwner
 from store.codec import pack_model, unpack_model
 from store.ledger import Change, LedgerRead
 from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck
+from store.save_script import REPLAYED, SaveStatus, fence
 
 __all__ = ["MemoryCheckpoints", "MemoryInbox", "MemoryLedger"]
 
@@ -27,11 +28,16 @@ class MemoryCheckpoints:
 
     async def save(self, record: CheckpointRecord) -> SaveAck:
         stored = self.records.get(record.turn_id)
-        if stored is not None and (
-            stored.epoch > record.epoch
-            or (stored.epoch == record.epoch and stored.seq >= record.seq)
-        ):
-            raise StaleOwner(f"turn {record.turn_id}: epoch/seq not newer than the stored one")
+        if stored is not None:
+            fences = [str(stored.epoch).encode(), str(stored.seq).encode()]
+            refusal = fence(fences, record.epoch, record.seq, same=stored == record)
+            if refusal is not None and refusal[0] is SaveStatus.ALREADY:
+                return SaveAck(record.turn_id, record.epoch, record.seq, REPLAYED)
+            if refusal is not None:
+                raise StaleOwner(
+                    f"turn {record.turn_id}: {refusal[0]!s} (stored epoch {stored.epoch} seq "
+                    f"{stored.seq})"
+                )
         self.records[record.turn_id] = record
         self._events += 1
         return SaveAck(record.turn_id, record.epoch, record.seq, f"{self._events}-0")

@@ -148,7 +148,7 @@ class Sessions:
                         spec, record = build(previous, new)
                         encoded = EncodedRecord.of(record)
                         check_record_size(spec.turn_id, encoded.nbytes, self.store.max_record_bytes)
-                        wait = await self.store.wait_command()
+                        wait = await self.store.waiter.command()
                         pipe.multi()  # type: ignore[no-untyped-call]
                         pipe.hset(key, mapping={"turns": n, "latest": spec.turn_id})
                         pipe.persist(key)  # its last turn's end set a time to live: it goes on
@@ -165,7 +165,7 @@ class Sessions:
             answer = self.store.answer(encoded, replies[3 if queued is not None else 2])
             if not isinstance(answer, SaveAck):
                 raise answer
-            problem = self.store.not_durable(replies[-1]) if wait else ""
+            problem = self.store.waiter.shortfall(replies[-1]) if wait else ""
             if problem:
                 raise StoreError(f"turn {spec.turn_id} opened but not durable: {problem}")
             return spec, record

@@ -37,6 +37,7 @@ from store.connection import (
 )
 from store.keys import KeyLayout
 from store.retention import Retention, retained_keys
+from store.save_script import SaveStatus, fence
 from store.usage import TALLY_COUNTERS, tally_args
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
@@ -59,30 +60,6 @@ class AtomicSave(StrEnum):
     """One server-side script per save (``store/lua/checkpoint_save.lua``), pipelined."""
     MULTI_EXEC = "multi_exec"
     """Optimistic: ``WATCH`` the records, read their fences, ``MULTI`` ... ``EXEC``."""
-
-
-def fence(
-    stored: Sequence[bytes | None], epoch: int, seq: int, *, same: bool
-) -> list[bytes | str] | None:
-    """The save script's fence in Python: None if a save at (epoch, seq) may land over the
-    stored ``[epoch, seq]``, else the script's refusal (``[status, epoch, seq]``). ``same``:
-    the stored record is this save's, field for field (only then is an equal (epoch, seq) a
-    replay; otherwise it is a rival's record and the save is stale)."""
-    e_raw, s_raw = stored
-    if e_raw is None and s_raw is None:
-        return None
-    shown: list[bytes | str] = [e_raw or b"", s_raw or b""]
-    try:
-        e, s = int(e_raw or b""), int(s_raw or b"")
-    except ValueError:
-        return ["unreadable", *shown]
-    if e > epoch:
-        return ["stale_epoch", *shown]
-    if e == epoch and s == seq and same:
-        return ["already", *shown]
-    if seq <= s:
-        return ["stale_seq", *shown]
-    return None
 
 
 def save_commands(
@@ -192,7 +169,7 @@ class ShardBatch:
             at += 3 if spec is not None else 2
             if isinstance(stored, list):
                 refusal = fence(stored[:2], r.epoch, r.seq, same=True)
-                if refusal is not None and refusal[0] == "already":
+                if refusal is not None and refusal[0] is SaveStatus.ALREADY:
                     candidates.append(i)
         if not candidates:
             return {}
@@ -226,7 +203,7 @@ class ShardBatch:
                 replies.append(problem)
                 continue
             if exists:
-                replies.append(["exists"])
+                replies.append([SaveStatus.EXISTS])
                 continue
             assert isinstance(stored, list)
             refusal = fence(stored[:2], r.epoch, r.seq, same=replays.get(i, False))
@@ -259,7 +236,7 @@ class ShardBatch:
         ends = [start for _, start, _ in accepted[1:]] + [len(writes)]
         for (i, start, xadd), end in zip(accepted, ends, strict=True):
             problem = next((x for x in result[start:end] if isinstance(x, Exception)), None)
-            replies[i] = problem if problem is not None else ["ok", result[xadd]]
+            replies[i] = problem if problem is not None else [SaveStatus.OK, result[xadd]]
         return replies, out[-1] if tail else None
 
 

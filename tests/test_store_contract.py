@@ -26,12 +26,13 @@ from bus.messages import Message, ToolCall, ToolResult, Usage
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import TurnPhase
 from store import transaction
-from store.checkpoint import REPLAYED, RedisCheckpointStore
+from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
 from store.connection import connect
 from store.keys import KeyLayout
 from store.records import SCHEMA_VERSION, CheckpointRecord, Counters, MessageMeta, SaveAck, TurnSpec
 from store.retention import Retention, TurnPurger
+from store.save_script import REPLAYED
 from store.transaction import AtomicSave
 from store.transcript import CHUNK, KnownBodies, Plan, Transcript
 from store.usage import agent_usage

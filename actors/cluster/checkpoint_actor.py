@@ -34,9 +34,10 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
 from actors.cluster.metrics import metrics
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
-from store.checkpoint import REPLAYED, RedisCheckpointStore
+from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
 from store.records import CheckpointRecord, SaveAck
+from store.save_script import REPLAYED
 from store.transcript import KnownBodies
 
 log = logging.getLogger(__name__)

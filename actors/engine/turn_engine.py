@@ -534,8 +534,6 @@ class TurnEngine:
             loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
             return await self._agent_unavailable(record, spec, exc)
-        except Exception as exc:  # the agent's own code failed while its turn was set up
-            return await self._run_failed(record, exc, progressed=False)
         except _AgentChanged as changed:
             return await self._park(
                 record, Outcome.SUSPENDED_AGENT_CHANGED,
@@ -544,6 +542,8 @@ class TurnEngine:
                                   f"({changed}); phaseline resume {record.turn_id} goes on "
                                   "with it as it is now"),
             )  # fmt: skip
+        except Exception as exc:  # the agent's own code failed while its turn was set up
+            return await self._run_failed(record, exc, progressed=False)
         return await self.drive(loop)
 
     async def _run_failed(
