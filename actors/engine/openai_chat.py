@@ -49,12 +49,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import json
 import logging
 import os
-import re
-import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -62,13 +59,13 @@ from typing import Any
 
 import openai
 
+from actors.engine.openai_errors import scrub, status_error, with_cause
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.tools import ToolSpec
 from bus.errors import (
     AwaitingAdmission,
     ConfigError,
-    ContextLengthError,
     FatalLLMError,
     LLMError,
     RateLimitedLLMError,
@@ -87,23 +84,8 @@ log = logging.getLogger(__name__)
 #: process, their calls with tools are made without streaming.
 _NO_TOOL_STREAMS: set[tuple[str, str]] = set()
 
-#: What looks like an API key inside an endpoint's error message (OpenAI quotes a masked one).
-_KEYLIKE = re.compile(r"\b(sk|key|pk)-[A-Za-z0-9_\-*]{6,}")
-
 #: The host of OpenAI's own API: the one endpoint that always needs a key.
 OPENAI_HOST = "api.openai.com"
-
-#: HTTP statuses worth asking again (OpenAI's own guidance, and what its SDK retries); 429 is
-#: a rate limit, its own case.
-RETRYABLE_STATUS = frozenset({408, 409})
-
-#: The provider codes of a rate-limit refusal (OpenAI's; others answer 429).
-RATE_LIMIT_CODES = frozenset({"rate_limit_exceeded", "rate_limit_error"})
-
-#: One part of a duration as OpenAI writes ``x-ratelimit-reset-*``: ``6m0s``, ``1.5s``, ``20ms``.
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens")
 
 #: Key of the arguments of a tool call whose arguments were not a JSON object: the tool's
 #: validation refuses it, so the model reads why instead of the turn failing.
@@ -305,11 +287,11 @@ class OpenAIChatClient:
             whole = await self.sdk.chat.completions.create(**self._request(request, stream=False))
             return self._whole(whole)
         except openai.APIStatusError as exc:
-            raise _status_error(exc) from None
+            raise status_error(exc) from None
         except openai.APIConnectionError as exc:  # APITimeoutError included
-            raise RetryableLLMError(_scrub(_with_cause(exc))) from None
+            raise RetryableLLMError(scrub(with_cause(exc))) from None
         except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
-            raise RetryableLLMError(f"{type(exc).__name__}: {_scrub(str(exc))}") from None
+            raise RetryableLLMError(f"{type(exc).__name__}: {scrub(str(exc))}") from None
 
     async def _after_empty_stream(self, request: LLMRequest) -> LLMReply:
         """The call again without streaming. llama.cpp's server ends an empty stream by
@@ -323,7 +305,7 @@ class OpenAIChatClient:
             if isinstance(exc, openai.APITimeoutError):
                 raise
             log.info("%s dropped the request after an empty stream; sending it again: %s",
-                     redact_url(self.cfg.endpoint()), _with_cause(exc))  # fmt: skip
+                     redact_url(self.cfg.endpoint()), with_cause(exc))  # fmt: skip
             return self._whole(await self.sdk.chat.completions.create(**body))
 
     def _remember_empty_stream(self, request: LLMRequest) -> None:
@@ -388,7 +370,7 @@ class OpenAIChatClient:
         except openai.APIStatusError:
             raise
         except Exception as exc:  # the transport's own errors: the stream was cut
-            what = _scrub(f"{type(exc).__name__}: {exc}")
+            what = scrub(f"{type(exc).__name__}: {exc}")
             raise RetryableLLMError(f"stream cut mid-way ({what})") from None
         if finish is None:
             if not text and not calls:
@@ -440,63 +422,3 @@ def estimate_tokens(request: LLMRequest, max_tokens: int | None) -> int:
     )
     reply = max_tokens or 256
     return size // 4 + reply * (2 if request.more_room else 1)  # fmt: skip
-
-
-def _with_cause(exc: BaseException) -> str:
-    """The SDK's words and what is under them (its "Connection error." alone says nothing:
-    refused, reset, a name that does not resolve ...)."""
-    what = f"{type(exc).__name__}: {exc}"
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and str(cause) != str(exc):
-        what += f" ({type(cause).__name__}: {cause})"
-    return what
-
-
-def _scrub(text: str) -> str:
-    """An endpoint's words without anything that looks like a key."""
-    return _KEYLIKE.sub(r"\1-***", text)
-
-
-def retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """How long a rate-limit refusal asks to wait, from its headers, in the order a provider
-    means them: ``retry-after-ms``, ``retry-after`` (seconds or an HTTP date), the longest of
-    ``x-ratelimit-reset-requests`` and ``-tokens`` (``1s``, ``6m0s``, ``20ms``). None when no
-    header says (or none can be read)."""
-    lower = {k.lower(): v.strip() for k, v in headers.items()}
-    try:
-        if "retry-after-ms" in lower:
-            return max(0.0, float(lower["retry-after-ms"]) / 1000)
-        if "retry-after" in lower:
-            value = lower["retry-after"]
-            try:
-                return max(0.0, float(value))
-            except ValueError:
-                when = email.utils.parsedate_to_datetime(value)
-                return max(0.0, when.timestamp() - time.time())
-    except (ValueError, TypeError, OverflowError):
-        pass
-    resets = [_duration_s(lower[k]) for k in _RESET_HEADERS if k in lower]
-    known = [r for r in resets if r is not None]
-    return max(known) if known else None
-
-
-def _duration_s(text: str) -> float | None:
-    parts = _DURATION_PART.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
-        return None
-    return sum(float(n) * _SECONDS[u] for n, u in parts)
-
-
-def _status_error(exc: openai.APIStatusError) -> LLMError:
-    what = _scrub(f"HTTP {exc.status_code}: {exc.message}")
-    if exc.status_code == 429 or exc.code in RATE_LIMIT_CODES:
-        return RateLimitedLLMError(
-            what, retry_after_s=retry_after_s(exc.response.headers), status=exc.status_code,
-            code=exc.code, request_id=exc.request_id,
-        )  # fmt: skip
-    kind: type[LLMError] = FatalLLMError
-    if exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
-        kind = RetryableLLMError
-    elif exc.code == "context_length_exceeded" or "context_length_exceeded" in str(exc.body):
-        kind = ContextLengthError
-    return kind(what, status=exc.status_code, code=exc.code, request_id=exc.request_id)
