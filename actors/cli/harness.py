@@ -34,8 +34,9 @@ from actors.cli.runs import (
     _work,
     _work_options,
 )
+from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
-from actors.cluster.runtime import Runtime, ensure_ray
+from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench

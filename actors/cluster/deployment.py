@@ -197,3 +197,20 @@ class HostDirectory:
 async def ask(ref: Any, timeout: float) -> Any:
     """Await a Ray call for at most ``timeout`` seconds (``asyncio.TimeoutError`` past it)."""
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Start a private local Ray (or join ``address``) unless one is up; True if this started
+    it. Without an address Ray is started, never joined: ``ray.init()`` alone would join any
+    cluster ``ray start`` left on the machine, and leave this deployment (its Redis password
+    included) in someone else's cluster."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=address or "local",
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return address is None

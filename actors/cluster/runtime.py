@@ -7,7 +7,6 @@ Supervisor (detached) keeps the actors alive, so a ``Runtime`` can be dropped an
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -26,10 +25,11 @@ from actors.cluster.deployment import (
     HostDirectory,
     actor_name,
     ask,
+    ensure_ray,
     pool_name,
-    ray_cluster_id,
 )
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
+from actors.cluster.namespace_claim import claim_namespace, may_stop
 from actors.cluster.placement import singleton_options
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
@@ -39,19 +39,17 @@ from actors.engine.submission import new_turns, session_turn
 from bus.errors import (
     ConfigError,
     PhaselineError,
-    RecordError,
-    RecordNotFound,
     SessionBusy,
     StoreError,
-    StoreUnavailable,
     TurnExists,
 )
 from bus.events import WatchEvent
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, read_streams, redact_url, text, translated
+from store.connection import StoreClient, redact_url, translated
+from store.finals import wait_final
 from store.inbox import Inbox
-from store.ownership import Claim, Holder, NamespaceOwner
+from store.ownership import Holder, NamespaceOwner
 from store.records import Approval, CheckpointRecord, InboxItem, QueuedTurn, TurnInput
 from store.sessions import IfBusy, Sessions
 from store.watch import watch_turn
@@ -69,23 +67,6 @@ class SessionSubmit:
     """The running turn it waits for, when queued."""
     place: int = 0
     """Its place in the session's queue (1: next), when queued."""
-
-
-def ensure_ray(address: str | None = None) -> bool:
-    """Start a private local Ray (or join ``address``) unless one is up; True if this started
-    it. Without an address Ray is started, never joined: ``ray.init()`` alone would join any
-    cluster ``ray start`` left on the machine, and leave this deployment (its Redis password
-    included) in someone else's cluster."""
-    if ray.is_initialized():
-        return False
-    ray.init(
-        address=address or "local",
-        namespace=RAY_NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return address is None
 
 
 class Runtime:
@@ -152,7 +133,7 @@ class Runtime:
         try:
             with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
                 await client.ping()
-            owner = await _claim(client, dep)
+            owner = await claim_namespace(client, dep)
         except PhaselineError:
             await client.aclose()
             if owns_ray:
@@ -167,23 +148,7 @@ class Runtime:
         ).remote(dep.to_wire())
         info = SupervisorInfo.of(await supervisor.ensure.remote())
         running = Deployment.from_wire(info.deployment)
-        if running.redis_url != redis_url:
-            raise ConfigError(
-                f"namespace {settings.redis.namespace!r} already runs on this Ray cluster with "
-                f"Redis {redact_url(running.redis_url)}; use that Redis or another --namespace"
-            )
-        if owner is None:
-            holder = await NamespaceOwner(client, dep.keys, ttl_s=1).holder()
-            log.warning(
-                "namespace %r already runs on this Ray cluster (%d hosts, owned by %s): "
-                "attached to it as a client; leaving stops nothing",
-                settings.redis.namespace, running.hosts, holder.line() if holder else "?",
-            )  # fmt: skip
-        elif running.hosts != hosts:
-            raise ConfigError(
-                f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts; "
-                "shut it down first or use another --namespace"
-            )
+        await _check_running(client, dep, running, owner)
         return cls(running, client, supervisor, owns_ray, owner=owner)
 
     @classmethod
@@ -401,66 +366,13 @@ class Runtime:
         on_done: Callable[[str], None] | None = None,
         on_unusable: Callable[[str, StoreError], None] | None = None,
     ) -> dict[str, CheckpointRecord]:
-        """Block until every turn's final record is stored; returns them. A turn whose record
-        is unreadable (quarantined) or gone is not waited for: it is left out of the answer
-        and reported to ``on_unusable`` (logged if there is none). Only a Redis that is away
-        (:class:`StoreUnavailable`) is waited through."""
-        waiting = set(turn_ids)
-        done: dict[str, CheckpointRecord] = {}
-        keys = self.dep.keys
-        cursors = {keys.events(s): "0-0" for s in keys.all_shards()}
-        deadline = time.monotonic() + timeout
-        last_scan = 0.0
-        while waiting:
-            now = time.monotonic()
-            if now > deadline:
-                raise PhaselineError(f"{len(waiting)} turns still running after {timeout:g} s")
-            scan = now - last_scan > 5  # events may be trimmed: every 5 s, confirm from records
-            if scan:
-                last_scan = now
-            try:
-                await self._collect(
-                    waiting, done, cursors, scan=scan, on_done=on_done, on_unusable=on_unusable
-                )
-            except StoreUnavailable as exc:  # Redis restarting: keep waiting
-                log.warning("waiting through a Redis error: %s", exc)
-                await asyncio.sleep(0.5)
-        return done
-
-    async def _collect(
-        self,
-        waiting: set[str],
-        done: dict[str, CheckpointRecord],
-        cursors: dict[str, str],
-        *,
-        scan: bool,
-        on_done: Callable[[str], None] | None,
-        on_unusable: Callable[[str, StoreError], None] | None,
-    ) -> None:
-        finished: set[str] = set()
-        for stream, entries in await read_streams(self.client, cursors, count=5000, block_ms=500):
-            for entry_id, fields in entries:
-                cursors[stream] = entry_id
-                tid = text(fields[b"turn_id"])
-                if tid in waiting and fields[b"in_progress"] == b"0":
-                    finished.add(tid)
-        if scan:  # events may be trimmed: confirm from the records
-            finished |= waiting - set(await self.store.list_in_progress())
-        for tid in finished & waiting:
-            try:
-                record = await self.store.load(tid)
-            except (RecordError, RecordNotFound) as exc:
-                waiting.discard(tid)
-                log.error("turn %s cannot be waited for: %s", tid, exc)
-                if on_unusable is not None:
-                    on_unusable(tid, exc)
-                continue
-            if record.in_progress:
-                continue
-            done[tid] = record
-            waiting.discard(tid)
-            if on_done is not None:
-                on_done(tid)
+        """Block until every turn's final record is stored; returns them (see
+        :func:`store.finals.wait_final`: an unreadable or gone turn is reported to
+        ``on_unusable`` and left out, a Redis that is away is waited through)."""
+        return await wait_final(
+            self.client, self.store, turn_ids, timeout=timeout, on_done=on_done,
+            on_unusable=on_unusable,
+        )  # fmt: skip
 
     # -- the deployment -----------------------------------------------------------------------
 
@@ -548,13 +460,8 @@ class Runtime:
             ray.shutdown()
 
     def _owns(self, holder: Holder | None) -> bool:
-        """Whether this runtime may stop the deployment: it holds the namespace's owner token,
-        or runs in the owning process (a runtime that attached in the process that started
-        it), or started it and the lease lapsed with no one else claiming it."""
-        if holder is None:
-            return self.owner is not None
-        mine = self.owner is not None and holder.owner == self.owner.owner
-        return mine or holder.is_this_process()
+        """Whether this runtime may stop the deployment (:func:`may_stop`)."""
+        return may_stop(self.owner, holder)
 
     async def _holder(self) -> Holder | None:
         try:
@@ -564,21 +471,26 @@ class Runtime:
             return self.owner
 
 
-async def _claim(client: StoreClient, dep: Deployment) -> Holder | None:
-    """Claim ``dep``'s namespace for this process: its claim when it owns the deployment now,
-    None when this Ray cluster's deployment runs it under a live owner (attach as a client).
-    A deployment whose supervisor is gone, or whose owner process is gone, is taken over."""
-    owners = NamespaceOwner(client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s)
-    me = Holder.me(ray_cluster_id())
-    result = await owners.claim(me)
-    if result.claim is Claim.ACQUIRED:
-        return me
-    try:
-        ray.get_actor(dep.name("supervisor"), namespace=RAY_NAMESPACE)
-        running = True
-    except ValueError:
-        running = False
-    if running and not result.holder.is_gone():
-        return None
-    again = await owners.claim(me, replacing=result.holder.owner)
-    return me if again.claim is Claim.ACQUIRED else None
+async def _check_running(
+    client: StoreClient, dep: Deployment, running: Deployment, owner: Holder | None
+) -> None:
+    """What this Ray cluster already runs under ``dep``'s namespace must be ``dep``: the same
+    Redis, and (when this process owns it now) as many hosts; attached as a client, say so."""
+    settings = dep.settings
+    if running.redis_url != dep.redis_url:
+        raise ConfigError(
+            f"namespace {settings.redis.namespace!r} already runs on this Ray cluster with "
+            f"Redis {redact_url(running.redis_url)}; use that Redis or another --namespace"
+        )
+    if owner is None:
+        holder = await NamespaceOwner(client, dep.keys, ttl_s=1).holder()
+        log.warning(
+            "namespace %r already runs on this Ray cluster (%d hosts, owned by %s): "
+            "attached to it as a client; leaving stops nothing",
+            settings.redis.namespace, running.hosts, holder.line() if holder else "?",
+        )  # fmt: skip
+    elif running.hosts != dep.hosts:
+        raise ConfigError(
+            f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts; "
+            "shut it down first or use another --namespace"
+        )
