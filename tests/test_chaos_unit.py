@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.harness.chaos import (
-    PLOT_ROWS,
-    TARGETS,
-    ChaosReport,
-    Fault,
-    parse_targets,
-    plot_rows,
-    recoveries,
-)
+from actors.harness.chaos import TARGETS, parse_targets, recoveries
+from actors.harness.chaos_report import PLOT_ROWS, ChaosReport, Fault, plot_rows
 from actors.harness.timeline import plot_timeline
 from actors.harness.verdict import Verdict
 from bus.errors import ConfigError
@@ -107,7 +100,7 @@ def test_a_rival_resume_counts_as_a_fault_only_when_it_took_turns_over() -> None
     assert "concurrent_resume" in parse_targets("all", embedded=False)
     assert Fault(1.0, "concurrent_resume", "host0", None, {"t1": 2}).landed
     assert not Fault(1.0, "concurrent_resume", "host0", None, {}).landed
-    assert not Fault(1.0, "host", "-", None, note="skipped").landed
+    assert not Fault(1.0, "host", "-", None, note="skipped: no host", skipped=True).landed
     assert Fault(1.0, "redis", "redis-server", None).landed
     assert Fault(1.0, "power_loss", "redis-server", None).landed
     assert "power_loss" not in parse_targets("all", embedded=False)
@@ -121,4 +114,4 @@ def test_a_redis_failover_needs_the_local_redis_cluster() -> None:
     with pytest.raises(ConfigError, match="--redis-cluster"):
         parse_targets("host,redis_failover", embedded=True)
     assert Fault(1.0, "redis_failover", "primary :7000", None).landed
-    assert not Fault(1.0, "redis_failover", "-", None, note="skipped: no live primary").landed
+    assert not Fault(1.0, "redis_failover", "-", None, note="skipped", skipped=True).landed

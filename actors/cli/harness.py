@@ -40,15 +40,9 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.harness.chaos import (
-    TARGETS,
-    WITNESSED,
-    ChaosReport,
-    ChaosSettings,
-    parse_targets,
-    run_chaos,
-)
-from actors.harness.chaos import plot as plot_chaos
+from actors.harness.chaos import TARGETS, WITNESSED, ChaosSettings, parse_targets, run_chaos
+from actors.harness.chaos_report import ChaosReport
+from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.verdict import VerdictMode
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
