@@ -166,9 +166,10 @@ if TYPE_CHECKING:
     from actors.engine.cancel import Cancelled
     from actors.engine.config import Settings, load_settings
     from actors.engine.openai_chat import OpenAIChat
+    from actors.engine.run_stats import RunStats
     from actors.engine.scenario import Scenario, load_scenario
     from actors.engine.scripted import scripted_turn
-    from actors.engine.turn_engine import RunStats, TurnEngine
+    from actors.engine.turn_engine import TurnEngine
     from actors.turn.agent import Agent, AgentSettings, ModelContext
     from actors.turn.llm import LLMClient, LLMReply, LLMRequest, ModelLimits
     from actors.turn.loopdetect import LoopThresholds

@@ -11,9 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.engine.run_stats import RunStats
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
-from actors.engine.turn_engine import RunStats, TurnEngine
+from actors.engine.turn_engine import TurnEngine
 from bus.outcomes import Outcome
 from store.connection import check_redis_url, connect, redact_url, seed_urls
 from store.keys import KeyLayout

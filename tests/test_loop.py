@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.resume import claim_for_resume, plan_resume
+from actors.engine.run_stats import still_in_progress
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -568,7 +569,7 @@ async def test_an_unreachable_redis_is_asked_about_once_at_the_end_of_a_run(
     real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each ask retries for ``[redis] retry_s``: asking per turn made a run with Redis gone
-    take minutes to exit (issue 28)."""
+    take minutes to exit."""
     engine = make_engine(real_client, keys)
     asked: list[str] = []
 
@@ -578,5 +579,5 @@ async def test_an_unreachable_redis_is_asked_about_once_at_the_end_of_a_run(
 
     monkeypatch.setattr(engine.store, "load", gone)
     stopped = [TurnOutcome(f"t{i}", RunStop.INTERRUPTED, 1, 0, 0, 0) for i in range(5)]
-    left = await engine._still_in_progress(stopped)
+    left = await still_in_progress(engine.store, stopped, skip=set())
     assert left == [f"t{i}" for i in range(5)] and asked == ["t0"]

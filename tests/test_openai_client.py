@@ -14,8 +14,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.resume import reopen
+from actors.engine.run_stats import RunStats
 from actors.engine.submission import session_tokens
-from actors.engine.turn_engine import RunStats, TurnEngine
+from actors.engine.turn_engine import TurnEngine
 from actors.turn.loop import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import BudgetExhausted

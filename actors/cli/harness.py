@@ -38,7 +38,7 @@ from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
-from actors.engine.turn_engine import new_run_id
+from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import TARGETS, WITNESSED, ChaosSettings, parse_targets, run_chaos
 from actors.harness.chaos_report import ChaosReport

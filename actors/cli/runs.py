@@ -35,9 +35,10 @@ from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent
 from actors.engine.config import Settings
 from actors.engine.resume import reopen
+from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
 from actors.engine.shipped import scenario_path as shipped_scenario
-from actors.engine.turn_engine import RunStats, TurnEngine, new_run_id, turn_ids
+from actors.engine.turn_engine import TurnEngine
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work

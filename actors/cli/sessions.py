@@ -25,8 +25,8 @@ from actors.cli.views import _exit_for, _render
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent, load_agent
 from actors.engine.cancel import queue_behind
+from actors.engine.run_stats import new_run_id
 from actors.engine.submission import new_turns, session_turn
-from actors.engine.turn_engine import new_run_id
 from actors.harness.live import LiveView
 from bus.errors import (
     ConfigError,

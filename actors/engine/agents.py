@@ -17,9 +17,17 @@ from actors.engine.imports import load_by_path
 from actors.turn.agent import Agent, ModelContext
 from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError
-from store.records import TurnInput
+from store.records import CheckpointRecord, TurnInput
 
-__all__ = ["AgentChange", "agent_fingerprint", "agent_problem", "check_agent", "load_agent"]
+__all__ = [
+    "AgentChange",
+    "AgentChanged",
+    "agent_fingerprint",
+    "agent_problem",
+    "check_agent",
+    "load_agent",
+    "noted_agent",
+]
 
 
 class AgentChange(StrEnum):
@@ -30,6 +38,32 @@ class AgentChange(StrEnum):
     SUSPEND = "suspend"
     """Park the turn (``suspended:agent_changed``) for a person to decide: ``phaseline resume
     TURN`` runs it on the agent as it is then."""
+
+
+class AgentChanged(Exception):
+    """A turn resumed under another agent than it started with, and the deployment says to
+    suspend it (:attr:`AgentChange.SUSPEND`)."""
+
+
+def noted_agent(
+    record: CheckpointRecord, fingerprint: str, policy: AgentChange
+) -> tuple[CheckpointRecord, str]:
+    """``record`` with the agent it runs on noted, and the change ("" if none). A resume under
+    another agent than the turn started with (an upgrade of its module mid-turn) goes on with
+    the change noted in the turn, or raises :class:`AgentChanged` (``policy``)."""
+    c = record.counters
+    if c.agent_fingerprint == fingerprint:
+        return record, ""
+    if not c.agent_fingerprint:  # its first start (or accepted by an operator's resume)
+        noted = c.model_copy(update={"agent_fingerprint": fingerprint})
+        return record.model_copy(update={"counters": noted}), ""
+    change = f"{c.agent_fingerprint} -> {fingerprint} at epoch {record.epoch}"
+    if policy is AgentChange.SUSPEND:
+        raise AgentChanged(change)
+    counters = c.model_copy(
+        update={"agent_fingerprint": fingerprint, "agent_changes": (*c.agent_changes, change)}
+    )
+    return record.model_copy(update={"counters": counters}), change
 
 
 def agent_fingerprint(agent: Agent, tools: ToolRegistry) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from actors.turn.loop import RunStop
 from actors.turn.poison import Placement, place
 from bus.errors import RecordError, RecordNotFound, StaleOwner
 from bus.outcomes import Outcome, SaveReason
@@ -41,6 +42,19 @@ class PlanAction(StrEnum):
     """The turn is not in progress any more."""
     UNUSABLE = "unusable"
     """Its record, spec or ledger failed to decode and were quarantined."""
+
+    @property
+    def stop(self) -> RunStop:
+        """What a plan that runs nothing makes of the turn for this run."""
+        return _STOPS.get(self, RunStop.UNUSABLE)
+
+
+_STOPS = {
+    PlanAction.FENCED: RunStop.FENCED,
+    PlanAction.FINISHED: RunStop.FINISHED,
+    PlanAction.UNUSABLE: RunStop.UNUSABLE,
+    PlanAction.ISOLATE: RunStop.ISOLATE,
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,21 +11,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import socket
 import time
-import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.admission import RedisAdmission
-from actors.engine.agents import AgentChange, agent_fingerprint, load_agent
+from actors.engine.agents import (
+    AgentChange,
+    AgentChanged,
+    agent_fingerprint,
+    load_agent,
+    noted_agent,
+)
 from actors.engine.config import Settings
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, claim_for_resume, plan_resume
+from actors.engine.run_stats import RunStats, still_in_progress
+from actors.engine.setbacks import Setbacks
 from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
     DEFAULT_MAX_TOOL_RESULT_BYTES,
@@ -44,7 +47,7 @@ from actors.turn.loop import (
     TurnOutcome,
 )
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
-from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError, StoreUnavailable
+from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError
 from bus.events import LiveEvent, Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
 from bus.phase import Transition
@@ -60,8 +63,6 @@ from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import (
-    AGENT_FAILURES_TO_SUSPEND,
-    RUN_FAILURES_TO_SUSPEND,
     CheckpointRecord,
     TurnError,
     TurnInput,
@@ -72,92 +73,6 @@ from store.sessions import Sessions
 from store.transaction import AtomicSave
 
 log = logging.getLogger(__name__)
-
-
-#: What a plan that runs nothing makes of the turn for this run.
-_NOT_RUN = {
-    PlanAction.FENCED: RunStop.FENCED,
-    PlanAction.FINISHED: RunStop.FINISHED,
-    PlanAction.UNUSABLE: RunStop.UNUSABLE,
-    PlanAction.ISOLATE: RunStop.ISOLATE,
-}
-
-
-@dataclass(slots=True)
-class RunStats:
-    """What a batch of turns did, for the CLI summary and reports."""
-
-    turns: int = 0
-    resumed: int = 0
-    outcomes: Counter[Outcome | RunStop] = field(default_factory=Counter)
-    checkpoints: int = 0
-    failed_saves: int = 0
-    idle_soft: int = 0
-    hard_cancels: int = 0
-    quarantined: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
-    host_rss_mib: list[float] = field(default_factory=list)
-    """Resident memory of each TurnActor at the end of a Ray run (empty in-process)."""
-    unfinished: list[str] = field(default_factory=list)
-    """Turns without a final record when the run ended (interrupted by Redis, fenced by an
-    owner that had not finished yet, unreadable); ``phaseline resume`` picks them up."""
-    suspended: list[str] = field(default_factory=list)
-    """Turns parked as ``suspended:poison``; ``phaseline resume TURN`` runs one again."""
-    errors: Counter[str] = field(default_factory=Counter)
-    """The last error of each turn that ended ``aborted:*`` (one line each), counted: why the
-    turns that failed failed."""
-    on_finish_failures: int = 0
-    """Calls of the ``on_finish`` hook that raised (each logged with its traceback)."""
-
-    @property
-    def aborted(self) -> int:
-        """Turns that ended ``aborted:*``."""
-        return sum(n for o, n in self.outcomes.items() if isinstance(o, Outcome) and o.aborted)
-
-    @property
-    def finished(self) -> int:
-        """Turns whose final record this run wrote or read (an outcome, not a stop)."""
-        return sum(n for o, n in self.outcomes.items() if isinstance(o, Outcome))
-
-    def note_error(self, outcome: Outcome | RunStop, error: TurnError | None) -> None:
-        """Count the error of a turn that ended ``aborted:*``."""
-        if isinstance(outcome, Outcome) and outcome.aborted:
-            self.errors[error.line() if error is not None else f"{outcome} (no error kept)"] += 1
-
-    @property
-    def all_final(self) -> bool:
-        """Every turn of the run reached a final record (what exit status 0 promises)."""
-        return not self.unfinished and not self.quarantined and not self.suspended
-
-    def add(self, outcome: TurnOutcome) -> None:
-        self.turns += 1
-        self.outcomes[outcome.outcome] += 1
-        if isinstance(outcome.outcome, Outcome) and outcome.outcome.suspended:
-            self.suspended.append(outcome.turn_id)
-        self.checkpoints += outcome.saves
-        self.failed_saves += outcome.failed_saves
-        self.note_error(outcome.outcome, outcome.error)
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "turns": self.turns,
-            "resumed": self.resumed,
-            "outcomes": {str(k): n for k, n in self.outcomes.items()},
-            "checkpoints": self.checkpoints,
-            "failed_saves": self.failed_saves,
-            "idle_soft": self.idle_soft,
-            "hard_cancels": self.hard_cancels,
-            "quarantined": self.quarantined,
-            "wall_s": round(self.wall_s, 3),
-            "turns_per_s": (
-                round(self.finished / self.wall_s, 2) if self.wall_s and self.finished else None
-            ),
-            "host_rss_mib": self.host_rss_mib,
-            "unfinished": len(self.unfinished),
-            "suspended": len(self.suspended),
-            "aborted": self.aborted,
-            "errors": dict(self.errors.most_common(10)),
-        }
 
 
 class TurnEngine:
@@ -215,8 +130,8 @@ class TurnEngine:
         self._on_status = on_status
         self._on_isolate = on_isolate
         self.probations = Probations(self, patience_s=probation_patience_s)
-        self._failures: dict[str, int] = {}
-        """Runs in a row of each turn that ended in an unexpected error here."""
+        self.setbacks = Setbacks(self.store, self._rerun, on_event=on_event,
+                                 backoff_scale=loop_settings.backoff_scale)  # fmt: skip
 
     @classmethod
     def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
@@ -281,12 +196,8 @@ class TurnEngine:
 
     async def open_all_queued(self) -> list[tuple[TurnSpec, CheckpointRecord]]:
         """The next queued turn of every free session with a queue, opened."""
-        opened = []
-        for session_id in await self.sessions.queued_sessions():
-            turn = await self.open_queued(session_id)
-            if turn is not None:
-                opened.append(turn)
-        return opened
+        opened = [await self.open_queued(s) for s in await self.sessions.queued_sessions()]
+        return [turn for turn in opened if turn is not None]
 
     async def run_in_session(
         self, agent: str, turn_input: TurnInput, session_id: str
@@ -363,7 +274,7 @@ class TurnEngine:
             return TurnOutcome(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch, 1, 0, 0)
         if plan.action is not PlanAction.RESUME or plan.record is None or plan.spec is None:
             log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
-            return TurnOutcome(turn_id, _NOT_RUN.get(plan.action, RunStop.UNUSABLE), 0, 0, 0, 0)
+            return TurnOutcome(turn_id, plan.action.stop, 0, 0, 0, 0)
         self.stats.resumed += 1
         return await self.start(plan.record, plan.spec, resume_from=plan.resume_from, **loop_kw)
 
@@ -375,7 +286,11 @@ class TurnEngine:
 
     async def _run_all_from(self, work: Callable[[], Awaitable[list[TurnOutcome]]]) -> RunStats:
         started = time.monotonic()
-        ticker = None if self.rules is None else asyncio.ensure_future(self._watchdog())
+        ticker = None
+        if self.rules is not None:
+            ticker = asyncio.ensure_future(
+                self.rules.run(hard=self._hard_cancel, soft=self._soft_idle)
+            )
         try:
             outcomes = await work()
         finally:
@@ -384,33 +299,10 @@ class TurnEngine:
         for outcome in outcomes:
             self.stats.add(outcome)
         self.stats.wall_s += time.monotonic() - started
-        self.stats.unfinished.extend(await self._still_in_progress(outcomes))
+        self.stats.unfinished.extend(
+            await still_in_progress(self.store, outcomes, skip=set(self.stats.quarantined))
+        )
         return self.stats
-
-    async def _still_in_progress(self, outcomes: Sequence[TurnOutcome]) -> list[str]:
-        """Turns this run did not end, and that no other owner has ended since either. Redis
-        unreachable is asked about once, not once per turn (each ask retries for
-        ``[redis] retry_s``): the rest are counted as not known to be final."""
-        left = []
-        gone: StoreUnavailable | None = None
-        for o in outcomes:
-            if not o.leaves_in_progress or o.turn_id in self.stats.quarantined:
-                continue
-            if gone is not None:
-                left.append(o.turn_id)
-                continue
-            try:
-                if (await self.store.load(o.turn_id)).in_progress:
-                    left.append(o.turn_id)
-            except StoreUnavailable as exc:
-                gone = exc
-                left.append(o.turn_id)
-            except StoreError:  # RecordNotFound included
-                left.append(o.turn_id)  # unreadable now: certainly not known to be final
-        if gone is not None:
-            log.error("Redis is unreachable (%s): %d turns are not known to be final", gone,
-                      len(left))  # fmt: skip
-        return left
 
     async def build_loop(
         self,
@@ -431,7 +323,7 @@ class TurnEngine:
             counters = record.counters.model_copy(update={"agent_failures": 0})
             record = record.model_copy(update={"counters": counters})
         registry = await self.runner.registry(spec.agent, agent, spec.input)
-        record = self._same_agent(record, agent_fingerprint(agent, registry))
+        record = self._note_agent(record, agent_fingerprint(agent, registry))
         wired = TurnDeps(
             llm=agent.client(
                 ModelContext(record.turn_id, spec.input, record.baseline, self.admission)
@@ -468,31 +360,18 @@ class TurnEngine:
             probation=probation,
         )
 
-    def _same_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:
-        """``record`` with the agent it runs on noted. A resume under another agent than the
-        turn started with (an upgrade of its module mid-turn) either goes on, the change noted
-        in the turn and published, or raises :class:`_AgentChanged` (``on_agent_change``)."""
-        c = record.counters
-        if c.agent_fingerprint == fingerprint:
-            return record
-        if not c.agent_fingerprint:  # its first start (or accepted by an operator's resume)
-            return record.model_copy(
-                update={"counters": c.model_copy(update={"agent_fingerprint": fingerprint})}
-            )
-        change = f"{c.agent_fingerprint} -> {fingerprint} at epoch {record.epoch}"
-        if self.on_agent_change is AgentChange.SUSPEND:
-            raise _AgentChanged(change)
-        log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
-        if self.on_event is not None:
-            self.on_event(
-                Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
-                           Action.CONTINUE, f"the agent changed ({change}); going on with it",
-                           int(time.time() * 1000))
-            )  # fmt: skip
-        counters = c.model_copy(
-            update={"agent_fingerprint": fingerprint, "agent_changes": (*c.agent_changes, change)}
-        )
-        return record.model_copy(update={"counters": counters})
+    def _note_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:
+        """:func:`~actors.engine.agents.noted_agent`, its change logged and published."""
+        record, change = noted_agent(record, fingerprint, self.on_agent_change)
+        if change:
+            log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
+            if self.on_event is not None:
+                self.on_event(
+                    Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
+                               Action.CONTINUE, f"the agent changed ({change}); going on with it",
+                               int(time.time() * 1000))
+                )  # fmt: skip
+        return record
 
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
@@ -506,10 +385,11 @@ class TurnEngine:
             log.error("turn %s interrupted: %s", loop.turn_id, exc)
             return loop.interrupted()
         except Exception as exc:  # a bug (the agent's code, phaseline's): this turn's alone
-            return await self._run_failed(loop.saved, exc, progressed=loop.saved.seq > started_at)
+            progressed = loop.saved.seq > started_at
+            return await self.setbacks.run_failed(loop.saved, exc, progressed=progressed)
         finally:
             self._loops.pop(loop.turn_id, None)
-        self._failures.pop(loop.turn_id, None)
+        self.setbacks.succeeded(loop.turn_id)
         final = loop.saved
         ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended
         if self.on_finish is not None and ended and not final.in_progress:
@@ -533,9 +413,9 @@ class TurnEngine:
         try:
             loop = await self.build_loop(record, spec, **loop_kw)
         except ConfigError as exc:
-            return await self._agent_unavailable(record, spec, exc)
-        except _AgentChanged as changed:
-            return await self._park(
+            return await self.setbacks.agent_unavailable(record, spec, exc)
+        except AgentChanged as changed:
+            return await self.setbacks.park(
                 record, Outcome.SUSPENDED_AGENT_CHANGED,
                 TurnError(source="agent", kind="changed", at_ms=int(time.time() * 1000),
                           message=f"agent {spec.agent} changed since the turn started "
@@ -543,37 +423,8 @@ class TurnEngine:
                                   "with it as it is now"),
             )  # fmt: skip
         except Exception as exc:  # the agent's own code failed while its turn was set up
-            return await self._run_failed(record, exc, progressed=False)
+            return await self.setbacks.run_failed(record, exc, progressed=False)
         return await self.drive(loop)
-
-    async def _run_failed(
-        self, record: CheckpointRecord, exc: Exception, *, progressed: bool
-    ) -> TurnOutcome:
-        """A run of the turn ended in an unexpected error; ``record`` is its last stored one.
-        The turn is resumed from it after a backoff (1 s, doubling; the loop's
-        ``backoff_scale``), and after :data:`RUN_FAILURES_TO_SUSPEND` runs in a row with no
-        checkpoint between them it is suspended with the error, as a poison turn is: it never
-        spins on a live host, and the other turns go on."""
-        tid = record.turn_id
-        failures = self._failures[tid] = 1 if progressed else self._failures.get(tid, 0) + 1
-        where = f"{socket.gethostname()} (pid {os.getpid()})"
-        error = TurnError(
-            source="host", kind="failed", at_ms=int(time.time() * 1000),
-            message=f"{type(exc).__name__}: {exc} (on {where})"[:500],
-        )  # fmt: skip
-        log.error("turn %s failed (%d in a row): %s", tid, failures, error.message, exc_info=exc)
-        if failures >= RUN_FAILURES_TO_SUSPEND:
-            self._failures.pop(tid, None)
-            return await self._park(record, Outcome.SUSPENDED_FAILING, error)
-        wait = 2 ** (failures - 1) * self.loop_settings.backoff_scale
-        if self.on_event is not None:
-            self.on_event(
-                Recovering(tid, record.epoch, EngineProblem.RUN_FAILED, Action.RETRY,
-                           f"{error.message}; resuming from its last checkpoint in {wait:g} s",
-                           error.at_ms)
-            )  # fmt: skip
-        await asyncio.sleep(wait)  # backoff before the next run, not a synchronisation
-        return await self._rerun(record)
 
     async def _rerun(self, record: CheckpointRecord) -> TurnOutcome:
         """Run a failed turn again from ``record``, its last stored one, under a new epoch
@@ -589,63 +440,6 @@ class TurnEngine:
             log.error("turn %s interrupted: %s", record.turn_id, exc)
             return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
         return await self.start(claimed, spec, resume_from=record.reason)
-
-    async def _park(
-        self, record: CheckpointRecord, outcome: Outcome, error: TurnError
-    ) -> TurnOutcome:
-        """Suspend the turn with ``outcome`` and why (a fenced save)."""
-        log.error("turn %s: %s; suspended", record.turn_id, error.message)
-        counters = record.counters.model_copy(update={"outcome": outcome, "last_error": error})
-        parked = record.model_copy(
-            update={
-                "seq": record.seq + 1, "in_progress": False, "reason": SaveReason.SUSPENDED,
-                "counters": counters, "updated_at": error.at_ms,
-            }
-        )  # fmt: skip
-        try:
-            await self.store.save(parked)
-        except StoreError as exc:
-            log.warning("turn %s: the suspension was not recorded: %s", record.turn_id, exc)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
-        return TurnOutcome(record.turn_id, outcome, record.epoch, 1, 0, 0, error)
-
-    async def _agent_unavailable(
-        self, record: CheckpointRecord, spec: TurnSpec, exc: ConfigError
-    ) -> TurnOutcome:
-        """The turn's agent does not load here (a module or a variable this host lacks). The
-        failure is counted in the record with its reason, so ``inspect`` and ``watch`` say
-        what failed where; the turn stays in progress for another host (or this one, after a
-        fix) to try at its next adopt, and after :data:`AGENT_FAILURES_TO_SUSPEND` failures in
-        a row it is suspended (``phaseline resume TURN`` runs it again)."""
-        c = record.counters
-        failures = c.agent_failures + 1
-        where = f"{socket.gethostname()} (pid {os.getpid()})"
-        error = TurnError(
-            source="agent", kind="unavailable", at_ms=int(time.time() * 1000),
-            message=f"agent {spec.agent} cannot run on {where}: {exc}"[:500],
-        )  # fmt: skip
-        park = failures >= AGENT_FAILURES_TO_SUSPEND
-        outcome = Outcome.SUSPENDED_AGENT_UNAVAILABLE if park else None
-        noted = record.model_copy(
-            update={
-                "seq": record.seq + 1,
-                "in_progress": not park,
-                "reason": SaveReason.SUSPENDED if park else SaveReason.AGENT_UNAVAILABLE,
-                "counters": c.model_copy(
-                    update={"agent_failures": failures, "last_error": error, "outcome": outcome}
-                ),
-                "updated_at": error.at_ms,
-            }
-        )
-        log.error("turn %s: %s (%d in a row%s)", record.turn_id, error.message, failures,
-                  "; suspended" if park else "")  # fmt: skip
-        try:
-            await self.store.save(noted)
-        except StoreError as save_failed:  # fenced by a newer owner, or Redis away
-            log.warning("turn %s: the failure was not recorded: %s", record.turn_id, save_failed)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
-        ended = outcome if outcome is not None else RunStop.INTERRUPTED
-        return TurnOutcome(record.turn_id, ended, record.epoch, 1, 0, 0, error)
 
     # -- what watchdogs and operators may ask -------------------------------------------------
 
@@ -693,27 +487,11 @@ class TurnEngine:
         if self.on_transition is not None:
             self.on_transition(t)
 
-    async def _watchdog(self) -> None:
-        assert self.rules is not None
-        while True:
-            await asyncio.sleep(self.rules.config.tick_s)  # the watchdog's own tick period
-            for action in self.rules.tick(time.time()):
-                if isinstance(action, HardCancel):
-                    self.cancel_llm(action.turn_id, action.epoch)
-                else:
-                    self.stats.idle_soft += 1
-                    log.info("turn %s: %s", action.turn_id, action.label)
-                    if self._on_status is not None:
-                        self._on_status(action)
+    def _soft_idle(self, action: SoftIdle) -> None:
+        self.stats.idle_soft += 1
+        log.info("turn %s: %s", action.turn_id, action.label)
+        if self._on_status is not None:
+            self._on_status(action)
 
-
-class _AgentChanged(Exception):
-    """A turn resumed under another agent and the deployment says to suspend it."""
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:8]
-
-
-def turn_ids(run_id: str, n: int) -> list[str]:
-    return [f"{run_id}-t{i:06d}" for i in range(n)]
+    def _hard_cancel(self, action: HardCancel) -> None:
+        self.cancel_llm(action.turn_id, action.epoch)

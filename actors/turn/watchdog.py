@@ -7,6 +7,9 @@ to cancel the turn's model call with cause ``hard_idle_timeout``. Any transition
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,6 +104,19 @@ class WatchdogRules:
 
     def watched(self) -> int:
         return len(self._turns)
+
+    async def run(
+        self, *, hard: Callable[[HardCancel], None], soft: Callable[[SoftIdle], None]
+    ) -> None:
+        """Tick every ``tick_s`` until cancelled, handing each due action to its callback (the
+        in-process engine's watchdog; on Ray the WatchdogActor ticks these rules)."""
+        while True:
+            await asyncio.sleep(self.config.tick_s)  # the watchdog's own tick period
+            for action in self.tick(time.time()):
+                if isinstance(action, HardCancel):
+                    hard(action)
+                else:
+                    soft(action)
 
     def tick(self, now: float) -> list[WatchdogAction]:
         """Actions due at ``now`` (unix seconds); each fires at most once per transition."""

@@ -18,9 +18,9 @@ from ray.exceptions import RayActorError
 
 from actors.cluster.deployment import ask
 from actors.engine.config import Settings
+from actors.engine.run_stats import new_run_id, turn_ids
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
-from actors.engine.turn_engine import new_run_id, turn_ids
 from actors.harness.bench.workload import deployed
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves

@@ -8,9 +8,9 @@ from typing import Any
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.run_stats import new_run_id, turn_ids
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
-from actors.engine.turn_engine import new_run_id, turn_ids
 from actors.harness.bench.napping import PER_WORKER
 from bus.outcomes import Outcome
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.run_stats import new_run_id, turn_ids
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
-from actors.engine.turn_engine import new_run_id, turn_ids
 from store.records import CheckpointRecord
 from store.transcript import Transcript
 
