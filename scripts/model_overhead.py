@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from actors.engine.scenario import parse_scenario  # noqa: E402
 from actors.engine.scripted import scripted_turn  # noqa: E402
 from actors.engine.turn_engine import TurnEngine  # noqa: E402
-from actors.turn.loop import LoopSettings  # noqa: E402
+from actors.turn.settings import LoopSettings  # noqa: E402
 from store.connection import connect  # noqa: E402
 from store.embedded import EmbeddedRedis  # noqa: E402
 from store.keys import KeyLayout  # noqa: E402

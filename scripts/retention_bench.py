@@ -24,7 +24,7 @@ from pathlib import Path
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout

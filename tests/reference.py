@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
 

@@ -12,7 +12,7 @@ from actors.engine.agents import check_agent, load_agent
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError
 from store.keys import KeyLayout
 from store.records import SCRIPTED_AGENT, TurnInput, TurnSpec

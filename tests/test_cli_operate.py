@@ -17,7 +17,7 @@ from actors.cli import main
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome
 from bus.phase import TurnPhase
 from store.keys import KeyLayout

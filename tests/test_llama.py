@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput

@@ -17,8 +17,11 @@ from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.llm import LLMReply, LLMRequest
-from actors.turn.loop import LoopSettings, RunStop, TurnLoop, TurnOutcome, reply_bytes
+from actors.turn.loop import TurnLoop
+from actors.turn.model_steps import reply_bytes
 from actors.turn.poison import ISOLATE_AFTER
+from actors.turn.run_result import RunStop, TurnOutcome
+from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
 from bus.messages import ToolResult

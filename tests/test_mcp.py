@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from actors.engine.agents import load_agent
 from actors.engine.mcp import MCPHub, hub, mcp_registry
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
 from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
+from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput

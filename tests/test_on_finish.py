@@ -16,7 +16,7 @@ from actors.engine.config import Settings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError
 from bus.outcomes import Outcome
 from store.archive import FinishedTurn

@@ -17,7 +17,7 @@ from actors.engine.resume import reopen
 from actors.engine.run_stats import RunStats
 from actors.engine.submission import session_tokens
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import BudgetExhausted
 from bus.outcomes import Outcome

@@ -15,7 +15,6 @@ from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos import parse_targets, poison_ids, poison_variant
 from actors.harness.timeline import label_levels
-from actors.turn.loop import LoopSettings
 from actors.turn.poison import (
     BACKOFF_CAP_S,
     ISOLATE_AFTER,
@@ -24,6 +23,7 @@ from actors.turn.poison import (
     isolation_backoff_s,
     place,
 )
+from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, StoreError
 from bus.outcomes import Outcome
 from store.codec import pack_model

@@ -20,7 +20,7 @@ from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.events import Finished, Restarted, ToolReturned, WatchEvent
 from store.effects import EffectCounters
 from store.keys import KeyLayout

@@ -12,7 +12,7 @@ from actors.engine.agents import AgentChange
 from actors.engine.resume import reopen
 from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError, RecordError, SessionBusy, TurnExists
 from bus.outcomes import Outcome
 from store.keys import KeyLayout, check_session_id, check_turn_id

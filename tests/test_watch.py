@@ -13,7 +13,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.live import LiveView
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import RecordNotFound
 from bus.events import (
     Finished,

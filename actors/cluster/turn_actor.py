@@ -41,7 +41,7 @@ from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
 from actors.engine.resume import ResumePlan
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import RunStop, TurnOutcome
+from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import LiveEvent, Recovering, encode_event
 from bus.outcomes import Problem, SaveReason

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from actors.engine.agents import AgentChange
 from actors.engine.tomlfile import describe, read_toml
 from actors.engine.toolrun import DEFAULT_MAX_TOOL_RESULT_BYTES
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.engine.resume import PlanAction, ResumePlan, died_inside
-from actors.turn.loop import RunStop, TurnOutcome
 from actors.turn.poison import isolation_backoff_s
+from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import StaleOwner, StoreError
 from store.isolation import Isolation, Probation
 from store.records import CheckpointRecord

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from actors.turn.loop import RunStop
 from actors.turn.poison import Placement, place
+from actors.turn.run_result import RunStop
 from bus.errors import RecordError, RecordNotFound, StaleOwner
 from bus.outcomes import Outcome, SaveReason
 from store.checkpoint import RedisCheckpointStore

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from actors.turn.loop import RunStop, TurnOutcome
+from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import StoreError, StoreUnavailable
 from bus.outcomes import Outcome
 from store.checkpoint import RedisCheckpointStore

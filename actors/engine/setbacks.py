@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from actors.turn.loop import RunStop, TurnOutcome
+from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import ConfigError, StoreError
 from bus.events import LiveEvent, Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason

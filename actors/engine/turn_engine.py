@@ -37,15 +37,10 @@ from actors.engine.toolrun import (
     ToolRunner,
 )
 from actors.turn.agent import ModelContext
-from actors.turn.loop import (
-    Checkpointer,
-    LoopSettings,
-    ProbationHooks,
-    RunStop,
-    TurnDeps,
-    TurnLoop,
-    TurnOutcome,
-)
+from actors.turn.deps import Checkpointer, ProbationHooks, TurnDeps
+from actors.turn.loop import TurnLoop
+from actors.turn.run_result import RunStop, TurnOutcome
+from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
 from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError
 from bus.events import LiveEvent, Recovering

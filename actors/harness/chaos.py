@@ -58,7 +58,7 @@ from actors.harness.chaos_report import ChaosReport, Fault
 from actors.harness.transitions import first_moves_after, read_moves
 from actors.harness.verdict import VerdictMode, expected_for, judge
 from actors.harness.work import Work
-from actors.turn.loop import TurnOutcome
+from actors.turn.run_result import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
 from bus.phase import Transition
 from store.connection import connect

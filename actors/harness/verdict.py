@@ -30,7 +30,7 @@ from enum import StrEnum
 
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message
 from bus.outcomes import Outcome

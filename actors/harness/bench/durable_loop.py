@@ -23,7 +23,7 @@ from actors.engine.scripted import scripted_turn
 from actors.engine.submission import new_turns
 from actors.engine.toolrun import BatchExecutor
 from actors.engine.turn_engine import TurnEngine
-from actors.turn.loop import LoopSettings
+from actors.turn.settings import LoopSettings
 from bus.errors import StoreError
 from bus.outcomes import Outcome
 from store.connection import connect

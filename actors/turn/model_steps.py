@@ -1,0 +1,119 @@
+"""A turn loop's model calls: the request (streamed text published as it comes), the
+watchdog's and an operator's cancel of a call in flight, metering a reply's tokens and keeping
+a model error in the record. What the recovery policy does about a failed call is the loop's
+(:mod:`actors.turn.loop`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.loop_state import CancelNow, LoopState
+from bus.errors import (
+    ContextLengthError,
+    HardIdleTimeout,
+    LLMError,
+    RateLimitedLLMError,
+    RetryableLLMError,
+)
+from bus.events import TextDelta
+from bus.messages import Message, Usage
+from bus.outcomes import Problem
+from bus.phase import TurnPhase
+from store.records import TurnError
+
+log = logging.getLogger(__name__)
+P = TurnPhase
+
+
+class ModelSteps(LoopState):
+    """The model side of a turn loop."""
+
+    async def _call_llm(self, *, tools_enabled: bool, more_room: bool = False) -> LLMReply:
+        await self._note_step()
+        streamed = False
+
+        def on_text(piece: str) -> None:
+            nonlocal streamed
+            streamed = True
+            self._emit(TextDelta(self.turn_id, self.epoch, piece, self._now_ms()))
+
+        request = LLMRequest(
+            turn_id=self.turn_id,
+            messages=self.messages,
+            tools_enabled=tools_enabled,
+            attempt=self._counters.retry_attempts,
+            tools=tuple(self.deps.registry),
+            more_room=more_room,
+            on_text=on_text if self.deps.events is not None else None,
+        )
+        self._hard_cancelled = False
+        task = asyncio.ensure_future(self.deps.llm.complete(request))
+        self._llm_task = task
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self._llm_task = None
+        if task.cancelled():
+            if self._cancel.is_set():
+                raise CancelNow
+            if self._hard_cancelled:
+                raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
+            raise asyncio.CancelledError()
+        reply = task.result()
+        if not streamed and reply.message.text:  # a model that does not stream: all at once
+            on_text(reply.message.text)
+        return reply
+
+    def _meter(self, usage: Usage | None) -> None:
+        """Count a reply's tokens (or that its endpoint reported none) as it arrives."""
+        c = self._counters
+        self._counters = c.model_copy(
+            update={
+                "tokens": c.tokens if usage is None else c.tokens.plus(usage),
+                "unmetered_calls": c.unmetered_calls + (usage is None),
+            }
+        )
+
+    def _note_error(self, problem: Problem, message: str, exc: LLMError | None = None) -> None:
+        """Keep a model error in the record: what ``inspect``, ``watch`` and a run's summary
+        show for a turn that did not answer."""
+        self._counters = self._counters.model_copy(
+            update={
+                "last_error": TurnError(
+                    source="model",
+                    kind=problem.value,
+                    message=message[:500],
+                    status=None if exc is None else exc.status,
+                    code=None if exc is None else exc.code,
+                    request_id=None if exc is None else exc.request_id,
+                    attempt=self._counters.retry_attempts,
+                    at_ms=self._now_ms(),
+                )
+            }
+        )
+        self._dirty = True
+
+
+def reply_bytes(reply: Message) -> int:
+    """A model reply's size as the cap counts it: its text and its calls' arguments, UTF-8
+    (a lone surrogate counted as the three bytes it would take)."""
+    parts = [reply.text or "", *(c.arguments_json() for c in reply.tool_calls)]
+    return sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+
+
+def problem_of(exc: LLMError) -> Problem:
+    """The recovery problem a model error is."""
+    if isinstance(exc, HardIdleTimeout):
+        return Problem.HARD_IDLE_TIMEOUT
+    if isinstance(exc, ContextLengthError):
+        return Problem.CONTEXT_LENGTH
+    if isinstance(exc, RateLimitedLLMError):
+        return Problem.RATE_LIMITED
+    if isinstance(exc, RetryableLLMError):
+        return Problem.RETRYABLE
+    return Problem.FATAL  # FatalLLMError and any other LLMError
