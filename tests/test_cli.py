@@ -51,7 +51,7 @@ def test_every_shipped_scenario_and_config_is_valid() -> None:
         ('name = "x"\n[[faults]]\nat_call = 1\nkind = "explode"\n', "kind"),
         ('name = "x"\ntools = ["nope"]\n', "unknown tools ['nope']"),
         ('name = "x\n', "not valid TOML"),
-        # issue 11 defect 8: within each field's limit, but 10 GB a round
+        # within each field's limit, but 10 GB a round
         ('name = "x"\ntools_per_round = 1000\npayload_bytes = 10000000\n', "a round would"),
         ('name = "x"\nrounds = 10000\npayload_bytes = 100000\n', "transcript would grow"),
         ('name = "x"\nrounds = true\n', "rounds: Input should be a valid integer"),
@@ -124,7 +124,7 @@ def test_resume_with_nothing_to_do(redis_url: str, namespace: str) -> None:
 def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
     redis_url: str, namespace: str
 ) -> None:
-    """Issue 11 defects 2 and 4: one bad key no longer stops every resume, and the exit status
+    """one bad key no longer stops every resume, and the exit status
     says that not every turn ended."""
 
     async def setup() -> None:
@@ -177,7 +177,7 @@ def test_bad_configs_are_refused_with_exit_2(tmp_path: Path, config: str, messag
     "url", ["redis://:hunter2@127.0.0.1:6379/abc", "redis://user:hunter2@[::1:6379/0", "ftp://x"]
 )
 def test_an_invalid_redis_url_exits_2_without_its_password(url: str) -> None:
-    """Issue 11 defects 7 and 8: exit 2, and the password never printed."""
+    """exit 2, and the password never printed."""
     code, out = invoke("inspect", "x", "--redis-url", url)
     assert code == 2, out
     assert "hunter2" not in out and "invalid Redis URL" in out

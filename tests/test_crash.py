@@ -158,10 +158,10 @@ def spawn_resume(url: str, ns: str) -> subprocess.Popen[str]:
 async def test_two_concurrent_resumes_never_run_a_non_idempotent_call_twice(
     redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
 ) -> None:
-    """The issue-11 repro: SIGKILL a run, then two resumes at once on the namespace. Since
-    issue 28 a second ``phaseline resume`` is refused while one holds the namespace, so the
-    second racer is an engine in this process, which does not ask: fencing alone must keep
-    every non-idempotent call to one run."""
+    """SIGKILL a run, then two resumes at once on the namespace. A second ``phaseline
+    resume`` is refused while one holds the namespace's lease, so the second racer is an
+    engine in this process, which does not ask: fencing alone must keep every
+    non-idempotent call to one run."""
     keys = KeyLayout(namespace, shards=16)
     sc_path = tmp_path / "racy.toml"
     sc_path.write_text(

@@ -53,7 +53,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_the_server_stops_with_its_owner(data_dir: Path, sig: signal.Signals) -> None:
-    """Issue 11 defect 3: SIGTERM of ``phaseline redis`` orphaned redis-server."""
+    """SIGTERM of ``phaseline redis`` orphaned redis-server."""
     owner = phaseline("redis", "--data-dir", str(data_dir))
     server = server_of(owner)
     wait_until(lambda: (data_dir / "url").exists() or None, what="the url file")

@@ -438,7 +438,7 @@ async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
 async def test_a_turn_outgrowing_the_record_cap_ends_on_its_last_checkpoint(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    """Issue 11 defect 6: the turn ends aborted:record_too_large, its last checkpoint intact."""
+    """the turn ends aborted:record_too_large, its last checkpoint intact."""
     engine = make_engine(real_client, keys, max_record_bytes=6000)
     sc = scenario(rounds=10, tools_per_round=1, payload_bytes=700)
     _, rec, _ = await run_with_recorder(engine, sc, "big")
@@ -470,7 +470,7 @@ class WatchedLLM:
 async def test_a_redis_restart_mid_turn_is_ridden_out(
     tmp_path: Path, keys: KeyLayout, retry_s: float, expected: str
 ) -> None:
-    """Issue 11 defect 9: a restart of a few seconds no longer ends the turn at the first
+    """a restart of a few seconds no longer ends the turn at the first
     failed call; with retries off (``retry_s = 0``) it is interrupted as before."""
     with EmbeddedRedis(data_dir=tmp_path, appendfsync="always") as server:
         client = connect(server.url, retry_s=retry_s)

@@ -155,8 +155,9 @@ async def test_two_hosts_keep_to_one_declared_limit(
 async def test_text_utf8_cannot_hold_is_made_storable_on_ray(
     redis_url: str, namespace: str
 ) -> None:
-    """Issue 29: one such turn on Ray made 3,959 model requests in a minute. Here it answers,
-    with U+FFFD where the input, the tool and the model had lone surrogates."""
+    """Before text was made storable, one such turn on Ray made 3,959 model requests in a
+    minute. Here it answers, with U+FFFD where the input, the tool and the model had lone
+    surrogates."""
     settings = Settings.model_validate({"redis": {"namespace": namespace}})
     rt = await Runtime.start(settings, redis_url=redis_url, hosts=1)
     try:

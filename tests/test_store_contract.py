@@ -389,7 +389,7 @@ async def test_a_redis_error_on_one_save_fails_only_that_save(
 async def test_a_key_of_the_wrong_type_is_quarantined_while_others_load(
     store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    """Issue 11 defect 2: a string where a turn's hash belongs used to stop every resume."""
+    """a string where a turn's hash belongs used to stop every resume."""
     await store.save(record("good", n_turn_messages=1))
     await any_client.set(keys.turn("str"), b"not a hash")
     await any_client.sadd(keys.in_progress_of("str"), "str")
@@ -407,7 +407,7 @@ async def test_a_key_of_the_wrong_type_is_quarantined_while_others_load(
 async def test_a_record_under_another_turns_key_is_quarantined(
     store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    """Issue 11 defect 5: inspect returned it, resume left the real turn in progress."""
+    """inspect returned it, resume left the real turn in progress."""
     # in the same shard as "other": on a cluster COPY stays within one slot
     mine = next(
         f"mine{i}" for i in range(99) if keys.shard_of(f"mine{i}") == keys.shard_of("other")
@@ -426,7 +426,7 @@ async def test_a_record_under_another_turns_key_is_quarantined(
 async def test_a_fence_past_what_the_save_script_compares_exactly_is_quarantined(
     store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout, field: str
 ) -> None:
-    """Issue 11 defect 5: a seq past 2^63 made its turn 'fenced' on every resume forever."""
+    """a seq past 2^63 made its turn 'fenced' on every resume forever."""
     await store.save(record())
     await any_client.hset(keys.turn("t1"), field, str(2**63))
     with pytest.raises(RecordError, match="less than or equal to 9007199254740991"):
@@ -437,7 +437,7 @@ async def test_a_fence_past_what_the_save_script_compares_exactly_is_quarantined
 async def test_a_record_over_the_size_cap_is_refused_before_it_is_sent(
     any_client: aioredis.Redis, keys: KeyLayout, atomic: AtomicSave
 ) -> None:
-    """Issue 11 defect 6: past proto-max-bulk-len the connection reset and the save retried."""
+    """past proto-max-bulk-len the connection reset and the save retried."""
     small = RedisCheckpointStore(any_client, keys, max_record_bytes=4096, atomic=atomic)
     await small.save(record("t1", n_turn_messages=1))
     big = record("t1", seq=2).model_copy(
