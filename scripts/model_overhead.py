@@ -30,7 +30,7 @@ from store.connection import connect  # noqa: E402
 from store.embedded import EmbeddedRedis  # noqa: E402
 from store.keys import KeyLayout  # noqa: E402
 from store.records import TurnInput  # noqa: E402
-from tests.agents_for_tests import TEST_KEY_ENV  # noqa: E402
+from tests.support.agents import TEST_KEY_ENV  # noqa: E402
 
 ROUNDS, TURNS, REPEATS = 10, 30, 2
 
@@ -54,8 +54,8 @@ async def measure() -> dict[str, object]:
     http = TurnInput(message="#script " + json.dumps({"rounds": ROUNDS, "tool": "add"}))
     paths = {
         "scripted": scripted_turn(scenario),
-        "http_stream": ("tests.agents_for_tests:http_stream", http),
-        "http_json": ("tests.agents_for_tests:http_json", http),
+        "http_stream": ("tests.support.agents:http_stream", http),
+        "http_json": ("tests.support.agents:http_json", http),
     }
     with tempfile.TemporaryDirectory() as data:
         server = EmbeddedRedis(data_dir=data)
@@ -80,7 +80,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    endpoint = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=ROOT)
+    endpoint = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=ROOT
+    )
     try:
         for _ in range(600):
             try:

@@ -4,8 +4,8 @@
 tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
 it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``). Each variant is one
 ``phaseline run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
-(``tests.agents_for_tests:http_json``) and declared
-(``tests.agents_for_tests:http_limited_bench``). Reported per variant: outcomes, wall time
+(``tests.support.agents:http_json``) and declared
+(``tests.support.agents:http_limited_bench``). Reported per variant: outcomes, wall time
 against the ideal (requests beyond the burst divided by the rate: 50 s), the endpoint's
 accepted and refused requests.
 
@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RPM, BURST, ROUNDS = 600, 100, 2
 AGENTS = {
-    "undeclared": "tests.agents_for_tests:http_json",
-    "declared": "tests.agents_for_tests:http_limited_bench",
+    "undeclared": "tests.support.agents:http_json",
+    "declared": "tests.support.agents:http_limited_bench",
 }
 MODES = {"in_process": ["--in-process"], "ray_2_hosts": ["--hosts", "2"]}
 
@@ -92,7 +92,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    endpoint = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=ROOT)
+    endpoint = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=ROOT
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):

@@ -131,7 +131,7 @@ def ray_cluster(openai_server: str) -> Iterator[Cluster]:
     from ray.cluster_utils import Cluster
 
     from actors.cluster.deployment import RAY_NAMESPACE
-    from tests.agents_for_tests import TEST_KEY_ENV
+    from tests.support.agents import TEST_KEY_ENV
 
     os.environ["OPENAI_BASE_URL"] = openai_server
     os.environ[TEST_KEY_ENV] = RAY_TEST_KEY
@@ -159,11 +159,13 @@ def ray_cluster(openai_server: str) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def openai_server() -> Iterator[str]:
-    """The local OpenAI-compatible server (``tests/openai_server.py``) in its own process; its
-    base URL (``http://127.0.0.1:PORT/v1``)."""
+    """The local OpenAI-compatible server (``tests/support/openai_server.py``) in its own
+    process; its base URL (``http://127.0.0.1:PORT/v1``)."""
     port = _free_port()
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.openai_server", str(port)], cwd=root)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=root
+    )
     base = f"http://127.0.0.1:{port}"
     _wait_until_listening(proc, f"{base}/_stats", "the test OpenAI server")
     yield f"{base}/v1"
@@ -176,8 +178,9 @@ def mcp_http_server() -> Iterator[str]:
     """The tests' MCP server over streamable HTTP in its own process; its endpoint URL."""
     port = os.environ["PHASELINE_MCP_HTTP_PORT"]
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_counter_server", "http", port],
-                            cwd=root)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.mcp_counter_server", "http", port], cwd=root
+    )
     url = f"http://127.0.0.1:{port}/mcp"
     _wait_until_listening(proc, url, "the test MCP server")
     yield url
@@ -187,9 +190,9 @@ def mcp_http_server() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real llama.cpp server (``tests/llama_server.py``) with a real model, in its own process;
-    its base URL. Skipped where it is not installed, except in CI, where that fails."""
-    from tests import llama_server
+    """A real llama.cpp server (``tests/support/llama_server.py``) with a real model, in its own
+    process; its base URL. Skipped where it is not installed, except in CI, where that fails."""
+    from tests.support import llama_server
 
     missing = llama_server.available()
     if missing is not None:

@@ -1,0 +1,131 @@
+"""The runtime on several Ray nodes (``ray.cluster_utils.Cluster``, several raylets on this
+machine): a slot's standby never shares its active host's node, and a whole worker node lost
+mid-turn (its raylet and every worker on it) loses no turn and runs no call twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.cluster.deployment import RAY_NAMESPACE
+from actors.cluster.info import HostInfo
+from actors.cluster.runtime import Runtime
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from store.connection import StoreClient
+from store.effects import EffectCounters
+from tests.cluster.test_ray_runtime import settings
+from tests.support.polling import eventually
+from tests.support.reference import reference
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+async def _standby_info(rt: Runtime, host: HostInfo) -> HostInfo:
+    name = rt.dep.host_name(host.slot, host.generation + 1)
+    handle: Any = ray.get_actor(name, namespace=RAY_NAMESPACE)
+    return HostInfo.of(await handle.hello.remote())
+
+
+async def test_a_slots_standby_runs_on_another_node_than_its_active_host(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    assert len([n for n in ray.nodes() if n["Alive"]]) >= 2  # the session's two raylets
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=3)
+    try:
+        hosts = await rt.host_info()
+        assert hosts and all(h.node_id for h in hosts)
+        for host in hosts:
+            standby = await _standby_info(rt, host)
+            assert standby.node_id != host.node_id, (host.slot, host.node_id)
+    finally:
+        await rt.shutdown()
+
+
+async def test_losing_a_worker_node_mid_turn_loses_no_turn_and_runs_no_call_twice(
+    ray_cluster: Cluster, redis_url: str, real_client: StoreClient, namespace: str
+) -> None:
+    sc = parse_scenario({"name": "nodes", "rounds": 4, "tools_per_round": 2,
+                         "tools": ["echo", "counter_increment"], "llm_latency_ms": 200,
+                         "tool_latency_ms": 300, "payload_bytes": 200})  # fmt: skip
+    ids = [f"n{i:02d}" for i in range(30)]
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=4)
+    try:
+        await rt.submit(*scripted_turn(sc), ids)
+        head = ray_cluster.head_node.node_id
+        hosts = await rt.host_info()
+        by_node = {n.node_id: n for n in ray_cluster.worker_nodes}
+        victims = [h for h in hosts if h.node_id in by_node and h.node_id != head]
+        assert victims, f"no active host on a worker node: {[h.node_id for h in hosts]}"
+        node = by_node[victims[0].node_id]
+
+        async def saving() -> bool:
+            return sum([(await rt.store.load(t)).seq for t in ids]) >= 2 * len(ids)
+
+        await eventually(saving, timeout=60, what="turns checkpointed past their start")
+        ray_cluster.remove_node(node, allow_graceful=False)  # its raylet and all its workers
+        ray_cluster.add_node(num_cpus=1, include_dashboard=False)  # a fresh node joins
+        finals = await rt.wait(ids, timeout=240)
+        ref = await reference(real_client, sc, ids)
+        effects = EffectCounters(real_client, rt.dep.keys)
+        for tid in ids:
+            assert not finals[tid].in_progress, tid
+            assert all(n <= 1 for n in (await effects.counts(tid)).values()), tid  # never twice
+            results = [m.tool_result for m in finals[tid].messages if m.tool_result]
+            if all(r.status == "ok" for r in results):
+                assert finals[tid].messages == ref[tid].messages, tid
+        moved = {h.slot for h in victims}
+        resumed = [t for t in ids if finals[t].counters.resume_attempts]
+        assert resumed and all(rt.dep.slot_of(t) in moved for t in resumed)
+        assert await rt.respawns() >= len(moved)
+        assert await rt.store.list_in_progress() == []
+    finally:
+        await rt.shutdown()
+
+
+async def test_the_singletons_run_on_the_head_node(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    """A worker node's loss must not take the Supervisor, CheckpointActor, WatchdogActor or
+    RecoveryActor with it (every turn of the deployment would wait for their restart)."""
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        head = ray_cluster.head_node.node_id
+        for role in ("supervisor", "checkpoint", "watchdog", "recovery"):
+            handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
+            assert (await handle.hello.remote())["node_id"] == head, role
+    finally:
+        await rt.shutdown()
+
+
+async def test_a_standby_lost_with_its_node_is_started_again(
+    ray_cluster: Cluster, redis_url: str, namespace: str
+) -> None:
+    """The node a standby ran on is lost while its active host lives on: the Supervisor
+    starts the standby again, so the next loss of the active host costs no process start."""
+    rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        head = ray_cluster.head_node.node_id
+        workers = {n.node_id: n for n in ray_cluster.worker_nodes}
+        pairs = [(h, await _standby_info(rt, h)) for h in await rt.host_info()]
+        lonely = [(h, s) for h, s in pairs if h.node_id == head and s.node_id in workers]
+        assert lonely, [(h.node_id, s.node_id) for h, s in pairs]
+        host, standby = lonely[0]
+        ray_cluster.remove_node(workers[standby.node_id], allow_graceful=False)
+        ray_cluster.add_node(num_cpus=1, include_dashboard=False)
+
+        async def started_again() -> bool:
+            try:
+                return (await _standby_info(rt, host)).incarnation != standby.incarnation
+            except (ValueError, ray.exceptions.RayActorError):
+                return False
+
+        await eventually(started_again, timeout=60, what="the lost standby started again")
+        assert [h.generation for h in await rt.host_info() if h.slot == host.slot] == [
+            host.generation
+        ]  # its active host was left alone
+    finally:
+        await rt.shutdown()

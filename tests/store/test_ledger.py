@@ -1,0 +1,128 @@
+"""Fenced tool dispatch: the ledger's compare-and-set, on fakeredis and a real server alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from actors.engine.builtin_tools import BUILTIN_TOOLS
+from actors.engine.toolrun import BatchExecutor, LocalToolRunner
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from bus.errors import StaleOwner
+from bus.messages import ToolCall
+from store.checkpoint import RedisCheckpointStore
+from store.effects import EffectCounters
+from store.keys import KeyLayout
+from store.ledger import Change, LedgerRead, ToolLedger, call_key
+from store.records import LedgerEntry
+from tests.support.records import record
+
+
+@pytest.fixture
+async def owned(any_client: aioredis.Redis, keys: KeyLayout) -> ToolLedger:
+    """A ledger whose turn ``t1`` is owned by epoch 2."""
+    await RedisCheckpointStore(any_client, keys).save(record("t1", epoch=2, seq=3))
+    return ToolLedger(any_client, keys)
+
+
+def executor(client: aioredis.Redis, keys: KeyLayout, registry: ToolRegistry) -> BatchExecutor:
+    ledger = ToolLedger(client, keys)
+    return BatchExecutor(registry, LocalToolRunner(), ledger, EffectCounters(client, keys))
+
+
+CALLS = [ToolCall(id=f"c{i}", name="counter_increment", args={"delay_ms": 30}) for i in range(3)]
+
+
+async def test_a_fenced_epoch_dispatches_nothing(
+    owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    (read,) = (await owned.prepare("t1", [("k", "echo")])).values()
+    entry = LedgerEntry(state="dispatched", name="echo", epoch=1)
+    with pytest.raises(StaleOwner, match="epoch 1 may not dispatch"):
+        await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=1)
+    assert (await owned.entries("t1"))["k"].state == "prepared"
+    # The owner's epoch wins, and replaying its own write is still a win.
+    entry = LedgerEntry(state="dispatched", name="echo", epoch=2)
+    assert await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=2) == {"k": True}
+    assert await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=2) == {"k": True}
+    # A second dispatcher that read the same prepared entry loses the compare-and-set.
+    other = LedgerEntry(state="dispatched", name="echo", epoch=2, updated_at=7)
+    assert await owned.transition("t1", {"k": Change(read.raw, other)}, epoch=2) == {"k": False}
+
+
+async def test_an_incarnation_fenced_before_its_batch_runs_no_tool(
+    any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    store = RedisCheckpointStore(any_client, keys)
+    await store.save(record("t1", epoch=3, seq=5))  # the successor's claim landed first
+    zombie = executor(any_client, keys, BUILTIN_TOOLS)
+    with pytest.raises(StaleOwner):
+        await zombie.run_batch("t1", 2, 0, CALLS)
+    assert await EffectCounters(any_client, keys).counts("t1") == {}
+    states = {e.state for e in (await ToolLedger(any_client, keys).entries("t1")).values()}
+    assert states == {"prepared"}
+
+
+class GatedLedger(ToolLedger):
+    """A ledger whose ``prepare`` returns only once both racers have read the entries, so the
+    two dispatch attempts really race on the same ``prepared`` bytes."""
+
+    arrived = 0
+    both = asyncio.Event()
+
+    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
+        reads = await super().prepare(turn_id, calls)
+        GatedLedger.arrived += 1
+        if GatedLedger.arrived == 2:
+            GatedLedger.both.set()
+        await GatedLedger.both.wait()
+        return reads
+
+
+async def test_two_owners_racing_on_one_batch_run_each_call_once(
+    owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    GatedLedger.arrived, GatedLedger.both = 0, asyncio.Event()
+    effects = EffectCounters(any_client, keys)
+    a, b = (
+        BatchExecutor(BUILTIN_TOOLS, LocalToolRunner(), GatedLedger(any_client, keys), effects)
+        for _ in range(2)
+    )
+    ra, rb = await asyncio.gather(a.run_batch("t1", 2, 0, CALLS), b.run_batch("t1", 2, 0, CALLS))
+    counts = await effects.counts("t1")
+    assert sorted(counts) == sorted(
+        call_key("t1", 0, c.name, c.args, i) for i, c in enumerate(CALLS)
+    )
+    assert set(counts.values()) == {1}  # nobody ran a call twice
+    # Each call: one racer ran it, the other lost the dispatch and reports it in flight.
+    for x, y in zip(ra, rb, strict=True):
+        assert sorted([x.status, y.status]) == ["ok", "outcome_unknown"]
+
+
+async def test_a_late_outcome_never_overwrites_what_a_successor_settled(
+    owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        started.set()
+        await release.wait()
+        return "late"
+
+    registry = ToolRegistry([ToolSpec("slow", slow, idempotent=False)])
+    calls = [ToolCall(id="c0", name="slow")]
+    zombie = asyncio.ensure_future(
+        executor(any_client, keys, registry).run_batch("t1", 2, 0, calls)
+    )
+    await started.wait()
+    await RedisCheckpointStore(any_client, keys).save(record("t1", epoch=3, seq=4))
+    (res,) = await executor(any_client, keys, registry).run_batch("t1", 3, 0, calls)
+    assert res.status == "outcome_unknown"  # in flight under the zombie: never re-run
+    release.set()
+    assert (await zombie)[0].output == "late"
+    (entry,) = (await owned.entries("t1")).values()
+    assert (entry.state, entry.epoch) == ("outcome_unknown", 3)

@@ -1,0 +1,1 @@
+"""What the tests share: agents, fake and real servers, helpers (no tests here)."""
