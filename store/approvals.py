@@ -15,10 +15,12 @@ from typing import Literal
 import redis
 
 from store.codec import pack_model, unpack_model
-from store.connection import StoreClient, text, translated
-from store.connection import raw as raw_bytes
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.records import Approval
+from store.replies import raw as raw_bytes
+from store.replies import text
 
 __all__ = ["ARGS_LIMIT", "Approvals"]
 

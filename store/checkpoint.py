@@ -47,22 +47,15 @@ from store.codec import (
     pack_model,
     unpack_model,
 )
-from store.connection import (
-    StoreClient,
-    is_redirect,
-    node_connection,
-    reading,
-    refresh_topology,
-    roundtrip,
-    slot_of,
-    text,
-    translated,
-)
-from store.connection import raw as raw_bytes
+from store.connection import StoreClient
 from store.durability import Durability, DurabilityWait
+from store.failures import reading, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
+from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip, slot_of
 from store.records import CheckpointRecord, SaveAck, TurnSpec
+from store.replies import raw as raw_bytes
+from store.replies import text
 from store.retention import Retention
 from store.save_script import REPLAYED, SAVE_LUA, save_answer, save_call
 from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch

@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from bus.errors import NotDurable, StoreError
-from store.connection import text
+from store.replies import text
 
 __all__ = ["Durability", "DurabilityKind", "DurabilityWait", "parse_durability"]
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import uuid
 
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
+from store.replies import text
 
 
 class EffectCounters:

@@ -41,8 +41,8 @@ from types import TracebackType
 import redis
 
 from bus.errors import StoreError
-from store.connection import redact_url
 from store.durability import Durability, DurabilityKind
+from store.urls import redact_url
 
 
 class DataDirBusy(StoreError):

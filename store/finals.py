@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterable
 
 from bus.errors import PhaselineError, RecordError, RecordNotFound, StoreError, StoreUnavailable
 from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, read_streams, text
+from store.connection import StoreClient
 from store.records import CheckpointRecord
+from store.replies import text
+from store.stream_reads import read_streams
 
 __all__ = ["wait_final"]
 

@@ -17,11 +17,12 @@ import uuid
 
 from bus.errors import TurnNotRunning
 from store.codec import pack_model, unpack_model
-from store.connection import StoreClient, translated
-from store.connection import raw as raw_bytes
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import InboxItem
+from store.replies import raw as raw_bytes
 
 
 class Inbox:

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import cast
 
 from bus.errors import ConfigError
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout, check_turn_id
 from store.lua import lua_script
 from store.records import MAX_FENCE
+from store.replies import text
 
 __all__ = ["Isolation", "Probation"]
 

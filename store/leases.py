@@ -14,7 +14,8 @@ and can never refresh, or overwrite, its successor's lease.
 
 from __future__ import annotations
 
-from store.connection import StoreClient, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 
 __all__ = ["HostLeases"]

@@ -18,11 +18,13 @@ from typing import Any, Protocol
 from bus.errors import RecordError, StaleOwner, StoreError
 from bus.messages import canonical_json
 from store.codec import pack_model, unpack_model
-from store.connection import StoreClient, reading, text, translated
-from store.connection import raw as raw_bytes
+from store.connection import StoreClient
+from store.failures import reading, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import LedgerEntry
+from store.replies import raw as raw_bytes
+from store.replies import text
 
 
 def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
+from store.replies import text
 
 __all__ = ["EndpointLimiter", "EndpointState", "Schedule", "endpoint_id"]
 

@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from bus.errors import NamespaceHeld, PhaselineError, RecordError
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
+from store.replies import text
 
 __all__ = ["Claim", "ClaimResult", "Holder", "NamespaceOwner", "holding", "pid_running"]
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 
 from bus.errors import RecordError
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
+from store.replies import text
 
 
 class PoolSizes:

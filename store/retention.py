@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from store.codec import EncodedRecord
-from store.connection import StoreClient, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord

@@ -13,10 +13,10 @@ from enum import StrEnum
 
 from bus.errors import AlreadySaved, RecordError, StaleOwner, StoreError, TurnExists
 from store.codec import EncodedRecord
-from store.connection import text
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import SaveAck
+from store.replies import text
 from store.retention import Retention, retained_keys
 from store.usage import tally_args
 

@@ -29,10 +29,12 @@ import redis
 from bus.errors import ConfigError, RecordError, SessionBusy, StoreError, TurnExists
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, check_record_size, pack_model, unpack_model
-from store.connection import StoreClient, text, translated
-from store.connection import raw as raw_bytes
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import check_turn_id, session_turn_id
 from store.records import CheckpointRecord, QueuedTurn, SaveAck, TurnSpec
+from store.replies import raw as raw_bytes
+from store.replies import text
 
 
 class IfBusy(StrEnum):

@@ -37,8 +37,11 @@ from bus.events import (
     encode_event,
 )
 from bus.phase import Transition
-from store.connection import StoreClient, raw, read_streams, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
+from store.replies import raw, text
+from store.stream_reads import read_streams
 
 
 @dataclass(frozen=True, slots=True)

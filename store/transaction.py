@@ -28,14 +28,9 @@ import redis
 
 from bus.errors import StoreError, StoreUnavailable
 from store.codec import EncodedRecord
-from store.connection import (
-    StoreClient,
-    is_redirect,
-    node_connection,
-    refresh_topology,
-    roundtrip,
-)
+from store.connection import StoreClient
 from store.keys import KeyLayout
+from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip
 from store.retention import Retention, retained_keys
 from store.save_script import SaveStatus, fence
 from store.usage import TALLY_COUNTERS, tally_args

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from bus.messages import Usage
 from store.codec import EncodedRecord
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
+from store.replies import text
 
 __all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
 

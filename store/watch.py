@@ -15,8 +15,11 @@ from collections.abc import AsyncIterator
 
 from bus.events import BadBusEntry, Finished, WatchEvent, decode_event
 from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, read_streams, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout, check_turn_id
+from store.replies import text
+from store.stream_reads import read_streams
 
 log = logging.getLogger(__name__)
 

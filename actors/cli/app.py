@@ -28,13 +28,12 @@ import click
 from rich.console import Console
 
 from actors.engine.config import Settings, load_settings
-from bus.errors import (
-    ConfigError,
-    PhaselineError,
-)
-from store.connection import StoreClient, redact_url, translated
+from bus.errors import ConfigError, PhaselineError
+from store.connection import StoreClient
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.embedded_cluster import EmbeddedCluster
+from store.failures import translated
+from store.urls import redact_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -26,14 +26,7 @@ from actors.cli.app import (
     main,
     out,
 )
-from actors.cli.runs import (
-    _Bar,
-    _nodes_option,
-    _ray_nodes,
-    _verdict_option,
-    _work,
-    _work_options,
-)
+from actors.cli.runs import _Bar, _nodes_option, _ray_nodes, _verdict_option, _work, _work_options
 from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime

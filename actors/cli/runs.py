@@ -42,9 +42,7 @@ from actors.engine.turn_engine import TurnEngine
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
-from bus.errors import (
-    RecordNotFound,
-)
+from bus.errors import RecordNotFound
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient

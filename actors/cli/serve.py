@@ -16,8 +16,9 @@ import ray
 from actors.cli.app import _appendfsync, _common, _run_with_url, _settings, console, main, out
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
-from store.connection import StoreClient, redact_url
+from store.connection import StoreClient
 from store.embedded import EmbeddedRedis
+from store.urls import redact_url
 
 
 @main.command()

@@ -28,11 +28,7 @@ from actors.engine.cancel import queue_behind
 from actors.engine.run_stats import new_run_id
 from actors.engine.submission import new_turns, session_turn
 from actors.harness.live import LiveView
-from bus.errors import (
-    ConfigError,
-    SessionBusy,
-    TurnExists,
-)
+from bus.errors import ConfigError, SessionBusy, TurnExists
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.inbox import Inbox

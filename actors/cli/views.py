@@ -20,9 +20,7 @@ from actors.cluster.status import deployment_status
 from actors.harness.live import LiveView
 from actors.harness.status_view import render
 from actors.turn.poison import evidence
-from bus.errors import (
-    RecordNotFound,
-)
+from bus.errors import RecordNotFound
 from bus.events import WatchEvent
 from bus.outcomes import ANSWER_OUTCOMES, Outcome
 from bus.phase import TurnPhase

@@ -17,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
-from store.connection import StoreClient, text, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
+from store.replies import text
 
 #: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
 RAY_NAMESPACE = "phaseline"

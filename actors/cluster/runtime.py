@@ -36,22 +36,18 @@ from actors.engine.agents import load_agent
 from actors.engine.cancel import Cancelled, queue_behind, request_cancel
 from actors.engine.config import Settings
 from actors.engine.submission import new_turns, session_turn
-from bus.errors import (
-    ConfigError,
-    PhaselineError,
-    SessionBusy,
-    StoreError,
-    TurnExists,
-)
+from bus.errors import ConfigError, PhaselineError, SessionBusy, StoreError, TurnExists
 from bus.events import WatchEvent
 from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, redact_url, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.finals import wait_final
 from store.inbox import Inbox
 from store.ownership import Holder, NamespaceOwner
 from store.records import Approval, CheckpointRecord, InboxItem, QueuedTurn, TurnInput
 from store.sessions import IfBusy, Sessions
+from store.urls import redact_url
 from store.watch import watch_turn
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,7 @@ from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
 from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from bus.errors import PhaselineError
-from store.connection import translated
+from store.failures import translated
 from store.leases import HostLeases
 from store.limiter import EndpointLimiter
 from store.ownership import Holder, NamespaceOwner

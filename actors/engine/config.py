@@ -18,12 +18,13 @@ from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import ConfigError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, RECORD_BYTES_CEILING
-from store.connection import DEFAULT_RETRY_S, StoreClient, check_redis_url, connect
+from store.connection import DEFAULT_RETRY_S, StoreClient, connect
 from store.durability import Durability, parse_durability
 from store.keys import KeyLayout
 from store.retention import Retention
 from store.streams import LiveStreams
 from store.transaction import AtomicSave
+from store.urls import check_redis_url
 
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 

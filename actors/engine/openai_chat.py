@@ -73,8 +73,8 @@ from bus.errors import (
     StoreError,
 )
 from bus.messages import Message, ToolCall, Usage
-from store.connection import redact_url
 from store.limiter import endpoint_id
+from store.urls import redact_url
 
 __all__ = ["OpenAIChat", "OpenAIChatClient"]
 

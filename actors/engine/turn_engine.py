@@ -57,12 +57,7 @@ from store.inbox import Inbox
 from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
-from store.records import (
-    CheckpointRecord,
-    TurnError,
-    TurnInput,
-    TurnSpec,
-)
+from store.records import CheckpointRecord, TurnError, TurnInput, TurnSpec
 from store.retention import Retention
 from store.sessions import Sessions
 from store.transaction import AtomicSave

@@ -35,10 +35,12 @@ from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message
 from bus.outcomes import Outcome
 from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, read_range, text
+from store.connection import StoreClient
 from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
+from store.replies import text
+from store.stream_reads import read_range
 
 
 class VerdictMode(StrEnum):

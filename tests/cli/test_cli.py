@@ -16,8 +16,9 @@ from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from bus.outcomes import Outcome
-from store.connection import check_redis_url, connect, redact_url, seed_urls
+from store.connection import connect
 from store.keys import KeyLayout
+from store.urls import check_redis_url, redact_url, seed_urls
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")

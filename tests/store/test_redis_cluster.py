@@ -18,10 +18,12 @@ from actors.engine.scripted import scripted_turn
 from actors.harness.failover import failover_under_saves
 from actors.harness.verdict import first_difference
 from bus.errors import ConfigError, StoreError
-from store.connection import StoreClient, connect, is_redirect, seed_urls
+from store.connection import StoreClient, connect
 from store.effects import EffectCounters
 from store.embedded import free_port
 from store.embedded_cluster import SLOTS, EmbeddedCluster
+from store.nodes import is_redirect
+from store.urls import seed_urls
 from tests.support.polling import eventually
 from tests.support.reference import reference
 

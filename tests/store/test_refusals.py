@@ -21,8 +21,8 @@ from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreRefused, StoreUnavailable
 from bus.messages import ToolCall
 from store.checkpoint import RedisCheckpointStore
-from store.connection import translated
 from store.effects import EffectCounters
+from store.failures import translated
 from store.keys import KeyLayout
 from store.ledger import Change, ToolLedger, call_key
 from tests.support.records import record

@@ -17,9 +17,10 @@ from typing import Any
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, translated
+from store.connection import connect
 from store.durability import parse_durability
 from store.embedded import EmbeddedRedis
+from store.failures import translated
 from store.keys import KeyLayout
 
 MODES = ("ack", "fsync", "replicas:1")

@@ -23,18 +23,14 @@ from typing import Any
 
 import ray
 
-from actors.cluster.checkpoint_actor import (
-    CheckpointClient,
-    Verdict,
-    actor_sender,
-    local_sender,
-)
+from actors.cluster.checkpoint_actor import CheckpointClient, Verdict, actor_sender, local_sender
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
-from store.connection import connect, translated
+from store.connection import connect
+from store.failures import translated
 from store.records import CheckpointRecord, SaveAck
 from store.transaction import AtomicSave
 from store.transcript import KnownBodies

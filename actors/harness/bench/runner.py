@@ -35,7 +35,8 @@ from actors.harness.bench.workload import deployed, durability_overhead, host_ca
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError, PhaselineError
 from store.checkpoint import RedisCheckpointStore
-from store.connection import connect, translated
+from store.connection import connect
+from store.failures import translated
 from store.keys import KeyLayout
 
 SCENARIOS = configs_dir() / "scenarios"

@@ -13,7 +13,8 @@ from bus.messages import Message, ToolCall, ToolResult
 from bus.phase import TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
-from store.connection import StoreClient, translated
+from store.connection import StoreClient
+from store.failures import translated
 from store.records import CheckpointRecord, MessageMeta
 
 

@@ -36,7 +36,7 @@ from actors.harness.bench.scaling_model import (
     size,
 )
 from actors.harness.bench.workload import WARMUP_TURNS, deployed, peak_rss, run_turns
-from store.connection import translated
+from store.failures import translated
 
 __all__ = ["unit_costs"]
 
