@@ -109,7 +109,7 @@ class EmbeddedCluster:
 
     @property
     def seeds_url(self) -> str:
-        """A URL naming every node as a seed (``store.connection.seed_urls``): what a client
+        """A URL naming every node as a seed (``store.urls.seed_urls``): what a client
         needs that must start while any one node, a killed primary say, is down."""
         if not self.nodes:
             raise StoreError("embedded cluster is not running")
