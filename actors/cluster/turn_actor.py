@@ -315,7 +315,7 @@ class TurnActor:
             record = await store.load(turn_id)
         except PhaselineError as exc:  # not found, undecodable, or Redis away
             log.error("turn %s cannot start: %s", turn_id, exc)
-            return TurnOutcome(turn_id, RunStop.UNUSABLE, 0, 0, 0, 0)
+            return TurnOutcome.stopped(turn_id, RunStop.UNUSABLE)
         if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
             return await self.engine.start(record, await store.load_spec(turn_id))
         return await self._resume(turn_id)

@@ -98,8 +98,8 @@ class Setbacks:
             await self.store.save(parked)
         except StoreError as exc:
             log.warning("turn %s: the suspension was not recorded: %s", record.turn_id, exc)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
-        return TurnOutcome(record.turn_id, outcome, record.epoch, 1, 0, 0, error)
+            return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
+        return TurnOutcome.parked(record.turn_id, outcome, record.epoch, error)
 
     async def agent_unavailable(
         self, record: CheckpointRecord, spec: TurnSpec, exc: ConfigError
@@ -135,6 +135,8 @@ class Setbacks:
             await self.store.save(noted)
         except StoreError as save_failed:  # fenced by a newer owner, or Redis away
             log.warning("turn %s: the failure was not recorded: %s", record.turn_id, save_failed)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
-        ended = outcome if outcome is not None else RunStop.INTERRUPTED
-        return TurnOutcome(record.turn_id, ended, record.epoch, 1, 0, 0, error)
+            return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
+        if outcome is not None:
+            return TurnOutcome.parked(record.turn_id, outcome, record.epoch, error)
+        return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, saves=1,
+                           failed_saves=0, messages=0, error=error)  # fmt: skip

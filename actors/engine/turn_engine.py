@@ -250,7 +250,7 @@ class TurnEngine:
             log.warning("turn %s: %s", turn_id, plan.detail)
             if self._on_isolate is not None:
                 self._on_isolate(turn_id)
-            return TurnOutcome(turn_id, RunStop.ISOLATE, 0, 0, 0, 0)
+            return TurnOutcome.stopped(turn_id, RunStop.ISOLATE)
         return await self.run_plan(plan)
 
     async def run_plan(self, plan: ResumePlan, **loop_kw: Any) -> TurnOutcome:
@@ -261,10 +261,10 @@ class TurnEngine:
             self.stats.quarantined.append(turn_id)
         if plan.action is PlanAction.SUSPENDED and plan.record is not None:
             log.error("turn %s suspended: %s", turn_id, plan.record.counters.isolated_deaths)
-            return TurnOutcome(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch, 1, 0, 0)
+            return TurnOutcome.parked(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch)
         if plan.action is not PlanAction.RESUME or plan.record is None or plan.spec is None:
             log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
-            return TurnOutcome(turn_id, plan.action.stop, 0, 0, 0, 0)
+            return TurnOutcome.stopped(turn_id, plan.action.stop)
         self.stats.resumed += 1
         return await self.start(plan.record, plan.spec, resume_from=plan.resume_from, **loop_kw)
 
@@ -425,10 +425,10 @@ class TurnEngine:
             await self.store.save(claimed)
             spec = await self.store.load_spec(record.turn_id)
         except StaleOwner:  # another owner took it meanwhile: theirs now
-            return TurnOutcome(record.turn_id, RunStop.FENCED, record.epoch, 0, 0, 0)
+            return TurnOutcome.stopped(record.turn_id, RunStop.FENCED, record.epoch)
         except StoreError as exc:
             log.error("turn %s interrupted: %s", record.turn_id, exc)
-            return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, 0, 0, 0)
+            return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
         return await self.start(claimed, spec, resume_from=record.reason)
 
     # -- what watchdogs and operators may ask -------------------------------------------------

@@ -57,3 +57,15 @@ class TurnOutcome:
     def leaves_in_progress(self) -> bool:
         """The run may have left the turn's record in progress (someone must still end it)."""
         return isinstance(self.outcome, RunStop) and self.outcome.leaves_in_progress
+
+    @classmethod
+    def stopped(cls, turn_id: str, stop: RunStop, epoch: int = 0) -> TurnOutcome:
+        """A run that ended nothing and saved nothing: why it stopped."""
+        return cls(turn_id, stop, epoch, saves=0, failed_saves=0, messages=0)
+
+    @classmethod
+    def parked(
+        cls, turn_id: str, outcome: Outcome, epoch: int, error: TurnError | None = None
+    ) -> TurnOutcome:
+        """A turn this run parked (suspended) with one save, and why."""
+        return cls(turn_id, outcome, epoch, saves=1, failed_saves=0, messages=0, error=error)

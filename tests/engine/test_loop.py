@@ -581,6 +581,6 @@ async def test_an_unreachable_redis_is_asked_about_once_at_the_end_of_a_run(
         raise StoreUnavailable("Redis is gone")
 
     monkeypatch.setattr(engine.store, "load", gone)
-    stopped = [TurnOutcome(f"t{i}", RunStop.INTERRUPTED, 1, 0, 0, 0) for i in range(5)]
+    stopped = [TurnOutcome.stopped(f"t{i}", RunStop.INTERRUPTED, 1) for i in range(5)]
     left = await still_in_progress(engine.store, stopped, skip=set())
     assert left == [f"t{i}" for i in range(5)] and asked == ["t0"]
