@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bus.errors import PhaselineError
 
-__all__ = ["HostInfo", "ServiceInfo", "SupervisorInfo", "this_node"]
+__all__ = ["HostInfo", "MCPSessionInfo", "ServiceInfo", "SupervisorInfo", "this_node"]
 
 
 class _Info(BaseModel):
@@ -87,6 +87,17 @@ class SupervisorInfo(_Info):
     """The Ray node it runs on (hex id)."""
 
 
+class MCPSessionInfo(_Info):
+    """A ToolWorker's session with one MCP server."""
+
+    server: str
+    """The server's name in its agent."""
+    starts: int
+    """Sessions started so far (more than one: restarts)."""
+    connected: bool
+    """Whether the session is open now."""
+
+
 class ServiceInfo(_Info):
     """The answer of a CheckpointActor, WatchdogActor, RecoveryActor or ToolWorker."""
 
@@ -96,11 +107,14 @@ class ServiceInfo(_Info):
     """What it did so far (saves, batches, plans, calls, watched turns, ...)."""
     node_id: str = ""
     """The Ray node it runs on (hex id)."""
+    mcp: tuple[MCPSessionInfo, ...] = ()
+    """A ToolWorker's MCP sessions."""
 
     @classmethod
-    def here(cls, counts: dict[str, int]) -> dict[str, Any]:
-        """The reply of the calling actor: its process, its node and ``counts``."""
-        return cls(pid=os.getpid(), counts=counts, node_id=this_node()).wire()
+    def here(cls, counts: dict[str, int], mcp: tuple[MCPSessionInfo, ...] = ()) -> dict[str, Any]:
+        """The reply of the calling actor: its process, its node, ``counts`` (and a ToolWorker's
+        MCP sessions)."""
+        return cls(pid=os.getpid(), counts=counts, node_id=this_node(), mcp=mcp).wire()
 
 
 def this_node() -> str:

@@ -179,11 +179,10 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
                 continue
             prev = before.get((p, i))
             done += info.counts.get("calls", 0) - (prev.counts.get("calls", 0) if prev else 0)
-            for name, value in info.counts.items():
-                if name.startswith("mcp:"):
-                    _, server, what = name.split(":", 2)
-                    row = mcp.setdefault((pool, server), [0, 0])
-                    row[0 if what == "connected" else 1] += value
+            for session in info.mcp:
+                row = mcp.setdefault((pool, session.server), [0, 0])
+                row[0] += session.connected
+                row[1] += session.starts
         pool_rows.append(
             PoolRow(
                 pool=pool,

@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
 from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
-from actors.cluster.info import ServiceInfo
+from actors.cluster.info import MCPSessionInfo, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.engine.agents import load_agent
 from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
@@ -113,11 +113,11 @@ class ToolWorker:
         return json.dumps([dataclasses.asdict(i) for i in infos])
 
     async def hello(self) -> dict[str, Any]:
-        counts = {"calls": self.calls, "active": self.active}
-        for state in hub().states():
-            counts[f"mcp:{state.server}:starts"] = state.starts
-            counts[f"mcp:{state.server}:connected"] = int(state.state == "connected")
-        return ServiceInfo.here(counts)
+        sessions = tuple(
+            MCPSessionInfo(server=s.server, starts=s.starts, connected=s.state == "connected")
+            for s in hub().states()
+        )
+        return ServiceInfo.here({"calls": self.calls, "active": self.active}, sessions)
 
 
 class RayToolRunner:
