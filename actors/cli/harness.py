@@ -33,9 +33,10 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.harness.chaos import TARGETS, WITNESSED, ChaosSettings, parse_targets, run_chaos
+from actors.harness.chaos import ChaosSettings, run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
+from actors.harness.targets import TARGETS, WITNESSED, parse_targets
 from actors.harness.verdict import VerdictMode
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster

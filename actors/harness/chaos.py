@@ -41,7 +41,7 @@ import random
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos_report import ChaosReport, Fault
+from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after, read_moves
 from actors.harness.verdict import VerdictMode, expected_for, judge
 from actors.harness.work import Work
@@ -68,22 +69,6 @@ from store.isolation import Isolation
 
 log = logging.getLogger(__name__)
 
-TARGETS = (
-    "host", "tool", "checkpoint", "watchdog", "recovery", "supervisor", "redis", "freeze",
-    "concurrent_resume", "power_loss", "node", "redis_failover",
-)  # fmt: skip
-
-#: Targets that need the embedded server (they kill and restart it).
-EMBEDDED_ONLY = ("redis", "power_loss")
-
-#: Targets that need a local multi-node Ray cluster (``--nodes N``): they remove a node.
-NODES_ONLY = ("node",)
-
-#: Targets that need the embedded Redis Cluster (``--redis-cluster``): they kill a primary.
-CLUSTER_ONLY = ("redis_failover",)
-
-#: Targets whose side effects are counted on a witness server: they can lose Redis writes.
-WITNESSED = ("power_loss", "redis_failover")
 
 #: Turns a ``concurrent_resume`` fault takes over at once.
 RIVAL_TURNS = 3
@@ -91,33 +76,6 @@ RIVAL_TURNS = 3
 
 #: The model call of a poison turn that SIGKILLs its process.
 POISON_AT_CALL = 3
-
-
-def parse_targets(
-    spec: str, *, embedded: bool, nodes: bool = False, cluster: bool = False
-) -> tuple[str, ...]:
-    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list.
-    ``embedded``: the run owns its one Redis server; ``nodes``: it owns a local multi-node Ray
-    cluster; ``cluster``: it owns a local Redis Cluster. ``all`` leaves out what the run cannot
-    do; a list naming it is refused."""
-    if spec == "none":
-        return ()
-    every = spec in ("all", "")
-    names = TARGETS if every else tuple(t.strip() for t in spec.split(",") if t.strip())
-    unknown = sorted(set(names) - set(TARGETS))
-    if unknown:
-        raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
-    for needed, have, why in (
-        (EMBEDDED_ONLY, embedded, "restart the embedded server; drop --redis-url for them"),
-        (NODES_ONLY, nodes, "remove a Ray node; run with --nodes 2 or more (no --ray-address)"),
-        (CLUSTER_ONLY, cluster, "kill a Redis Cluster primary; run with --redis-cluster"),
-    ):
-        needs = [t for t in names if t in needed]
-        if needs and not have:
-            if not every:
-                raise ConfigError(f"targets {needs} {why}")
-            names = tuple(t for t in names if t not in needed)
-    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +88,7 @@ class ChaosSettings:
     """How long faults are injected."""
     kill_interval_s: float
     """Mean seconds between two faults (each interval is drawn from 0.5x..1.5x)."""
-    targets: tuple[str, ...]
+    targets: tuple[ChaosTarget, ...]
     """Kinds of victim."""
     seed: int
     """Seeds the victim and interval choices, so a failing run can be replayed."""
@@ -185,7 +143,7 @@ class ChaosMonkey:
 
     async def run(self) -> None:
         sampler = None
-        if "power_loss" in self.cfg.targets and self.server is not None:
+        if ChaosTarget.POWER_LOSS in self.cfg.targets and self.server is not None:
             sampler = asyncio.ensure_future(self._sample_aof())
         try:
             await self._faults()
@@ -239,46 +197,68 @@ class ChaosMonkey:
                 out[tid] = (await self.rt.store.load(tid)).epoch
         return out
 
-    async def inject(self, target: str) -> Fault:
+    async def inject(self, target: ChaosTarget) -> Fault:
+        """One fault of ``target``, as its handler makes it."""
+        handlers: dict[ChaosTarget, Callable[[], Awaitable[Fault]]] = {
+            ChaosTarget.HOST: self._kill_host,
+            ChaosTarget.FREEZE: self._freeze_host,
+            ChaosTarget.TOOL: self._kill_tool_worker,
+            ChaosTarget.CONCURRENT_RESUME: self._rival_resume,
+            ChaosTarget.NODE: self._node_loss,
+            ChaosTarget.REDIS_FAILOVER: self._redis_failover,
+            ChaosTarget.POWER_LOSS: self._power_loss,
+            ChaosTarget.REDIS: self._restart_redis,
+        }
+        handler = handlers.get(target)
+        return await (handler() if handler is not None else self._kill_service(target))
+
+    async def _kill_host(self) -> Fault:
+        slot = self.rng.choice(self.rt.dep.slots())
+        affected = await self._affected(slot)
+        at = self.now()
+        pid = await self.rt.kill_host(slot)
+        return Fault(at, ChaosTarget.HOST, self.rt.dep.host_label(slot), pid, affected)
+
+    async def _freeze_host(self) -> Fault:
+        """SIGSTOP a host until the supervisor has replaced it and its turns moved."""
         rt = self.rt
-        if target in ("host", "freeze"):
-            slot = self.rng.choice(rt.dep.slots())
-            affected = await self._affected(slot)
-            at = self.now()
-            if target == "host":
-                pid = await rt.kill_host(slot)
-                return Fault(at, target, rt.dep.host_label(slot), pid, affected)
-            before = await rt.respawns()
-            pid = await rt.kill_host(slot, signal.SIGSTOP)
-            try:
-                await self._until_claimed(before, affected)
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            return Fault(
-                at, target, rt.dep.host_label(slot), pid, affected, note="stopped until replaced"
-            )
-        if target == "tool":
-            index = self.rng.randrange(rt.dep.settings.tools.workers)
-            handle = ray.get_actor(
-                rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE
-            )
-            pid = ServiceInfo.of(await handle.hello.remote()).pid
-            os.kill(pid, signal.SIGKILL)
-            return Fault(self.now(), target, f"tools{index}", pid)
-        if target == "concurrent_resume":
-            return await self._rival_resume()
-        if target == "node":
-            return await self._node_loss()
-        if target == "redis_failover":
-            return await self._redis_failover()
-        if target == "power_loss":
-            return await self._power_loss()
-        if target == "redis":
-            assert self.server is not None
-            at = self.now()
-            down = await asyncio.to_thread(self.server.restart)
-            return Fault(at, target, "redis-server", None, note=f"down {down:.2f} s")
-        role = self.rng.choice(rt.dep.checkpoint_roles()) if target == "checkpoint" else target
+        slot = self.rng.choice(rt.dep.slots())
+        affected = await self._affected(slot)
+        at = self.now()
+        before = await rt.respawns()
+        pid = await rt.kill_host(slot, signal.SIGSTOP)
+        try:
+            await self._until_claimed(before, affected)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return Fault(
+            at, ChaosTarget.FREEZE, rt.dep.host_label(slot), pid, affected,
+            note="stopped until replaced",
+        )  # fmt: skip
+
+    async def _kill_tool_worker(self) -> Fault:
+        rt = self.rt
+        index = self.rng.randrange(rt.dep.settings.tools.workers)
+        handle = ray.get_actor(rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE)
+        pid = ServiceInfo.of(await handle.hello.remote()).pid
+        os.kill(pid, signal.SIGKILL)
+        return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", pid)
+
+    async def _restart_redis(self) -> Fault:
+        assert self.server is not None
+        at = self.now()
+        down = await asyncio.to_thread(self.server.restart)
+        return Fault(at, ChaosTarget.REDIS, "redis-server", None, note=f"down {down:.2f} s")
+
+    async def _kill_service(self, target: ChaosTarget) -> Fault:
+        """SIGKILL a service actor: a CheckpointActor (one of them), the WatchdogActor, the
+        RecoveryActor or the Supervisor."""
+        rt = self.rt
+        role = (
+            self.rng.choice(rt.dep.checkpoint_roles())
+            if target is ChaosTarget.CHECKPOINT
+            else target.value
+        )
         pid = await rt.service_pid(role)
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), target, role, pid)
@@ -312,7 +292,7 @@ class ChaosMonkey:
         # thread may do. The loop stalls for the few seconds a raylet takes to start.
         fresh = self.nodes.add_node()
         note = f"hosts of slots {sorted(by_node.get(victim, []))}; node {fresh[:8]} added"
-        return Fault(at, "node", f"node {victim[:8]}", None, affected, note=note)
+        return Fault(at, ChaosTarget.NODE, f"node {victim[:8]}", None, affected, note=note)
 
     async def _redis_failover(self) -> Fault:
         """SIGKILL a primary of the Redis Cluster, wait until its replica serves its slots,
@@ -327,7 +307,7 @@ class ChaosMonkey:
         at = self.now()
         served_s, rejoined_s = await asyncio.to_thread(cluster.fail_over, victim)
         note = f"failover {served_s:.2f} s, back as a replica {rejoined_s:.2f} s"
-        return Fault(at, "redis_failover", f"primary :{victim.port}", None, note=note)
+        return Fault(at, ChaosTarget.REDIS_FAILOVER, f"primary :{victim.port}", None, note=note)
 
     async def _power_loss(self) -> Fault:
         server = self.server
@@ -341,7 +321,7 @@ class ChaosMonkey:
                 keep = older[-1]
         dropped = await asyncio.to_thread(server.power_loss, keep)
         note = f"appendfsync {server.appendfsync}: {dropped} AOF bytes lost"
-        return Fault(at, "power_loss", "redis-server", None, note=note)
+        return Fault(at, ChaosTarget.POWER_LOSS, "redis-server", None, note=note)
 
     async def _rival_resume(self) -> Fault:
         """Claim and run a few turns of one host from here, as a second resumer would."""
@@ -355,7 +335,7 @@ class ChaosMonkey:
         affected = {t: running[t] for t in taken}
         at = self.now()
         self.rivals += [asyncio.ensure_future(self._rival.resume(t)) for t in taken]
-        return Fault(at, "concurrent_resume", f"host{slot}", None, affected,
+        return Fault(at, ChaosTarget.CONCURRENT_RESUME, f"host{slot}", None, affected,
                      note=f"rival resumed {len(taken)}")  # fmt: skip
 
     async def rivals_done(self) -> Counter[str]:
@@ -414,7 +394,7 @@ async def submit_over(
 
 def recoveries(
     moves: list[Transition], faults: list[Fault], t0_unix: float
-) -> list[tuple[str, float, float, str]]:
+) -> list[tuple[str, float, float, ChaosTarget]]:
     """(turn, seconds since start, latency ms, fault target): the first move of each affected
     turn under a newer epoch after its host was killed, frozen or raced."""
     out = []

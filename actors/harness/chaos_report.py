@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.harness.percentiles import summarize
+from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after
 from actors.harness.verdict import Verdict
 from bus.phase import Transition
@@ -21,7 +22,7 @@ class Fault:
 
     at_s: float
     """Seconds into the run."""
-    target: str
+    target: ChaosTarget
     """What was hit (one of ``actors.harness.chaos.TARGETS``)."""
     victim: str
     """Which one: a host label, a role, a node, a Redis primary."""
@@ -37,7 +38,8 @@ class Fault:
     @property
     def landed(self) -> bool:
         """It did something: injected, and for a rival resume, some turn taken over."""
-        return not self.skipped and (self.target != "concurrent_resume" or bool(self.affected))
+        rival = self.target is ChaosTarget.CONCURRENT_RESUME
+        return not self.skipped and (not rival or bool(self.affected))
 
 
 @dataclass(slots=True)
@@ -53,7 +55,7 @@ class ChaosReport:
     latency_ms: list[float]
     moves: list[Transition]
     """Every transition read from the bus (for the timeline; not in the JSON)."""
-    recovered: list[tuple[str, float, float, str]]
+    recovered: list[tuple[str, float, float, ChaosTarget]]
     """(turn, seconds since start, latency ms, fault target) per recovered turn."""
     turn_ids: list[str]
     rivals: dict[str, int] = field(default_factory=dict)

@@ -13,7 +13,8 @@ from actors.engine.resume import ResumePlan, plan_resume, reopen
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
-from actors.harness.chaos import parse_targets, poison_ids, poison_variant
+from actors.harness.chaos import poison_ids, poison_variant
+from actors.harness.targets import parse_targets
 from actors.harness.timeline import label_levels
 from actors.turn.poison import (
     BACKOFF_CAP_S,

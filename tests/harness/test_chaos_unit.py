@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.harness.chaos import TARGETS, parse_targets, recoveries
+from actors.harness.chaos import recoveries
 from actors.harness.chaos_report import PLOT_ROWS, ChaosReport, Fault, plot_rows
+from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
 from actors.harness.timeline import plot_timeline
 from actors.harness.verdict import Verdict
 from bus.errors import ConfigError
@@ -36,7 +37,9 @@ def move(turn: str, epoch: int, at_s: float, dst: P = P.AWAITING_LLM) -> Transit
 
 
 def test_recovery_latency_is_kill_to_first_move_under_a_newer_epoch() -> None:
-    fault = Fault(at_s=10.0, target="host", victim="host0", pid=1, affected={"a": 1, "b": 2})
+    fault = Fault(
+        at_s=10.0, target=ChaosTarget.HOST, victim="host0", pid=1, affected={"a": 1, "b": 2}
+    )
     moves = [
         move("a", 1, 9.0), move("a", 1, 10.5),  # the dead owner's moves do not count
         move("a", 2, 12.0), move("a", 2, 13.0),
@@ -62,9 +65,11 @@ def test_recovery_latency_is_reported_per_fault_kind() -> None:
 
 
 def test_each_fault_reports_when_its_last_turn_moved_again() -> None:
-    node = Fault(at_s=10.0, target="node", victim="n1", pid=None, affected={"a": 1, "b": 1})
-    late = Fault(at_s=20.0, target="node", victim="n2", pid=None, affected={"c": 1})
-    idle = Fault(at_s=30.0, target="node", victim="n3", pid=None)  # no turns on it
+    node = Fault(
+        at_s=10.0, target=ChaosTarget.NODE, victim="n1", pid=None, affected={"a": 1, "b": 1}
+    )
+    late = Fault(at_s=20.0, target=ChaosTarget.NODE, victim="n2", pid=None, affected={"c": 1})
+    idle = Fault(at_s=30.0, target=ChaosTarget.NODE, victim="n3", pid=None)  # no turns on it
     moves = [move("a", 2, 11.0), move("b", 2, 13.5), move("c", 2, 21.0)]
     report = dataclasses.replace(
         report_with(Verdict(turns=3), []), faults=[node, late, idle], moves=moves,
@@ -98,11 +103,11 @@ def test_the_timeline_is_drawn(tmp_path: Path) -> None:
 
 def test_a_rival_resume_counts_as_a_fault_only_when_it_took_turns_over() -> None:
     assert "concurrent_resume" in parse_targets("all", embedded=False)
-    assert Fault(1.0, "concurrent_resume", "host0", None, {"t1": 2}).landed
-    assert not Fault(1.0, "concurrent_resume", "host0", None, {}).landed
-    assert not Fault(1.0, "host", "-", None, note="skipped: no host", skipped=True).landed
-    assert Fault(1.0, "redis", "redis-server", None).landed
-    assert Fault(1.0, "power_loss", "redis-server", None).landed
+    assert Fault(1.0, ChaosTarget.CONCURRENT_RESUME, "host0", None, {"t1": 2}).landed
+    assert not Fault(1.0, ChaosTarget.CONCURRENT_RESUME, "host0", None, {}).landed
+    assert not Fault(1.0, ChaosTarget.HOST, "-", None, note="skipped: no host", skipped=True).landed
+    assert Fault(1.0, ChaosTarget.REDIS, "redis-server", None).landed
+    assert Fault(1.0, ChaosTarget.POWER_LOSS, "redis-server", None).landed
     assert "power_loss" not in parse_targets("all", embedded=False)
     with pytest.raises(ConfigError, match="restart the embedded server"):
         parse_targets("host,power_loss", embedded=False)
@@ -113,5 +118,7 @@ def test_a_redis_failover_needs_the_local_redis_cluster() -> None:
     assert "redis_failover" in parse_targets("all", embedded=False, cluster=True)
     with pytest.raises(ConfigError, match="--redis-cluster"):
         parse_targets("host,redis_failover", embedded=True)
-    assert Fault(1.0, "redis_failover", "primary :7000", None).landed
-    assert not Fault(1.0, "redis_failover", "-", None, note="skipped", skipped=True).landed
+    assert Fault(1.0, ChaosTarget.REDIS_FAILOVER, "primary :7000", None).landed
+    assert not Fault(
+        1.0, ChaosTarget.REDIS_FAILOVER, "-", None, note="skipped", skipped=True
+    ).landed

@@ -1,0 +1,85 @@
+"""What a chaos fault can hit (:class:`ChaosTarget`), what each needs of the run, and reading
+the ``--targets`` flag."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from bus.errors import ConfigError
+
+__all__ = [
+    "CLUSTER_ONLY", "EMBEDDED_ONLY", "NODES_ONLY", "TARGETS", "WITNESSED", "ChaosTarget",
+    "parse_targets",
+]  # fmt: skip
+
+
+class ChaosTarget(StrEnum):
+    """What a fault hits."""
+
+    HOST = "host"
+    """SIGKILL a turn host."""
+    TOOL = "tool"
+    """SIGKILL a tool worker."""
+    CHECKPOINT = "checkpoint"
+    """SIGKILL a CheckpointActor."""
+    WATCHDOG = "watchdog"
+    """SIGKILL the WatchdogActor."""
+    RECOVERY = "recovery"
+    """SIGKILL the RecoveryActor."""
+    SUPERVISOR = "supervisor"
+    """SIGKILL the Supervisor."""
+    REDIS = "redis"
+    """Restart the embedded Redis (SIGKILL, then start it on its AOF)."""
+    FREEZE = "freeze"
+    """SIGSTOP a turn host until it is replaced."""
+    CONCURRENT_RESUME = "concurrent_resume"
+    """Resume a few turns of one host from this process too, as a second resumer would."""
+    POWER_LOSS = "power_loss"
+    """Cut the embedded Redis off as a power loss would: what was not fsynced is lost."""
+    NODE = "node"
+    """Remove a whole Ray worker node, then add a fresh one."""
+    REDIS_FAILOVER = "redis_failover"
+    """SIGKILL a Redis Cluster primary; its replica takes over."""
+
+
+TARGETS = tuple(ChaosTarget)
+
+#: Targets that need the embedded server (they kill and restart it).
+EMBEDDED_ONLY = (ChaosTarget.REDIS, ChaosTarget.POWER_LOSS)
+
+#: Targets that need a local multi-node Ray cluster (``--nodes N``): they remove a node.
+NODES_ONLY = (ChaosTarget.NODE,)
+
+#: Targets that need the embedded Redis Cluster (``--redis-cluster``): they kill a primary.
+CLUSTER_ONLY = (ChaosTarget.REDIS_FAILOVER,)
+
+#: Targets whose side effects are counted on a witness server: they can lose Redis writes.
+WITNESSED = (ChaosTarget.POWER_LOSS, ChaosTarget.REDIS_FAILOVER)
+
+
+def parse_targets(
+    spec: str, *, embedded: bool, nodes: bool = False, cluster: bool = False
+) -> tuple[ChaosTarget, ...]:
+    """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list.
+    ``embedded``: the run owns its one Redis server; ``nodes``: it owns a local multi-node Ray
+    cluster; ``cluster``: it owns a local Redis Cluster. ``all`` leaves out what the run cannot
+    do; a list naming it is refused."""
+    if spec == "none":
+        return ()
+    every = spec in ("all", "")
+    given = () if every else tuple(t.strip() for t in spec.split(",") if t.strip())
+    unknown = sorted(set(given) - {t.value for t in TARGETS})
+    if unknown:
+        raise ConfigError(f"unknown chaos targets {unknown}; choose from {', '.join(TARGETS)}")
+    names = TARGETS if every else tuple(ChaosTarget(t) for t in given)
+    for needed, have, why in (
+        (EMBEDDED_ONLY, embedded, "restart the embedded server; drop --redis-url for them"),
+        (NODES_ONLY, nodes, "remove a Ray node; run with --nodes 2 or more (no --ray-address)"),
+        (CLUSTER_ONLY, cluster, "kill a Redis Cluster primary; run with --redis-cluster"),
+    ):
+        needs = [t for t in names if t in needed]
+        if needs and not have:
+            if not every:
+                raise ConfigError(f"targets {needs} {why}")
+            names = tuple(t for t in names if t not in needed)
+    return names
