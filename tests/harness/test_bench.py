@@ -59,23 +59,23 @@ def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
         "recovery": {"error": "PhaselineError: boom"},
         "host_capacity": {"max_turns_held": 5000, "bytes_per_turn_at_max": 60 * 1024, "rows": []},
     }
-    got = {t["name"]: t for t in targets(fig)}
-    assert got["checkpoint_saves_per_s_at_1000_turns"]["met"] is True
-    assert got["checkpoint_batched_vs_unbatched_at_1000_turns"]["met"] is False
-    assert got["checkpoint_batched_vs_raw_at_1000_turns"]["met"] is False
-    assert got["bytes_per_checkpoint_500_vs_10"]["met"] is True
-    assert got["redis_bytes_per_transcript_byte_at_500"]["value"] == 1.4
-    assert got["durable_loop_sequential_vs_memory"]["met"] is True
-    assert got["durable_loop_concurrent_vs_memory"]["met"] is False
-    assert got["durability_overhead_pct"]["met"] is True
-    assert got["recovery_p99_vs_ray_restart"] == {
+    got = {t.name: t for t in targets(fig)}
+    assert got["checkpoint_saves_per_s_at_1000_turns"].met is True
+    assert got["checkpoint_batched_vs_unbatched_at_1000_turns"].met is False
+    assert got["checkpoint_batched_vs_raw_at_1000_turns"].met is False
+    assert got["bytes_per_checkpoint_500_vs_10"].met is True
+    assert got["redis_bytes_per_transcript_byte_at_500"].value == 1.4
+    assert got["durable_loop_sequential_vs_memory"].met is True
+    assert got["durable_loop_concurrent_vs_memory"].met is False
+    assert got["durability_overhead_pct"].met is True
+    assert got["recovery_p99_vs_ray_restart"].as_dict() == {
         "name": "recovery_p99_vs_ray_restart", "value": None, "target": "<= 2", "met": False,
         "note": "PhaselineError: boom",
     }  # fmt: skip
-    assert got["concurrent_turns_per_host"]["met"] is True
-    assert got["memory_kib_per_turn_beyond_transcript"]["value"] == 60.0
-    assert got["memory_kib_per_turn_beyond_transcript"]["met"] is False
-    assert set(t["name"] for t in targets({})) == set()
+    assert got["concurrent_turns_per_host"].met is True
+    assert got["memory_kib_per_turn_beyond_transcript"].value == 60.0
+    assert got["memory_kib_per_turn_beyond_transcript"].met is False
+    assert set(t.name for t in targets({})) == set()
 
 
 def test_bench_records_have_the_length_asked_and_weigh_more_than_their_text() -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import psutil
@@ -268,33 +269,70 @@ async def run_bench(
         "started_at": started,
         "wall_s": round(time.time() - started, 1),
         "figures": fig,
-        "targets": targets(fig),
+        "targets": [t.as_dict() for t in targets(fig)],
     }
 
 
-def _target(name: str, value: float | None, op: str, bound: float, note: str) -> dict[str, Any]:
-    met = value is not None and (value >= bound if op == ">=" else value <= bound)
-    return {"name": name, "value": value, "target": f"{op} {bound:g}", "met": met, "note": note}
+class Bound(StrEnum):
+    """Which side of its bound a target's figure must be on."""
+
+    AT_LEAST = ">="
+    """The figure must reach the bound (a rate, a ratio of speeds)."""
+    AT_MOST = "<="
+    """The figure must stay under it (a size, an overhead, a latency ratio)."""
 
 
-def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One bench target and the figure measured for it."""
+
+    name: str
+    """What is measured."""
+    value: float | None
+    """The figure (None: not measured, or its figure failed)."""
+    bound: Bound
+    """Which side of ``limit`` it must be on."""
+    limit: float
+    """The bound itself."""
+    note: str
+    """How it was measured, or the error of a failed figure."""
+
+    @property
+    def met(self) -> bool:
+        if self.value is None:
+            return False
+        return (
+            self.value >= self.limit if self.bound is Bound.AT_LEAST else self.value <= self.limit
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report's JSON for it."""
+        return {
+            "name": self.name, "value": self.value, "target": f"{self.bound} {self.limit:g}",
+            "met": self.met, "note": self.note,
+        }  # fmt: skip
+
+
+def targets(fig: dict[str, Any]) -> list[Target]:
     """The four bench targets (docs/BENCHMARKS.md; the first and the last have two parts), for the
     figures measured; a figure that failed gives its targets no value, and its error."""
     out = []
 
-    def add(name: str, value: Any, op: str, bound: float, note: str, data: dict[str, Any]) -> None:
-        out.append(_target(name, value, op, bound, data.get("error", note)))
+    def add(
+        name: str, value: Any, side: Bound, limit: float, note: str, data: dict[str, Any]
+    ) -> None:
+        out.append(Target(name, value, side, limit, data.get("error", note)))
 
     sizes = fig.get("bytes_per_checkpoint")
     if isinstance(sizes, dict):  # a failed figure: its error
-        add("bytes_per_checkpoint_500_vs_10", None, "<=", 3, "", sizes)
-        add("redis_bytes_per_transcript_byte_at_500", None, "<=", 1.5, "", sizes)
+        add("bytes_per_checkpoint_500_vs_10", None, Bound.AT_MOST, 3, "", sizes)
+        add("redis_bytes_per_transcript_byte_at_500", None, Bound.AT_MOST, 1.5, "", sizes)
     elif sizes:
         last = sizes[-1]
         add(
             f"bytes_per_checkpoint_{last['messages']}_vs_{sizes[0]['messages']}",
             last["ratio_to_first_length"],
-            "<=",
+            Bound.AT_MOST,
             3,
             "a save two messages after the last one",
             {},
@@ -302,7 +340,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             f"redis_bytes_per_transcript_byte_at_{last['messages']}",
             last["ratio_memory_to_transcript"],
-            "<=",
+            Bound.AT_MOST,
             1.5,
             "record and bodies (MEMORY USAGE) over the transcript's text",
             {},
@@ -313,7 +351,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "checkpoint_batched_vs_raw_at_1000_turns",
             row.get("ratio_to_raw"),
-            ">=",
+            Bound.AT_LEAST,
             0.9,
             f"the same saves in-process, {thr.get('atomic')} path",
             thr,
@@ -321,7 +359,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "checkpoint_saves_per_s_at_1000_turns",
             row.get("batched_saves_per_s"),
-            ">=",
+            Bound.AT_LEAST,
             10_000,
             "batched path, through the CheckpointActor",
             thr,
@@ -329,7 +367,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "checkpoint_batched_vs_unbatched_at_1000_turns",
             row.get("ratio_to_unbatched"),
-            ">=",
+            Bound.AT_LEAST,
             5,
             "ratio of saves/s",
             thr,
@@ -339,7 +377,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "durability_overhead_pct",
             dur.get("overhead_pct"),
-            "<=",
+            Bound.AT_MOST,
             10,
             f"{dur.get('turns')} concurrent turns of {dur.get('scenario')}",
             dur,
@@ -349,7 +387,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "recovery_p99_vs_ray_restart",
             rec.get("ratio_p99"),
-            "<=",
+            Bound.AT_MOST,
             2,
             f"{rec.get('turns')} turns on the killed host; baseline: the median empty-actor "
             "restart",
@@ -361,7 +399,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "concurrent_turns_per_host",
             cap.get("max_turns_held"),
-            ">=",
+            Bound.AT_LEAST,
             5000,
             f"largest step held of {steps}",
             cap,
@@ -370,7 +408,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "memory_kib_per_turn_beyond_transcript",
             None if b is None else round(b / 1024, 1),
-            "<=",
+            Bound.AT_MOST,
             50,
             "at the largest step held",
             cap,
@@ -381,7 +419,7 @@ def targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
             add(
                 f"durable_loop_{part}_vs_memory",
                 loop.get(part, {}).get("ratio"),
-                ">=",
+                Bound.AT_LEAST,
                 0.6,
                 "durable speed over the same loop on store.memory",
                 loop,
