@@ -204,65 +204,17 @@ class TurnLoop(ToolSteps, ModelSteps):
         """Carry out a recovery decision; returns the outcome when the turn ended. ``detail``
         (the error, the skipped call) goes to the log and to watchers; ``asked``: the endpoint
         named the wait itself (kept as asked, not scaled)."""
-        t = self.tracker
-        c = self._counters
-        back = t.phase  # awaiting_llm, or force_stop for the wrap-up call
         action = decision.action
         if action is Action.WAIT:
-            wait = decision.backoff_s * (1.0 if asked else self.settings.backoff_scale)
-            how = "as asked" if asked else "backing off"
-            note = f"waiting {wait:.1f} s for the endpoint's rate limit ({how})"
-            self._counters = c.model_copy(
-                update={
-                    "rate_limit_waits": c.rate_limit_waits + 1,
-                    "rate_limit_waited_ms": c.rate_limit_waited_ms + int(wait * 1000),
-                }
-            )
-            log.info("turn %s: %s: %s", self.turn_id, note, detail)
-            self._recovering(problem, action, f"{note}: {detail}")
-            t.to(P.RETRYING_LLM)
-            self._dirty = True
-            await self._pause(wait)
-            t.to(back)
+            await self._wait_rate_limit(decision, problem, detail, asked=asked)
             return None
         if action is Action.RETRY:
-            wait = decision.backoff_s * self.settings.backoff_scale
-            if decision.more_room:
-                note = "asking again with twice the max_tokens"
-                self._counters = c.model_copy(update={"cut_retries": c.cut_retries + 1})
-            else:
-                note = f"retry {c.retry_attempts + 1} of {MAX_RETRIES} in {wait:.1f} s"
-                self._counters = c.model_copy(update={"retry_attempts": c.retry_attempts + 1})
-            log.info("turn %s: %s (%s): %s", self.turn_id, problem.value, note, detail)
-            self._recovering(problem, action, f"{note}: {detail}")
-            t.to(P.RETRYING_LLM)
-            self._dirty = True
-            await self._pause(wait)
-            t.to(back)
+            await self._retry(decision, problem, detail)
             return None
         if action is Action.COMPACT:
-            log.info("turn %s: %s; compacting: %s", self.turn_id, problem.value, detail)
-            self._recovering(problem, action, detail)
-            t.to(P.COMPACTING)
-            shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=new_id())
-            if shrunk is None:
-                return await self._finish(Outcome.ABORTED_CONTEXT_LENGTH)
-            self._turn, self._meta = shrunk
-            self._counters = c.model_copy(update={"reactive_compacted": True})
-            self._dirty = True
-            # a resume from a wrap-up's compaction wraps up again
-            reason = SaveReason.FORCE_STOP if back is P.FORCE_STOP else SaveReason.COMPACTION
-            await self._checkpoint(reason)
-            t.to(back)
-            return None
+            return await self._compact_reactively(problem, detail)
         if action is Action.NUDGE:
-            text = nudge_text(problem, detail)
-            log.info("turn %s: %s; nudging the model: %s", self.turn_id, problem.value, detail)
-            self._recovering(problem, action, f"{detail}; told the model: {text}")
-            t.to(P.INJECTING_MESSAGE)
-            self._append(Message(role="user", text=text), "system", injected=True)
-            self._counters = self._counters.model_copy(update={"nudges": c.nudges + 1})
-            t.restore()
+            self._nudge(problem, detail)
             return None
         if action is Action.FORCE_STOP:
             log.info("turn %s: %s; stopping the turn: %s", self.turn_id, problem.value, detail)
@@ -271,6 +223,78 @@ class TurnLoop(ToolSteps, ModelSteps):
         log.warning("turn %s: aborted (%s): %s", self.turn_id, decision.cause.value, detail)
         self._recovering(problem, action, detail)
         return await self._finish(Outcome.aborted_by(decision.cause))
+
+    async def _wait_rate_limit(
+        self, decision: Decision, problem: Problem, detail: str, *, asked: bool
+    ) -> None:
+        """Wait in ``retrying_llm`` as long as the endpoint's rate limit asks (or a backoff),
+        counted against the call's cap, no attempt spent."""
+        c = self._counters
+        wait = decision.backoff_s * (1.0 if asked else self.settings.backoff_scale)
+        how = "as asked" if asked else "backing off"
+        note = f"waiting {wait:.1f} s for the endpoint's rate limit ({how})"
+        self._counters = c.model_copy(
+            update={
+                "rate_limit_waits": c.rate_limit_waits + 1,
+                "rate_limit_waited_ms": c.rate_limit_waited_ms + int(wait * 1000),
+            }
+        )
+        log.info("turn %s: %s: %s", self.turn_id, note, detail)
+        self._recovering(problem, decision.action, f"{note}: {detail}")
+        await self._in_retrying_llm(wait)
+
+    async def _retry(self, decision: Decision, problem: Problem, detail: str) -> None:
+        """Back off in ``retrying_llm`` (or ask again at once with more room for a cut call),
+        one attempt spent."""
+        c = self._counters
+        wait = decision.backoff_s * self.settings.backoff_scale
+        if decision.more_room:
+            note = "asking again with twice the max_tokens"
+            self._counters = c.model_copy(update={"cut_retries": c.cut_retries + 1})
+        else:
+            note = f"retry {c.retry_attempts + 1} of {MAX_RETRIES} in {wait:.1f} s"
+            self._counters = c.model_copy(update={"retry_attempts": c.retry_attempts + 1})
+        log.info("turn %s: %s (%s): %s", self.turn_id, problem.value, note, detail)
+        self._recovering(problem, decision.action, f"{note}: {detail}")
+        await self._in_retrying_llm(wait)
+
+    async def _in_retrying_llm(self, wait: float) -> None:
+        t = self.tracker
+        back = t.phase  # awaiting_llm, or force_stop for the wrap-up call
+        t.to(P.RETRYING_LLM)
+        self._dirty = True
+        await self._pause(wait)
+        t.to(back)
+
+    async def _compact_reactively(self, problem: Problem, detail: str) -> TurnOutcome | None:
+        """Compact after the endpoint said the transcript does not fit, then checkpoint (a
+        durable boundary); None to call again, the outcome if nothing could be dropped."""
+        t = self.tracker
+        back = t.phase
+        log.info("turn %s: %s; compacting: %s", self.turn_id, problem.value, detail)
+        self._recovering(problem, Action.COMPACT, detail)
+        t.to(P.COMPACTING)
+        shrunk = compact(self._turn, self._meta, at_ms=self._now_ms(), message_id=new_id())
+        if shrunk is None:
+            return await self._finish(Outcome.ABORTED_CONTEXT_LENGTH)
+        self._turn, self._meta = shrunk
+        self._counters = self._counters.model_copy(update={"reactive_compacted": True})
+        self._dirty = True
+        # a resume from a wrap-up's compaction wraps up again
+        reason = SaveReason.FORCE_STOP if back is P.FORCE_STOP else SaveReason.COMPACTION
+        await self._checkpoint(reason)
+        t.to(back)
+        return None
+
+    def _nudge(self, problem: Problem, detail: str) -> None:
+        """Tell the model what was wrong, as a system-injected user message."""
+        text = nudge_text(problem, detail)
+        log.info("turn %s: %s; nudging the model: %s", self.turn_id, problem.value, detail)
+        self._recovering(problem, Action.NUDGE, f"{detail}; told the model: {text}")
+        self.tracker.to(P.INJECTING_MESSAGE)
+        self._append(Message(role="user", text=text), "system", injected=True)
+        self._counters = self._counters.model_copy(update={"nudges": self._counters.nudges + 1})
+        self.tracker.restore()
 
     def _recovering(self, problem: Problem, action: Action, detail: str) -> None:
         self._emit(

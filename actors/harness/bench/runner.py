@@ -316,115 +316,94 @@ class Target:
 def targets(fig: dict[str, Any]) -> list[Target]:
     """The four bench targets (docs/BENCHMARKS.md; the first and the last have two parts), for the
     figures measured; a figure that failed gives its targets no value, and its error."""
-    out = []
+    return [
+        *_size_targets(fig.get("bytes_per_checkpoint")),
+        *_throughput_targets(fig.get("checkpoint_throughput")),
+        *_durability_targets(fig.get("durability_overhead")),
+        *_recovery_targets(fig.get("recovery")),
+        *_capacity_targets(fig.get("host_capacity")),
+        *_loop_targets(fig.get("durable_loop")),
+    ]
 
-    def add(
-        name: str, value: Any, side: Bound, limit: float, note: str, data: dict[str, Any]
-    ) -> None:
-        out.append(Target(name, value, side, limit, data.get("error", note)))
 
-    sizes = fig.get("bytes_per_checkpoint")
+def _target(
+    name: str, value: Any, side: Bound, limit: float, note: str, data: dict[str, Any]
+) -> Target:
+    """A target; a failed figure (``data`` with an ``error``) gives its error as the note."""
+    return Target(name, value, side, limit, data.get("error", note))
+
+
+def _size_targets(sizes: list[dict[str, Any]] | dict[str, Any] | None) -> list[Target]:
     if isinstance(sizes, dict):  # a failed figure: its error
-        add("bytes_per_checkpoint_500_vs_10", None, Bound.AT_MOST, 3, "", sizes)
-        add("redis_bytes_per_transcript_byte_at_500", None, Bound.AT_MOST, 1.5, "", sizes)
-    elif sizes:
-        last = sizes[-1]
-        add(
-            f"bytes_per_checkpoint_{last['messages']}_vs_{sizes[0]['messages']}",
-            last["ratio_to_first_length"],
-            Bound.AT_MOST,
-            3,
-            "a save two messages after the last one",
-            {},
-        )
-        add(
-            f"redis_bytes_per_transcript_byte_at_{last['messages']}",
-            last["ratio_memory_to_transcript"],
-            Bound.AT_MOST,
-            1.5,
-            "record and bodies (MEMORY USAGE) over the transcript's text",
-            {},
-        )
-    thr = fig.get("checkpoint_throughput")
-    if thr is not None:
-        row: dict[str, Any] = next((r for r in thr.get("rows", []) if r["turns"] == 1000), {})
-        add(
-            "checkpoint_batched_vs_raw_at_1000_turns",
-            row.get("ratio_to_raw"),
-            Bound.AT_LEAST,
-            0.9,
-            f"the same saves in-process, {thr.get('atomic')} path",
-            thr,
-        )
-        add(
-            "checkpoint_saves_per_s_at_1000_turns",
-            row.get("batched_saves_per_s"),
-            Bound.AT_LEAST,
-            10_000,
-            "batched path, through the CheckpointActor",
-            thr,
-        )
-        add(
-            "checkpoint_batched_vs_unbatched_at_1000_turns",
-            row.get("ratio_to_unbatched"),
-            Bound.AT_LEAST,
-            5,
-            "ratio of saves/s",
-            thr,
-        )
-    dur = fig.get("durability_overhead")
-    if dur is not None:
-        add(
-            "durability_overhead_pct",
-            dur.get("overhead_pct"),
-            Bound.AT_MOST,
-            10,
-            f"{dur.get('turns')} concurrent turns of {dur.get('scenario')}",
-            dur,
-        )
-    rec = fig.get("recovery")
-    if rec is not None:
-        add(
-            "recovery_p99_vs_ray_restart",
-            rec.get("ratio_p99"),
-            Bound.AT_MOST,
-            2,
-            f"{rec.get('turns')} turns on the killed host; baseline: the median empty-actor "
-            "restart",
-            rec,
-        )
-    cap = fig.get("host_capacity")
-    if cap is not None:
-        steps = [r["turns"] for r in cap.get("rows", [])]
-        add(
-            "concurrent_turns_per_host",
-            cap.get("max_turns_held"),
-            Bound.AT_LEAST,
-            5000,
-            f"largest step held of {steps}",
-            cap,
-        )
-        b = cap.get("bytes_per_turn_at_max")
-        add(
-            "memory_kib_per_turn_beyond_transcript",
-            None if b is None else round(b / 1024, 1),
-            Bound.AT_MOST,
-            50,
-            "at the largest step held",
-            cap,
-        )
-    loop = fig.get("durable_loop")
-    if loop is not None:
-        for part in ("sequential", "concurrent"):
-            add(
-                f"durable_loop_{part}_vs_memory",
-                loop.get(part, {}).get("ratio"),
-                Bound.AT_LEAST,
-                0.6,
-                "durable speed over the same loop on store.memory",
-                loop,
-            )
-    return out  # fmt: skip
+        return [
+            _target("bytes_per_checkpoint_500_vs_10", None, Bound.AT_MOST, 3, "", sizes),
+            _target("redis_bytes_per_transcript_byte_at_500", None, Bound.AT_MOST, 1.5, "", sizes),
+        ]
+    if not sizes:
+        return []
+    first, last = sizes[0], sizes[-1]
+    return [
+        _target(f"bytes_per_checkpoint_{last['messages']}_vs_{first['messages']}",
+                last["ratio_to_first_length"], Bound.AT_MOST, 3,
+                "a save two messages after the last one", {}),
+        _target(f"redis_bytes_per_transcript_byte_at_{last['messages']}",
+                last["ratio_memory_to_transcript"], Bound.AT_MOST, 1.5,
+                "record and bodies (MEMORY USAGE) over the transcript's text", {}),
+    ]  # fmt: skip
+
+
+def _throughput_targets(thr: dict[str, Any] | None) -> list[Target]:
+    if thr is None:
+        return []
+    row: dict[str, Any] = next((r for r in thr.get("rows", []) if r["turns"] == 1000), {})
+    return [
+        _target("checkpoint_batched_vs_raw_at_1000_turns", row.get("ratio_to_raw"),
+                Bound.AT_LEAST, 0.9, f"the same saves in-process, {thr.get('atomic')} path", thr),
+        _target("checkpoint_saves_per_s_at_1000_turns", row.get("batched_saves_per_s"),
+                Bound.AT_LEAST, 10_000, "batched path, through the CheckpointActor", thr),
+        _target("checkpoint_batched_vs_unbatched_at_1000_turns", row.get("ratio_to_unbatched"),
+                Bound.AT_LEAST, 5, "ratio of saves/s", thr),
+    ]  # fmt: skip
+
+
+def _durability_targets(dur: dict[str, Any] | None) -> list[Target]:
+    if dur is None:
+        return []
+    note = f"{dur.get('turns')} concurrent turns of {dur.get('scenario')}"
+    return [_target("durability_overhead_pct", dur.get("overhead_pct"), Bound.AT_MOST, 10, note,
+                    dur)]  # fmt: skip
+
+
+def _recovery_targets(rec: dict[str, Any] | None) -> list[Target]:
+    if rec is None:
+        return []
+    note = f"{rec.get('turns')} turns on the killed host; baseline: the median empty-actor restart"
+    return [_target("recovery_p99_vs_ray_restart", rec.get("ratio_p99"), Bound.AT_MOST, 2, note,
+                    rec)]  # fmt: skip
+
+
+def _capacity_targets(cap: dict[str, Any] | None) -> list[Target]:
+    if cap is None:
+        return []
+    steps = [r["turns"] for r in cap.get("rows", [])]
+    b = cap.get("bytes_per_turn_at_max")
+    return [
+        _target("concurrent_turns_per_host", cap.get("max_turns_held"), Bound.AT_LEAST, 5000,
+                f"largest step held of {steps}", cap),
+        _target("memory_kib_per_turn_beyond_transcript",
+                None if b is None else round(b / 1024, 1), Bound.AT_MOST, 50,
+                "at the largest step held", cap),
+    ]  # fmt: skip
+
+
+def _loop_targets(loop: dict[str, Any] | None) -> list[Target]:
+    if loop is None:
+        return []
+    return [
+        _target(f"durable_loop_{part}_vs_memory", loop.get(part, {}).get("ratio"),
+                Bound.AT_LEAST, 0.6, "durable speed over the same loop on store.memory", loop)
+        for part in ("sequential", "concurrent")
+    ]  # fmt: skip
 
 
 async def machine(url: str) -> dict[str, Any]:
