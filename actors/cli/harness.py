@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -29,14 +28,14 @@ from actors.cli.app import (
 from actors.cli.runs import _Bar, _nodes_option, _ray_nodes, _verdict_option, _work, _work_options
 from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
-from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import ChaosSettings, run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
-from actors.harness.targets import TARGETS, WITNESSED, parse_targets
+from actors.harness.chaos_runtime import chaos_runtime
+from actors.harness.targets import TARGETS, parse_targets
 from actors.harness.verdict import VerdictMode
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
@@ -96,31 +95,16 @@ def chaos(
         settings: Settings,
         local: LocalNodes | None,
     ) -> ChaosReport:
-        # Orphaned turns (cut off by a Redis restart) are re-adopted every 2 s, not 10.
-        sup = settings.supervisor.model_copy(update={"adopt_interval_s": 2.0})
-        tuned = settings.model_copy(update={"supervisor": sup})
-        # Faults that can lose Redis writes: side effects are counted on a witness outside
-        # the Redis under test, so a lost counter cannot hide a duplicate.
-        witness_cm = (
-            EmbeddedRedis(appendfsync="always")
-            if any(t in WITNESSED for t in chosen)
-            else contextlib.nullcontext()
-        )
         assert settings.redis.url is not None
-        with witness_cm as witness:
-            rt = await Runtime.start(
-                tuned, redis_url=settings.redis.url, hosts=hosts,
-                ray_address=local.address if local else ray_address,
-                effects_url=None if witness is None else witness.url,
-            )  # fmt: skip
-            try:
-                with bar.progress:
-                    return await run_chaos(
-                        rt, server, cfg, nodes=local, cluster=cluster,
-                        on_submitted=lambda n: None, on_done=bar.advance,
-                    )  # fmt: skip
-            finally:
-                await rt.shutdown()
+        async with chaos_runtime(
+            settings, redis_url=settings.redis.url, hosts=hosts, targets=chosen,
+            ray_address=local.address if local else ray_address,
+        ) as rt:  # fmt: skip
+            with bar.progress:
+                return await run_chaos(
+                    rt, server, cfg, nodes=local, cluster=cluster,
+                    on_submitted=lambda n: None, on_done=bar.advance,
+                )  # fmt: skip
 
     with (
         _scratch_store(settings, "chaos", redis_cluster=redis_cluster) as (server, rc, store),
@@ -131,38 +115,10 @@ def chaos(
     Path(report).write_text(json.dumps(data, indent=2) + "\n")
     if plot:
         plot_chaos(result, plot)
-    v = data["verdict"]
-    table = Table(
-        title=f"chaos seed {seed}: {turns} turns, {len(result.faults)} faults", show_header=False
-    )
-    for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
-              "duplicate_side_effects", "stale_writes_accepted", "suspended_unexpectedly",
-              "aborted", "outcome_unknown_results", "resumed_turns",
-              "most_resumes_of_one_turn"):  # fmt: skip
-        table.add_row(k, str(v[k]))
-    if poison:
-        table.add_row(
-            "poison turns suspended", f"{v['poison_suspended']} of {v['poison_turns']}, "
-            f"{v['poison_host_deaths']} host deaths under them",
-        )  # fmt: skip
-    table.add_row("kills", json.dumps(data["kills_per_target"]))
-    table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
-    table.add_row(
-        "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
-    )
-    for kind, lat in data["recovery_latency_ms_by_kind"].items():
-        table.add_row(f"  after {kind} (n={lat['n']})", "{p50}/{p99}/{max}".format(**lat))
-    for kind, lat in data["recovery_last_turn_ms_by_kind"].items():
-        table.add_row(
-            f"  {kind} → its last turn moving, ms (n={lat['n']})",
-            "{p50}/{p99}/{max}".format(**lat),
-        )
-    table.add_row("turns/s", str(data["turns_per_s"]))
-    table.add_row(f"verdict ({cfg.verdict.value})", "[green]ok" if data["ok"] else "[red]NOT OK")
-    out.print(table)
+    out.print(_chaos_table(result, cfg))
     if not data["ok"]:
         # The report holds the evidence; print it too, so a failed CI log says which turn.
-        for kind, examples in v["examples"].items():
+        for kind, examples in data["verdict"]["examples"].items():
             for example in examples:
                 out.print(Text.assemble((kind, "red"), " ", example), highlight=False)
         sys.exit(ExitStatus.ERROR)
@@ -206,3 +162,38 @@ def bench(
         met = "[green]yes" if t["met"] else "[red]no"
         table.add_row(t["name"], str(t["value"]), t["target"], met)
     out.print(table)
+
+
+def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
+    """The summary of a chaos run, a row per figure of its report."""
+    data = result.as_dict()
+    v = data["verdict"]
+    table = Table(
+        title=f"chaos seed {cfg.seed}: {cfg.turns} turns, {len(result.faults)} faults",
+        show_header=False,
+    )
+    for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
+              "duplicate_side_effects", "stale_writes_accepted", "suspended_unexpectedly",
+              "aborted", "outcome_unknown_results", "resumed_turns",
+              "most_resumes_of_one_turn"):  # fmt: skip
+        table.add_row(k, str(v[k]))
+    if cfg.poison:
+        table.add_row(
+            "poison turns suspended", f"{v['poison_suspended']} of {v['poison_turns']}, "
+            f"{v['poison_host_deaths']} host deaths under them",
+        )  # fmt: skip
+    table.add_row("kills", json.dumps(data["kills_per_target"]))
+    table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
+    table.add_row(
+        "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
+    )
+    for kind, lat in data["recovery_latency_ms_by_kind"].items():
+        table.add_row(f"  after {kind} (n={lat['n']})", "{p50}/{p99}/{max}".format(**lat))
+    for kind, lat in data["recovery_last_turn_ms_by_kind"].items():
+        table.add_row(
+            f"  {kind} → its last turn moving, ms (n={lat['n']})",
+            "{p50}/{p99}/{max}".format(**lat),
+        )
+    table.add_row("turns/s", str(data["turns_per_s"]))
+    table.add_row(f"verdict ({cfg.verdict.value})", "[green]ok" if data["ok"] else "[red]NOT OK")
+    return table
