@@ -79,6 +79,71 @@ def _record(turn_id: str, seq: int, payload_bytes: int = 0) -> CheckpointRecord:
     )
 
 
+class _Writers:
+    """One writer per turn, saving its record again and again, counting what is acknowledged;
+    parked on demand (from the kill until the survivors are read)."""
+
+    def __init__(self, store: RedisCheckpointStore, ids: list[str], payload_bytes: int) -> None:
+        self.store = store
+        self.ids = ids
+        self.payload_bytes = payload_bytes
+        self.acked = dict.fromkeys(ids, 0)
+        """Per turn: its last acknowledged seq."""
+        self.failed = self.n_acked = self.parked = 0
+        self.stall = 0.0
+        """Longest time a writer went without an acknowledgement (the harness's hold aside)."""
+        self.stop = asyncio.Event()
+        self.running = asyncio.Event()  # cleared: writers park
+        self.running.set()
+        self.progress = asyncio.Condition()
+
+    async def write(self, turn_id: str) -> None:
+        seq, last_ack = 1, time.monotonic()
+        while not self.stop.is_set():
+            if not self.running.is_set():
+                self.stall = max(self.stall, time.monotonic() - last_ack)  # up to the hold
+                self.parked += 1
+                await self._tell()
+                await self.running.wait()
+                self.parked -= 1
+                last_ack = time.monotonic()  # the hold is the harness's, not a stall
+                continue
+            try:
+                await self.store.save(_record(turn_id, seq, self.payload_bytes))
+            except AlreadySaved:
+                # It landed the first time but was never acknowledged (its WAIT fell short):
+                # go on without counting it, as a turn would.
+                seq += 1
+                continue
+            except StoreError:
+                self.failed += 1
+                await asyncio.sleep(0.05)  # backoff before sending it again
+                continue
+            now = time.monotonic()
+            self.stall = max(self.stall, now - last_ack)
+            self.acked[turn_id], last_ack, seq = seq, now, seq + 1
+            self.n_acked += 1
+            await self._tell()
+
+    async def _tell(self) -> None:
+        async with self.progress:
+            self.progress.notify_all()
+
+    async def until(self, done: Callable[[], bool], timeout: float = 120) -> None:
+        """Wait (at most ``timeout`` s) until ``done()`` holds after some writer's step."""
+
+        async def wait() -> None:
+            async with self.progress:
+                await self.progress.wait_for(done)
+
+        await asyncio.wait_for(wait(), timeout)
+
+    async def losses(self) -> dict[str, int]:
+        """Per turn: acknowledged saves the store no longer has."""
+        survived = {t: (await self.store.load(t)).seq for t in self.ids}
+        return {t: self.acked[t] - survived[t] for t in self.ids if survived[t] < self.acked[t]}
+
+
 async def failover_under_saves(
     cluster: EmbeddedCluster,
     *,
@@ -100,87 +165,36 @@ async def failover_under_saves(
     keys = KeyLayout("failover", shards=16)
     store = RedisCheckpointStore(client, keys, durability=parse_durability(durability))
     ids = [f"f{i}" for i in range(turns)]
-    acked = dict.fromkeys(ids, 0)
-    failed = n_acked = 0
-    stall = 0.0
-    stop = asyncio.Event()
-    running = asyncio.Event()  # cleared: writers park (from the kill until the survivors are read)
-    running.set()
-    parked = 0
-    progress = asyncio.Condition()
-
-    async def writer(turn_id: str) -> None:
-        nonlocal failed, n_acked, stall, parked
-        seq, last_ack = 1, time.monotonic()
-        while not stop.is_set():
-            if not running.is_set():
-                stall = max(stall, time.monotonic() - last_ack)  # up to the hold
-                parked += 1
-                async with progress:
-                    progress.notify_all()
-                await running.wait()
-                parked -= 1
-                last_ack = time.monotonic()  # the hold is the harness's, not a stall
-                continue
-            try:
-                await store.save(_record(turn_id, seq, payload_bytes))
-            except AlreadySaved:
-                # It landed the first time but was never acknowledged (its WAIT fell short):
-                # go on without counting it, as a turn would.
-                seq += 1
-                continue
-            except StoreError:
-                failed += 1
-                await asyncio.sleep(0.05)  # backoff before sending it again
-                continue
-            now = time.monotonic()
-            stall = max(stall, now - last_ack)
-            acked[turn_id], last_ack, seq = seq, now, seq + 1
-            n_acked += 1
-            async with progress:
-                progress.notify_all()
-
-    async def until(done: Callable[[], bool]) -> None:
-        async with progress:
-            await progress.wait_for(done)
-
-    tasks = [asyncio.create_task(writer(t)) for t in ids]
+    w = _Writers(store, ids, payload_bytes)
+    tasks = [asyncio.create_task(w.write(t)) for t in ids]
     try:
-        await asyncio.wait_for(until(lambda: min(acked.values()) >= saves_before), 120)
+        await w.until(lambda: min(w.acked.values()) >= saves_before)
         node = client.get_node_from_key(keys.turn(ids[0]))
         assert node is not None
-        primary = cluster.node_of_port(int(node.port))
         loop = asyncio.get_running_loop()
 
         def hold() -> None:  # called in fail_over's thread
-            loop.call_soon_threadsafe(running.clear)
+            loop.call_soon_threadsafe(w.running.clear)
 
         # The writers park at the kill, so what the promoted replica holds is read before any
         # newer save could cover a lost one (a save carries the whole record: seq n + 1 lands
         # over a stored n - 5 and the loss no longer shows). Until the killed node is back as
         # a replica, ``replicas:1`` saves could not be confirmed anyway.
         failover_s, rejoined_s = await asyncio.to_thread(
-            cluster.fail_over,
-            primary,
-            lag_s=lag_s,
-            on_kill=hold,
+            cluster.fail_over, cluster.node_of_port(int(node.port)), lag_s=lag_s, on_kill=hold
         )
-        await asyncio.wait_for(until(lambda: parked == turns), 120)
-        survived = {t: (await store.load(t)).seq for t in ids}
-        lost = {t: acked[t] - survived[t] for t in ids if survived[t] < acked[t]}
-        running.set()
-        marks = dict(acked)
-        await asyncio.wait_for(
-            until(lambda: all(acked[t] >= marks[t] + saves_after for t in ids)), 120
-        )
-        stop.set()
+        await w.until(lambda: w.parked == turns)
+        lost = await w.losses()
+        w.running.set()
+        marks = dict(w.acked)
+        await w.until(lambda: all(w.acked[t] >= marks[t] + saves_after for t in ids))
+        w.stop.set()
         await asyncio.gather(*tasks)
         # And every save acknowledged after the failover is there at the end.
-        for t in ids:
-            if (await store.load(t)).seq < acked[t]:
-                lost[t] = max(lost.get(t, 0), acked[t] - (await store.load(t)).seq)
+        for t, n in (await w.losses()).items():
+            lost[t] = max(lost.get(t, 0), n)
     finally:
-        stop.set()
+        w.stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -188,11 +202,11 @@ async def failover_under_saves(
     return FailoverReport(
         durability=durability,
         turns=turns,
-        acknowledged=n_acked,
+        acknowledged=w.n_acked,
         lost_turns=len(lost),
         lost_saves=sum(lost.values()),
-        failed_saves=failed,
+        failed_saves=w.failed,
         failover_s=round(failover_s, 2),
         rejoined_s=round(rejoined_s, 2),
-        stall_s=round(stall, 2),
+        stall_s=round(w.stall, 2),
     )
