@@ -8,7 +8,7 @@ every field of the record hash, and does the ``XADD`` of the checkpoint event an
 in-progress index update. Redis runs a script to the end before any other command, so the check
 and the writes are one atomic step, exactly what DESIGN's ``WATCH`` + ``MULTI/EXEC`` gives, in
 one round trip instead of three and with no retry when another writer races
-(docs/ARCHITECTURE.md says why the script, with the measurement).
+(docs/CLUSTER.md says why the script, with the measurement).
 
 ``[checkpoint] atomic = "multi_exec"`` makes the same saves with ``WATCH`` and ``MULTI/EXEC``
 per shard instead (:mod:`store.transaction`); the two answer alike.

@@ -373,7 +373,7 @@ def appendfsync_for(durability: Durability) -> str:
     ``always`` is the faster of the two under ``WAITAOF``: with ``everysec`` each batch waits for
     the next once-a-second fsync, while ``always`` fsyncs once per event-loop pass, a group
     commit of its own (measured by scripts/durability_saves.py; figures in
-    docs/ARCHITECTURE.md).
+    docs/STORAGE.md).
     """
     return "always" if durability.kind is DurabilityKind.FSYNC else "everysec"
 

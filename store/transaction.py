@@ -13,7 +13,7 @@ save script; the two are interchangeable (the store contract suite runs on both)
 A save whose fence fails is answered exactly as the script answers it (``StaleOwner``,
 ``AlreadySaved``, ...) and left out of the transaction. If a watched record changed in
 between, ``EXEC`` answers nil and only that shard's batch is read and tried again.
-docs/ARCHITECTURE.md compares the two paths (``phaseline bench --figures atomic``).
+docs/CLUSTER.md compares the two paths (``phaseline bench --figures atomic``).
 """
 
 from __future__ import annotations

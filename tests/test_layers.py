@@ -1,5 +1,6 @@
 """The layers of the tree, enforced: every import of every module (top level or inside a
-function) is read with ``ast`` and checked against the rules of docs/ARCHITECTURE.md."""
+function) is read with ``ast`` and checked against the rules of docs/ARCHITECTURE.md (its
+"The layers")."""
 
 from __future__ import annotations
 

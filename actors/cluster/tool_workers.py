@@ -3,7 +3,7 @@
 Why a pool of async actors and not one plain Ray task per call: tools are I/O-bound and a turn
 host may have thousands of calls in flight. Plain tasks need one worker process each; on the
 2-core dev machine 50 turns of the plain scenario took 117 s that way, Ray starting 26 worker
-processes (docs/ARCHITECTURE.md). A ToolWorker runs hundreds of calls concurrently in one
+processes (docs/CLUSTER.md). A ToolWorker runs hundreds of calls concurrently in one
 process and the pool spreads over the cluster (and grows with ``[tools] workers``).
 
 Per call: each worker runs at most the tool's ``max_concurrency`` calls of it at once, and a

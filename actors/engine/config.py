@@ -54,7 +54,7 @@ class RedisSettings(_Section):
     durability: str = "fsync"
     """What a checkpoint's acknowledgement promises: ``ack`` (Redis answered; the AOF is
     fsynced within a second), ``fsync`` (each group-commit batch waits for ``WAITAOF 1 0``:
-    the local AOF is on disk) or ``replicas:N`` (``WAIT N``). docs/ARCHITECTURE.md says why
+    the local AOF is on disk) or ``replicas:N`` (``WAIT N``). docs/STORAGE.md says why
     ``fsync`` is the default."""
     durability_timeout_ms: int = Field(default=2000, ge=1, le=600_000)
     """How long a batch waits for that promise before its saves count as failed."""
@@ -137,7 +137,7 @@ class CheckpointSettings(_Section):
     atomic: AtomicSave = Field(default=AtomicSave.SCRIPT, strict=False)  # TOML gives a string
     """How a save is made atomic and fenced: ``script`` (one server-side script per save) or
     ``multi_exec`` (``WATCH``, read the fences, ``MULTI`` ... ``EXEC`` per shard). Both give
-    the same guarantees; docs/ARCHITECTURE.md has what each costs."""
+    the same guarantees; docs/CLUSTER.md has what each costs."""
     actors: int = Field(default=1, ge=1, le=256)
     """CheckpointActors of the deployment. Each turn's saves go to the one of its key shard
     (``shard mod actors``), so several group-commit in parallel: one is a single event loop,

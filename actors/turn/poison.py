@@ -1,7 +1,7 @@
 """The poison-turn policy: tell a turn that kills its hosts from one that was only unlucky.
 
 Pure logic, no Ray and no Redis: the resume planner (``actors.engine.resume``) applies it at every
-claim, and docs/ARCHITECTURE.md gives the reasoning. In short:
+claim, and docs/RECOVERY.md gives the reasoning. In short:
 
 * A host death on a shared host is no evidence against any one of its turns: every turn it ran
   dies with it. A turn that lost its host :data:`ISOLATE_AFTER` times in a row without saving a

@@ -21,7 +21,7 @@ exponential backoff with jitter (1 s doubling to 60 s, times 0.5-1.0), never pas
 past the cap the turn aborts ``rate_limited``.
 
 Rule 7 applies to problems a message to the model can fix; a fatal error, a retryable error
-out of attempts or a second context-length error fall through to abort (docs/ARCHITECTURE.md).
+out of attempts or a second context-length error fall through to abort (docs/DECISIONS.md).
 A reply cut by the caller's cap is not a context-length error (only the endpoint's own error
 means the transcript is too long): a cut *text* reply never reaches this policy, the loop keeps
 it as the answer (outcome ``truncated``); a cut tool call cannot be run (its arguments may be
