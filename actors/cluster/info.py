@@ -7,6 +7,7 @@ actor is a clear :class:`~bus.errors.PhaselineError`, not a ``KeyError`` three c
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any, Self
 
@@ -28,6 +29,13 @@ class _Info(BaseModel):
             return cls.model_validate(reply)
         except ValidationError as exc:
             raise PhaselineError(f"unexpected {cls.__name__} reply: {exc}") from None
+
+    @classmethod
+    async def asked(cls, handle: Any, timeout: float | None = None) -> Self:
+        """The actor's ``hello``, typed (``timeout``: seconds to wait, :class:`TimeoutError`
+        past them; None: as long as it takes)."""
+        call = asyncio.wrap_future(handle.hello.remote().future())
+        return cls.of(await (call if timeout is None else asyncio.wait_for(call, timeout)))
 
     def wire(self) -> dict[str, Any]:
         """The reply as builtins, for the Ray call."""

@@ -163,7 +163,7 @@ class Runtime:
                 f"no deployment of namespace {namespace!r} runs on this Ray cluster; start one "
                 "with phaseline serve (and join its cluster with --ray-address)"
             ) from None
-        dep = Deployment.from_wire(SupervisorInfo.of(await supervisor.hello.remote()).deployment)
+        dep = Deployment.from_wire((await SupervisorInfo.asked(supervisor)).deployment)
         client = dep.connect()
         with translated(f"cannot reach Redis at {redact_url(dep.redis_url)}"):
             await client.ping()
@@ -380,7 +380,7 @@ class Runtime:
             if slot == self.dep.isolation_slot and not isolation:
                 continue
             try:
-                out.append(HostInfo.of(await ask(host.hello.remote(), 5)))
+                out.append(await HostInfo.asked(host, 5))
             except (TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out
@@ -407,14 +407,14 @@ class Runtime:
     async def service_pid(self, role: str) -> int:
         handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
         kind = SupervisorInfo if role == "supervisor" else ServiceInfo
-        return kind.of(await handle.hello.remote()).pid
+        return (await kind.asked(handle)).pid
 
     async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
         host = await self.hosts.handle(slot)
         if host is None:
             raise PhaselineError(f"host slot {slot} has no live actor")
-        pid = HostInfo.of(await host.hello.remote()).pid
+        pid = (await HostInfo.asked(host)).pid
         os.kill(pid, sig)
         return pid
 

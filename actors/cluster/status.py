@@ -122,7 +122,7 @@ class DeploymentStatus:
 
 async def _hello(handle: Any) -> ServiceInfo | None:
     try:
-        return ServiceInfo.of(await ask(handle.hello.remote(), 5))
+        return await ServiceInfo.asked(handle, 5)
     except (TimeoutError, RayActorError):
         return None
 

@@ -295,7 +295,7 @@ class Supervisor:
         """Make ``generation`` the slot's host (the standby started for it, else a new one on
         ``node``) and start the next generation's standby on another node."""
         handle = self._host(slot, generation, node=node)
-        info = HostInfo.of(await handle.hello.remote())
+        info = await HostInfo.asked(handle)
         await self.leases.renew(slot, generation)  # granted here; the host renews it from now
         await self.hosts.set_generation(slot, generation)
         self._park(slot, generation, handle)
@@ -408,7 +408,7 @@ async def _retire(name: str) -> None:
     """Kill a tool worker past its pool's size once it runs no call (if it exists)."""
     try:
         worker = ray.get_actor(name, namespace=RAY_NAMESPACE)
-        if ServiceInfo.of(await ask(worker.hello.remote(), 2)).counts.get("active", 0) == 0:
+        if (await ServiceInfo.asked(worker, 2)).counts.get("active", 0) == 0:
             ray.kill(worker, no_restart=True)
     except (ValueError, TimeoutError, RayActorError):
         return  # not there, or busy: looked at again next tick

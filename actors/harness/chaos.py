@@ -240,7 +240,7 @@ class ChaosMonkey:
         rt = self.rt
         index = self.rng.randrange(rt.dep.settings.tools.workers)
         handle = ray.get_actor(rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE)
-        pid = ServiceInfo.of(await handle.hello.remote()).pid
+        pid = (await ServiceInfo.asked(handle)).pid
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", pid)
 

@@ -63,7 +63,7 @@ async def _pids(rt: Runtime) -> dict[str, list[int]]:
                 handle = ray.get_actor(rt.dep.tool_worker_name(pool, i), namespace=RAY_NAMESPACE)
             except ValueError:
                 continue
-            tools.append(ServiceInfo.of(await handle.hello.remote()).pid)
+            tools.append((await ServiceInfo.asked(handle)).pid)
     out["tool"] = tools
     out["driver"] = [os.getpid()]
     return out
