@@ -22,7 +22,7 @@ from bus.events import decode_event
 from bus.phase import Transition
 from store.limiter import EndpointLimiter, EndpointState
 from store.pools import PoolSizes
-from store.usage import agent_usage
+from store.usage import AgentUsage, agent_usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
     }
     checkpoints = [a for role in dep.checkpoint_roles() if (a := _actor(dep.name(role)))]
 
-    async def sample() -> tuple[float, dict[tuple[str, int], ServiceInfo | None], int]:
+    async def sample() -> tuple[float, _Sample, int]:
         infos = await asyncio.gather(*(_hello(h) for h in workers.values()))
         saved = await asyncio.gather(*(_hello(a) for a in checkpoints))
         return (
@@ -161,6 +161,34 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
     t1, after, saves1 = await sample()
     span = max(t1 - t0, 1e-6)
     hosts = await rt.host_info(isolation=True)
+    pool_rows = [
+        PoolRow(
+            pool=pool, resources=resources, size=sizes.get(pool, dep.settings.tools.workers),
+            queued=sum(h.tool_queue.get(pool, 0) for h in hosts),
+            running=sum(h.tool_inflight.get(pool, 0) for h in hosts),
+            calls_per_s=round(_calls(pool, before, after) / span, 1),
+        )
+        for pool, resources in pools.items()
+    ]  # fmt: skip
+    return DeploymentStatus(
+        namespace=dep.keys.namespace,
+        hosts=[_host_row(dep.host_label(h.slot), h) for h in hosts],
+        phases=await _phases(rt),
+        in_progress=len(await rt.store.list_in_progress()),
+        pools=pool_rows,
+        mcp=_mcp_rows(after),
+        models=await EndpointLimiter(rt.client, dep.keys).snapshot(),
+        agents=[_agent_row(u) for u in await agent_usage(rt.client, dep.keys)],
+        checkpoints_per_s=round((saves1 - saves0) / span, 1),
+        respawns=await rt.respawns(),
+    )
+
+
+_Sample = dict[tuple[str, int], ServiceInfo | None]
+
+
+async def _phases(rt: Runtime) -> dict[str, int]:
+    """Running turns per phase, as each host's engine holds them now."""
     phases: Counter[str] = Counter()
     for handle in (await rt.hosts.handles()).values():
         try:
@@ -170,51 +198,34 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
                     phases[event.dst.value] += 1
         except (TimeoutError, RayActorError):
             continue
-    pool_rows = []
-    mcp: dict[tuple[str, str], list[int]] = {}
-    for pool, resources in pools.items():
-        done = 0
-        for (p, i), info in after.items():
-            if p != pool or info is None:
-                continue
+    return dict(sorted(phases.items()))
+
+
+def _calls(pool: str, before: _Sample, after: _Sample) -> int:
+    """Calls the pool's workers finished between the two samples."""
+    done = 0
+    for (p, i), info in after.items():
+        if p == pool and info is not None:
             prev = before.get((p, i))
             done += info.counts.get("calls", 0) - (prev.counts.get("calls", 0) if prev else 0)
-            for session in info.mcp:
-                row = mcp.setdefault((pool, session.server), [0, 0])
-                row[0] += session.connected
-                row[1] += session.starts
-        pool_rows.append(
-            PoolRow(
-                pool=pool,
-                resources=resources,
-                size=sizes.get(pool, dep.settings.tools.workers),
-                queued=sum(h.tool_queue.get(pool, 0) for h in hosts),
-                running=sum(h.tool_inflight.get(pool, 0) for h in hosts),
-                calls_per_s=round(done / span, 1),
-            )
-        )
-    return DeploymentStatus(
-        namespace=dep.keys.namespace,
-        hosts=[_host_row(dep.host_label(h.slot), h) for h in hosts],
-        phases=dict(sorted(phases.items())),
-        in_progress=len(await rt.store.list_in_progress()),
-        pools=pool_rows,
-        mcp=[MCPRow(p, s, c, n) for (p, s), (c, n) in sorted(mcp.items())],
-        models=await EndpointLimiter(rt.client, dep.keys).snapshot(),
-        agents=[
-            AgentRow(
-                u.agent or "-",
-                u.turns,
-                u.tokens.prompt_tokens,
-                u.tokens.completion_tokens,
-                u.tokens.cached_tokens,
-                u.lost_incarnations + u.unmetered_calls,
-            )
-            for u in await agent_usage(rt.client, dep.keys)
-        ],
-        checkpoints_per_s=round((saves1 - saves0) / span, 1),
-        respawns=await rt.respawns(),
-    )
+    return done
+
+
+def _mcp_rows(sample: _Sample) -> list[MCPRow]:
+    """Per pool and MCP server: its workers' open sessions and sessions started."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for (pool, _), info in sample.items():
+        for session in info.mcp if info is not None else ():
+            row = rows.setdefault((pool, session.server), [0, 0])
+            row[0] += session.connected
+            row[1] += session.starts
+    return [MCPRow(p, s, c, n) for (p, s), (c, n) in sorted(rows.items())]
+
+
+def _agent_row(u: AgentUsage) -> AgentRow:
+    t = u.tokens
+    return AgentRow(u.agent or "-", u.turns, t.prompt_tokens, t.completion_tokens,
+                    t.cached_tokens, u.lost_incarnations + u.unmetered_calls)  # fmt: skip
 
 
 def _host_row(label: str, info: HostInfo) -> HostRow:

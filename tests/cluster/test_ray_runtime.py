@@ -517,6 +517,7 @@ async def test_a_turn_failing_on_a_live_host_is_suspended_not_spun(
     assert finals["fine"].counters.outcome is Outcome.ANSWERED
     bug = finals["buggy"]
     assert bug.counters.outcome is Outcome.SUSPENDED_FAILING and not bug.in_progress
-    assert bug.epoch == 3  # three runs, not thousands
+    # three runs, not thousands (a host the supervisor replaced under load claims once more)
+    assert 3 <= bug.epoch <= 3 + await rt.respawns()
     error = bug.counters.last_error
     assert error is not None and "KeyError: 'choices'" in error.message
