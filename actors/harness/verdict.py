@@ -246,56 +246,75 @@ async def judge(
             v.lost.append(tid)
             v.flagged.add(tid)
             continue
-        outcome = record.counters.outcome
         v.resumes[tid] = record.counters.resume_attempts
         if tid in expect_suspended:
-            v.poison[tid] = {
-                "outcome": outcome,
-                "owners_lost": record.counters.resume_attempts,
-                "isolated_deaths": list(record.counters.isolated_deaths),
-            }
-            v.poison_deaths += record.counters.resume_attempts
-            if outcome is not Outcome.SUSPENDED_POISON:
-                v.poison_escaped.append(f"{tid}: outcome {outcome or 'none (in progress)'}")
-                v.flagged.add(tid)
-            if any(n > 1 for n in (await effects.counts(tid)).values()):
-                v.duplicate_effects.append(tid)
-                v.flagged.add(tid)
-            continue
-        if record.in_progress:
-            v.in_progress.append(tid)
-            v.flagged.add(tid)
-            continue
-        if outcome is not None and outcome.suspended:
-            v.suspended.append(f"{tid}: {outcome} {list(record.counters.isolated_deaths)}")
-            v.flagged.add(tid)
-            continue
-        if outcome is not None and outcome.aborted:
-            v.aborted.append(f"{tid}: {outcome}")
-            v.flagged.add(tid)
-        v.resumed += record.counters.resume_attempts > 0
-        v.most_resumes = max(v.most_resumes, record.counters.resume_attempts)
-        v.checkpoints += record.seq
-        v.outcome_unknown += sum(
-            m.tool_result is not None and m.tool_result.status == "outcome_unknown"
-            for m in record.messages
-        )
-        if expected is None:
-            diff = unanswered_calls(record.messages)
+            _judge_poison(v, record)
+        elif _judge_end(v, record):
+            _judge_transcript(v, record, expected)
         else:
-            diff = first_difference(record.messages, expected)
-        if diff is not None:
-            v.differ.append(f"{tid}: {diff} (outcome {record.counters.outcome})")
-            v.flagged.add(tid)
-        if not meta_ok(record):
-            v.meta_drift.append(tid)
-            v.flagged.add(tid)
+            continue  # in progress or suspended: flagged already
         if any(n > 1 for n in (await effects.counts(tid)).values()):
             v.duplicate_effects.append(tid)
             v.flagged.add(tid)
     v.stale_accepted = await out_of_order_writes(client, keys, set(turn_ids))
     v.flagged.update(v.stale_accepted)
     return v
+
+
+def _judge_poison(v: Verdict, record: CheckpointRecord) -> None:
+    """A poison turn must end ``suspended:poison``."""
+    tid, c = record.turn_id, record.counters
+    v.poison[tid] = {
+        "outcome": c.outcome, "owners_lost": c.resume_attempts,
+        "isolated_deaths": list(c.isolated_deaths),
+    }  # fmt: skip
+    v.poison_deaths += c.resume_attempts
+    if c.outcome is not Outcome.SUSPENDED_POISON:
+        v.poison_escaped.append(f"{tid}: outcome {c.outcome or 'none (in progress)'}")
+        v.flagged.add(tid)
+
+
+def _judge_end(v: Verdict, record: CheckpointRecord) -> bool:
+    """Whether an ordinary turn ended (an aborted one is flagged, and judged on); a turn left
+    in progress or suspended is flagged and judged no further."""
+    tid, outcome = record.turn_id, record.counters.outcome
+    if record.in_progress:
+        v.in_progress.append(tid)
+        v.flagged.add(tid)
+        return False
+    if outcome is not None and outcome.suspended:
+        v.suspended.append(f"{tid}: {outcome} {list(record.counters.isolated_deaths)}")
+        v.flagged.add(tid)
+        return False
+    if outcome is not None and outcome.aborted:
+        v.aborted.append(f"{tid}: {outcome}")
+        v.flagged.add(tid)
+    return True
+
+
+def _judge_transcript(
+    v: Verdict, record: CheckpointRecord, expected: Sequence[Message] | None
+) -> None:
+    """An ended turn's transcript: the fault-free one (or, without it, every call answered),
+    and its meta aligned."""
+    tid, c = record.turn_id, record.counters
+    v.resumed += c.resume_attempts > 0
+    v.most_resumes = max(v.most_resumes, c.resume_attempts)
+    v.checkpoints += record.seq
+    v.outcome_unknown += sum(
+        m.tool_result is not None and m.tool_result.status == "outcome_unknown"
+        for m in record.messages
+    )
+    if expected is None:
+        diff = unanswered_calls(record.messages)
+    else:
+        diff = first_difference(record.messages, expected)
+    if diff is not None:
+        v.differ.append(f"{tid}: {diff} (outcome {c.outcome})")
+        v.flagged.add(tid)
+    if not meta_ok(record):
+        v.meta_drift.append(tid)
+        v.flagged.add(tid)
 
 
 async def out_of_order_writes(
