@@ -7,6 +7,7 @@ import contextlib
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import click
 
@@ -25,6 +26,7 @@ from actors.cli.views import _exit_for, _render
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent, load_agent
 from actors.engine.cancel import queue_behind
+from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.engine.submission import new_turns, session_turn
 from actors.harness.live import LiveView
@@ -92,35 +94,11 @@ def submit(
     turn_input = TurnInput(message=input_text)
     check_agent(agent_path, turn_input)
     view = LiveView(out)
-    by = whoami()
-
-    async def write(client: StoreClient) -> str | None:
-        store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
-        if session is not None:
-            sessions = Sessions(store)
-            try:
-                spec, _ = await sessions.open(
-                    session, session_turn(agent_path, turn_input, session)
-                )
-                return spec.turn_id
-            except SessionBusy as busy:
-                if policy is IfBusy.REJECT:
-                    raise
-                queued = QueuedTurn(agent=agent_path, input=turn_input,
-                                    at_ms=int(time.time() * 1000), by=by)  # fmt: skip
-                place, opened = await queue_behind(
-                    sessions, Inbox(client, keys), session, busy.turn_id, queued,
-                    interrupt=policy is IfBusy.INTERRUPT,
-                )  # fmt: skip
-                _say_queued(session, busy.turn_id, place)
-                return None if opened is None else opened[0].turn_id
-        tid = turn_id or new_run_id()
-        await store.submit(*new_turns(agent_path, turn_input, [tid])[0])
-        return tid
+    sub = _Submission(agent_path, turn_input, session, turn_id, policy, whoami())
 
     async def go(client: StoreClient) -> str | None:
         if ray_address is None:
-            tid = await write(client)
+            tid = await _write(client, settings, sub)
             if tid is not None:
                 console.print(
                     f"[dim]turn {tid} is in Redis: a deployment of namespace {keys.namespace!r} "
@@ -128,23 +106,7 @@ def submit(
                     f"resume {tid} runs it here"
                 )
         else:
-            rt = await Runtime.attach(settings, ray_address=ray_address)
-            try:
-                if session is not None:
-                    sent = await rt.submit_in_session(
-                        agent_path, turn_input, session, if_busy=policy, by=by
-                    )
-                    if sent.turn_id is None:
-                        _say_queued(session, sent.queued_behind or "?", sent.place)
-                    tid = sent.turn_id
-                else:
-                    ids = [turn_id] if turn_id else [new_run_id()]
-                    created = await rt.submit(agent_path, turn_input, ids)
-                    if not created:
-                        raise BadInput(f"turn {ids[0]} already exists")
-                    tid = created[0]
-            finally:
-                await rt.detach()
+            tid = await _hand_to_deployment(settings, ray_address, sub)
         if tid is None:
             return None
         out.print(tid, highlight=False)
@@ -178,6 +140,72 @@ class _Lines:
     def _put(self, line: str | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
             self._loop.call_soon_threadsafe(self.queue.put_nowait, line)
+
+
+@dataclass(frozen=True, slots=True)
+class _Submission:
+    """What ``phaseline submit`` was asked to send."""
+
+    agent: str
+    """Import path of the agent."""
+    turn_input: TurnInput
+    """The user's message."""
+    session: str | None
+    """The session to continue (None: a turn of its own)."""
+    turn_id: str | None
+    """The id asked for a turn of its own (None: a random one)."""
+    policy: IfBusy
+    """What a busy session does with it."""
+    by: str
+    """Who sends it (``user@host``)."""
+
+
+async def _write(client: StoreClient, settings: Settings, sub: _Submission) -> str | None:
+    """Write the turn (or the session's queued message) in Redis for a deployment to adopt;
+    its turn id, None when queued behind a running turn."""
+    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
+    if sub.session is None:
+        tid = sub.turn_id or new_run_id()
+        await store.submit(*new_turns(sub.agent, sub.turn_input, [tid])[0])
+        return tid
+    sessions = Sessions(store)
+    try:
+        spec, _ = await sessions.open(
+            sub.session, session_turn(sub.agent, sub.turn_input, sub.session)
+        )
+        return spec.turn_id
+    except SessionBusy as busy:
+        if sub.policy is IfBusy.REJECT:
+            raise
+        queued = QueuedTurn(agent=sub.agent, input=sub.turn_input,
+                            at_ms=int(time.time() * 1000), by=sub.by)  # fmt: skip
+        place, opened = await queue_behind(
+            sessions, Inbox(client, keys), sub.session, busy.turn_id, queued,
+            interrupt=sub.policy is IfBusy.INTERRUPT,
+        )  # fmt: skip
+        _say_queued(sub.session, busy.turn_id, place)
+        return None if opened is None else opened[0].turn_id
+
+
+async def _hand_to_deployment(settings: Settings, ray_address: str, sub: _Submission) -> str | None:
+    """Submit through the deployment running at ``ray_address``; the turn id (None: queued)."""
+    rt = await Runtime.attach(settings, ray_address=ray_address)
+    try:
+        if sub.session is not None:
+            sent = await rt.submit_in_session(
+                sub.agent, sub.turn_input, sub.session, if_busy=sub.policy, by=sub.by
+            )
+            if sent.turn_id is None:
+                _say_queued(sub.session, sent.queued_behind or "?", sent.place)
+            return sent.turn_id
+        ids = [sub.turn_id] if sub.turn_id else [new_run_id()]
+        created = await rt.submit(sub.agent, sub.turn_input, ids)
+        if not created:
+            raise BadInput(f"turn {ids[0]} already exists")
+        return created[0]
+    finally:
+        await rt.detach()
 
 
 @main.command()
