@@ -201,8 +201,7 @@ class Outcome(StrEnum):
 
 
 #: The outcomes of a turn that ended with the model's own text: answered, wrapped up after a
-#: stop or a budget, or an answer cut by the caller's cap. Members compare equal to their string
-#: values, so an event's ``outcome`` string is found here too.
+#: stop or a budget, or an answer cut by the caller's cap.
 ANSWER_OUTCOMES = frozenset(
     {Outcome.ANSWERED, Outcome.FORCE_STOPPED, Outcome.TRUNCATED, Outcome.BUDGET_EXHAUSTED}
 )
