@@ -17,22 +17,19 @@ that had already landed comes back as ``AlreadySaved`` and counts as acked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
-import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.cluster.deployment import Deployment
-from actors.cluster.info import ServiceInfo
+from actors.cluster.info import Answer, ServiceInfo, Verdict
 from actors.cluster.metrics import metrics
+from actors.cluster.refs import CheckpointRef
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
@@ -41,51 +38,6 @@ from store.save_script import REPLAYED
 from store.transcript import KnownBodies
 
 log = logging.getLogger(__name__)
-
-
-class Verdict(StrEnum):
-    """What became of one record of a batch."""
-
-    OK = "ok"
-    """Saved (or a replay of a save that had landed); the detail is the event id."""
-    STALE = "stale"
-    """Refused by fencing: a newer owner has the turn."""
-    TOO_LARGE = "too_large"
-    """Over the record size cap."""
-    ERROR = "error"
-    """Not saved: invalid record or a Redis failure; the loop retries at its next site."""
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """The CheckpointActor's answer for one record of a batch."""
-
-    verdict: Verdict
-    """What became of the record."""
-    detail: str
-    """The event id for :attr:`Verdict.OK`, else why."""
-
-    def wire(self) -> tuple[str, str]:
-        return (self.verdict.value, self.detail)
-
-    @classmethod
-    def of(cls, reply: object) -> Answer:
-        """Read one answer off the wire; anything malformed is an error answer."""
-        if isinstance(reply, tuple | list) and len(reply) == 2 and isinstance(reply[1], str):
-            with contextlib.suppress(ValueError):
-                return cls(Verdict(reply[0]), reply[1])
-        return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
-
-    def settle(self, fut: asyncio.Future[SaveAck], record: CheckpointRecord) -> None:
-        """Resolve the saving loop's future: an ack, or the typed refusal."""
-        if self.verdict is Verdict.OK:
-            fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, self.detail))
-        elif self.verdict is Verdict.STALE:
-            fut.set_exception(StaleOwner(self.detail))
-        elif self.verdict is Verdict.TOO_LARGE:
-            fut.set_exception(RecordTooLarge(self.detail))
-        else:
-            fut.set_exception(StoreError(self.detail))
 
 
 _Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
@@ -120,9 +72,14 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
     return [a or Answer(Verdict.ERROR, "not answered") for a in answers]
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class CheckpointActor:
     """Performs the atomic, fenced saves of every host."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": -1,  # restarted by Ray; hosts resend the batch it died with
+        "max_task_retries": 0,
+    }
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
@@ -155,21 +112,21 @@ class CheckpointActor:
         return ServiceInfo.here(counts)
 
 
-def actor_sender(actor: Callable[[], Any]) -> BatchSender:
-    """Send batches to the CheckpointActor; ``actor`` returns its current handle (looked up
-    again after a death)."""
+def actor_sender(actor: Callable[[], CheckpointRef | None]) -> BatchSender:
+    """Send batches to the CheckpointActor; ``actor`` returns its current ref (looked up
+    again after a death; None while it is not registered)."""
 
     async def send(blobs: list[bytes]) -> list[Answer]:
+        ref = actor()
+        if ref is None:
+            raise StoreError("checkpoint batch failed: the checkpoint actor is not registered")
         try:
-            replies: list[object] = await actor().save_batch.remote(blobs)
+            return await ref.save_batch(blobs)
         except RayActorError as exc:
             # Died with the batch in flight; its restarted incarnation may get it again.
             raise ServiceRestarting(f"checkpoint actor unavailable: {exc}") from exc
-        except (RayTaskError, ValueError) as exc:  # it raised, or is not registered (yet)
+        except RayTaskError as exc:  # it raised
             raise StoreError(f"checkpoint batch failed: {exc}") from exc
-        if len(replies) != len(blobs):
-            raise StoreError(f"checkpoint actor answered {len(replies)} of {len(blobs)} saves")
-        return [Answer.of(r) for r in replies]
 
     return send
 

@@ -7,7 +7,6 @@ restarted anywhere and find its peers by name. Host slots map turns to hosts by 
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -15,15 +14,13 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.cluster.refs import RAY_NAMESPACE, HostRef
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from store.connection import StoreClient
 from store.failures import translated
 from store.keys import KeyLayout
 from store.replies import text
-
-#: Ray namespace of every phaseline actor (names inside it carry the phaseline namespace).
-RAY_NAMESPACE = "phaseline"
 
 
 def actor_name(namespace: str, role: str) -> str:
@@ -154,7 +151,7 @@ class HostDirectory:
     def __init__(self, deployment: Deployment, client: StoreClient) -> None:
         self.deployment = deployment
         self.client = client
-        self._cache: dict[tuple[int, int], Any] = {}
+        self._cache: dict[tuple[int, int], HostRef] = {}
 
     async def generations(self) -> dict[int, int]:
         with translated("read host generations"):
@@ -165,7 +162,7 @@ class HostDirectory:
         with translated("write host generation"):
             await self.client.hset(self.deployment.keys.hosts(), str(slot), str(generation))
 
-    async def handle(self, slot: int, generation: int | None = None) -> Any | None:
+    async def handle(self, slot: int, generation: int | None = None) -> HostRef | None:
         """The live host actor of ``slot`` (of ``generation`` when the caller has already read
         it), or None if it has none right now."""
         if generation is None:
@@ -174,19 +171,17 @@ class HostDirectory:
             return None
         key = (slot, generation)
         if key not in self._cache:
-            try:
-                self._cache[key] = ray.get_actor(
-                    self.deployment.host_name(slot, generation), namespace=RAY_NAMESPACE
-                )
-            except ValueError:
+            ref = HostRef.named(self.deployment.host_name(slot, generation))
+            if ref is None:
                 return None
+            self._cache[key] = ref
         return self._cache[key]
 
-    async def handle_for(self, turn_id: str) -> Any | None:
+    async def handle_for(self, turn_id: str) -> HostRef | None:
         """The host of the turn's slot (an isolated turn may be on the isolation host)."""
         return await self.handle(self.deployment.slot_of(turn_id))
 
-    async def handles(self) -> dict[int, Any]:
+    async def handles(self) -> dict[int, HostRef]:
         """Every slot's live host actor, from one read of the generations."""
         out = {}
         for slot, generation in sorted((await self.generations()).items()):
@@ -194,11 +189,6 @@ class HostDirectory:
             if handle is not None:
                 out[slot] = handle
         return out
-
-
-async def ask(ref: Any, timeout: float) -> Any:
-    """Await a Ray call for at most ``timeout`` seconds (``asyncio.TimeoutError`` past it)."""
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
 
 
 def ensure_ray(address: str | None = None) -> bool:

@@ -1,22 +1,35 @@
-"""What the actors' ``hello`` calls answer, as frozen, validated types.
+"""What the actors answer, as frozen, validated types.
 
-An actor answers with the model's plain ``model_dump()`` (only builtins cross the Ray call) and
-the caller validates it back with :meth:`_Info.of`, so a reply of another build or a wrong
-actor is a clear :class:`~bus.errors.PhaselineError`, not a ``KeyError`` three calls later.
+An actor answers with builtins (a ``hello`` with the model's plain ``model_dump()``, a save
+with a ``(verdict, detail)`` pair) and its ref (``actors.cluster.refs``) reads them back with
+``of``, so a reply of another build or a wrong actor is a clear
+:class:`~bus.errors.PhaselineError` or an error answer, not a ``KeyError`` three calls later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Self
 
 import ray
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from bus.errors import PhaselineError
+from bus.errors import PhaselineError, RecordTooLarge, StaleOwner, StoreError
+from store.records import CheckpointRecord, SaveAck
 
-__all__ = ["HostInfo", "MCPSessionInfo", "ServiceInfo", "SupervisorInfo", "this_node"]
+__all__ = [
+    "Answer",
+    "HostInfo",
+    "MCPSessionInfo",
+    "ServiceInfo",
+    "SupervisorInfo",
+    "Verdict",
+    "this_node",
+]
 
 
 class _Info(BaseModel):
@@ -29,13 +42,6 @@ class _Info(BaseModel):
             return cls.model_validate(reply)
         except ValidationError as exc:
             raise PhaselineError(f"unexpected {cls.__name__} reply: {exc}") from None
-
-    @classmethod
-    async def asked(cls, handle: Any, timeout: float | None = None) -> Self:
-        """The actor's ``hello``, typed (``timeout``: seconds to wait, :class:`TimeoutError`
-        past them; None: as long as it takes)."""
-        call = asyncio.wrap_future(handle.hello.remote().future())
-        return cls.of(await (call if timeout is None else asyncio.wait_for(call, timeout)))
 
     def wire(self) -> dict[str, Any]:
         """The reply as builtins, for the Ray call."""
@@ -125,6 +131,54 @@ class ServiceInfo(_Info):
         return cls(pid=os.getpid(), counts=counts, node_id=this_node(), mcp=mcp).wire()
 
 
+class Verdict(StrEnum):
+    """What became of one record of a batch."""
+
+    OK = "ok"
+    """Saved (or a replay of a save that had landed); the detail is the event id."""
+    STALE = "stale"
+    """Refused by fencing: a newer owner has the turn."""
+    TOO_LARGE = "too_large"
+    """Over the record size cap."""
+    ERROR = "error"
+    """Not saved: invalid record or a Redis failure; the loop retries at its next site."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The CheckpointActor's answer for one record of a batch."""
+
+    verdict: Verdict
+    """What became of the record."""
+    detail: str
+    """The event id for :attr:`Verdict.OK`, else why."""
+
+    def wire(self) -> tuple[str, str]:
+        return (self.verdict.value, self.detail)
+
+    @classmethod
+    def of(cls, reply: object) -> Answer:
+        """Read one answer off the wire; anything malformed is an error answer."""
+        if isinstance(reply, tuple | list) and len(reply) == 2 and isinstance(reply[1], str):
+            with contextlib.suppress(ValueError):
+                return cls(Verdict(reply[0]), reply[1])
+        return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
+
+    def settle(self, fut: asyncio.Future[SaveAck], record: CheckpointRecord) -> None:
+        """Resolve the saving loop's future: an ack, or the typed refusal."""
+        if self.verdict is Verdict.OK:
+            fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, self.detail))
+        elif self.verdict is Verdict.STALE:
+            fut.set_exception(StaleOwner(self.detail))
+        elif self.verdict is Verdict.TOO_LARGE:
+            fut.set_exception(RecordTooLarge(self.detail))
+        else:
+            fut.set_exception(StoreError(self.detail))
+
+
 def this_node() -> str:
-    """Hex id of the Ray node this process runs on."""
+    """Hex id of the Ray node this process runs on ("" outside Ray: an actor class driven in
+    process, where asking would start a Ray)."""
+    if not ray.is_initialized():
+        return ""
     return str(ray.get_runtime_context().get_node_id())

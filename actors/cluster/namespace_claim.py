@@ -3,9 +3,8 @@ owns it, who attaches as a client, who may stop it."""
 
 from __future__ import annotations
 
-import ray
-
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ray_cluster_id
+from actors.cluster.deployment import Deployment, ray_cluster_id
+from actors.cluster.refs import named
 from store.connection import StoreClient
 from store.ownership import Claim, Holder, NamespaceOwner
 
@@ -21,11 +20,7 @@ async def claim_namespace(client: StoreClient, dep: Deployment) -> Holder | None
     result = await owners.claim(me)
     if result.claim is Claim.ACQUIRED:
         return me
-    try:
-        ray.get_actor(dep.name("supervisor"), namespace=RAY_NAMESPACE)
-        running = True
-    except ValueError:
-        running = False
+    running = named(dep.name("supervisor")) is not None
     if running and not result.holder.is_gone():
         return None
     again = await owners.claim(me, replacing=result.holder.owner)

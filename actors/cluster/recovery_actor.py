@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
-
-import ray
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.engine.resume import plan_resume
-from actors.turn.recovery import Decision, Situation, decide_recovery
+from actors.turn.recovery import Situation, decide_recovery
 from bus.outcomes import Problem
 from store.checkpoint import RedisCheckpointStore
 from store.inbox import Inbox
@@ -25,12 +24,15 @@ from store.ledger import ToolLedger
 
 log = logging.getLogger(__name__)
 
-WATCHDOG_GROUP = "watchdog"
 
-
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RecoveryActor:
     """Hosts the recovery policy and builds resume plans (checkpoint + ledger + inbox)."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "max_task_retries": -1,  # a plan is a claim under a new epoch: asking again is safe
+    }
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
@@ -54,13 +56,20 @@ class RecoveryActor:
         m.resumes.inc(len(turn_ids))
         return [p.to_wire() for p in plans]
 
-    async def decide(self, problem: str, **situation: Any) -> Decision:
-        """``decide_recovery`` for callers outside a turn loop (operators, tests); loops call
-        the pure function in process. ``ValueError`` for an unknown problem or field."""
+    async def decide(self, problem: str, situation: dict[str, Any]) -> dict[str, Any]:
+        """``decide_recovery`` for callers outside a turn loop (operators, tests), its
+        :class:`Decision` as builtins; loops call the pure function in process.
+        ``ValueError`` for an unknown problem or field."""
         try:
-            return decide_recovery(Situation(Problem(problem), **situation))
+            decision = decide_recovery(Situation(Problem(problem), **situation))
         except TypeError as exc:  # an unknown Situation field
             raise ValueError(str(exc)) from exc
+        return {
+            "action": decision.action.value,
+            "cause": decision.cause.value,
+            "backoff_s": decision.backoff_s,
+            "more_room": decision.more_room,
+        }
 
     async def hello(self) -> dict[str, Any]:
         return ServiceInfo.here({"plans": self.plans})

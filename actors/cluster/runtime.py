@@ -15,22 +15,14 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
-from actors.cluster.deployment import (
-    RAY_NAMESPACE,
-    Deployment,
-    HostDirectory,
-    actor_name,
-    ask,
-    ensure_ray,
-    pool_name,
-)
-from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo
+from actors.cluster.deployment import Deployment, HostDirectory, actor_name, ensure_ray, pool_name
+from actors.cluster.info import HostInfo
 from actors.cluster.namespace_claim import claim_namespace, may_stop
 from actors.cluster.placement import singleton_options
+from actors.cluster.refs import ServiceRef, SupervisorRef, ToolWorkerRef, spawn
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
 from actors.engine.cancel import Cancelled, queue_behind, request_cancel
@@ -72,7 +64,7 @@ class Runtime:
         self,
         dep: Deployment,
         client: StoreClient,
-        supervisor: Any,
+        supervisor: SupervisorRef,
         owns_ray: bool,
         *,
         owner: Holder | None = None,
@@ -135,14 +127,10 @@ class Runtime:
             if owns_ray:
                 ray.shutdown()
             raise
-        supervisor = Supervisor.options(  # type: ignore[attr-defined]
-            name=dep.name("supervisor"),
-            namespace=RAY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            **singleton_options(),
-        ).remote(dep.to_wire())
-        info = SupervisorInfo.of(await supervisor.ensure.remote())
+        supervisor = SupervisorRef(
+            spawn(Supervisor, dep.name("supervisor"), dep.to_wire(), **singleton_options())
+        )
+        info = await supervisor.ensure()
         running = Deployment.from_wire(info.deployment)
         await _check_running(client, dep, running, owner)
         return cls(running, client, supervisor, owns_ray, owner=owner)
@@ -154,16 +142,15 @@ class Runtime:
         there is none. Leave it with :meth:`detach`, which stops nothing."""
         owns_ray = ensure_ray(ray_address)
         namespace = settings.redis.namespace
-        try:
-            supervisor = ray.get_actor(actor_name(namespace, "supervisor"), namespace=RAY_NAMESPACE)
-        except ValueError:
+        supervisor = SupervisorRef.named(actor_name(namespace, "supervisor"))
+        if supervisor is None:
             if owns_ray:
                 ray.shutdown()
             raise ConfigError(
                 f"no deployment of namespace {namespace!r} runs on this Ray cluster; start one "
                 "with phaseline serve (and join its cluster with --ray-address)"
             ) from None
-        dep = Deployment.from_wire((await SupervisorInfo.asked(supervisor)).deployment)
+        dep = Deployment.from_wire((await supervisor.hello()).deployment)
         client = dep.connect()
         with translated(f"cannot reach Redis at {redact_url(dep.redis_url)}"):
             await client.ping()
@@ -263,7 +250,7 @@ class Runtime:
         if host is None:
             return
         try:
-            problem = await ask(host.agent_problem.remote(agent, turn_input.model_dump()), 30)
+            problem = await host.agent_problem(agent, turn_input, 30)
         except (TimeoutError, ray.exceptions.RayActorError):
             return
         if problem:
@@ -283,7 +270,7 @@ class Runtime:
             if host is None:
                 continue  # being replaced: the new host adopts the slot's in-progress turns
             try:
-                await host.run_turns.remote(ids)
+                await host.run_turns(ids)
             except ray.exceptions.RayActorError:
                 log.warning("host slot %d died while taking turns; its successor adopts them", slot)
 
@@ -317,7 +304,7 @@ class Runtime:
             if host is None:
                 continue  # being replaced: the new host adopts them
             try:
-                await host.adopt.remote()
+                await host.adopt()
             except ray.exceptions.RayActorError:
                 log.warning("host slot %d died while adopting; its successor adopts", slot)
 
@@ -341,7 +328,7 @@ class Runtime:
         host = await self.hosts.handle(self.dep.slot_of(turn_id))
         if host is not None:  # else, or if it fails: the next incarnation reads the inbox
             with contextlib.suppress(TimeoutError, ray.exceptions.RayActorError):
-                await ask(host.cancel_turn.remote(turn_id), 10)
+                await host.cancel_turn(turn_id, 10)
 
     async def pending_approvals(self, turn_id: str) -> dict[str, Approval]:
         """The turn's calls waiting for a decision, by call key (tool, arguments, when)."""
@@ -380,7 +367,7 @@ class Runtime:
             if slot == self.dep.isolation_slot and not isolation:
                 continue
             try:
-                out.append(await HostInfo.asked(host, 5))
+                out.append(await host.hello(5))
             except (TimeoutError, ray.exceptions.RayActorError):
                 continue
         return out
@@ -391,7 +378,7 @@ class Runtime:
         running = 0
         for host in (await self.hosts.handles()).values():
             try:
-                running += await ask(host.stop_taking.remote(), 5)
+                running += await host.stop_taking(5)
             except (TimeoutError, ray.exceptions.RayActorError):
                 continue
         return running
@@ -399,22 +386,35 @@ class Runtime:
     async def alive(self) -> bool:
         """Whether the deployment's supervisor still answers."""
         try:
-            await ask(self.supervisor.hello.remote(), 10)
+            await self.supervisor.hello(10)
         except (TimeoutError, ray.exceptions.RayActorError):
             return False
         return True
 
     async def service_pid(self, role: str) -> int:
-        handle = ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
-        kind = SupervisorInfo if role == "supervisor" else ServiceInfo
-        return (await kind.asked(handle)).pid
+        """The process of a singleton role (``supervisor``, ``checkpoint``, ``watchdog``,
+        ``recovery``); :class:`PhaselineError` if it is not registered."""
+        name = self.dep.name(role)
+        ref = SupervisorRef.named(name) if role == "supervisor" else ServiceRef.named(name)
+        if ref is None:
+            raise PhaselineError(f"no actor {name} runs")
+        return (await ref.hello()).pid
+
+    def service(self, role: str) -> ServiceRef | None:
+        """The service actor of a role (``checkpoint``, ``watchdog``, ``recovery``), if it
+        is registered."""
+        return ServiceRef.named(self.dep.name(role))
+
+    def tool_worker(self, pool: str, index: int) -> ToolWorkerRef | None:
+        """Worker ``index`` of a tool pool, if it is registered."""
+        return ToolWorkerRef.named(self.dep.tool_worker_name(pool, index))
 
     async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
         host = await self.hosts.handle(slot)
         if host is None:
             raise PhaselineError(f"host slot {slot} has no live actor")
-        pid = (await HostInfo.asked(host)).pid
+        pid = (await host.hello()).pid
         os.kill(pid, sig)
         return pid
 
@@ -440,8 +440,8 @@ class Runtime:
             await self.detach()
             return
         try:
-            await self.supervisor.stop.remote()
-            ray.kill(self.supervisor, no_restart=True)
+            await self.supervisor.stop()
+            self.supervisor.kill()
         except ray.exceptions.RayActorError:
             pass
         try:

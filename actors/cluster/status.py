@@ -12,14 +12,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ray
 from ray.exceptions import RayActorError
 
-from actors.cluster.deployment import RAY_NAMESPACE, ask
 from actors.cluster.info import HostInfo, ServiceInfo
+from actors.cluster.refs import ServiceRef
 from actors.cluster.runtime import Runtime
-from bus.events import decode_event
-from bus.phase import Transition
 from store.limiter import EndpointLimiter, EndpointState
 from store.pools import PoolSizes
 from store.usage import AgentUsage, agent_usage
@@ -120,17 +117,10 @@ class DeploymentStatus:
         return asdict(self)
 
 
-async def _hello(handle: Any) -> ServiceInfo | None:
+async def _hello(ref: ServiceRef) -> ServiceInfo | None:
     try:
-        return await ServiceInfo.asked(handle, 5)
+        return await ref.hello(5)
     except (TimeoutError, RayActorError):
-        return None
-
-
-def _actor(name: str) -> Any | None:
-    try:
-        return ray.get_actor(name, namespace=RAY_NAMESPACE)
-    except ValueError:
         return None
 
 
@@ -143,9 +133,9 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
         (pool, i): handle
         for pool in pools
         for i in range(sizes.get(pool, dep.settings.tools.workers))
-        if (handle := _actor(dep.tool_worker_name(pool, i))) is not None
+        if (handle := rt.tool_worker(pool, i)) is not None
     }
-    checkpoints = [a for role in dep.checkpoint_roles() if (a := _actor(dep.name(role)))]
+    checkpoints = [a for role in dep.checkpoint_roles() if (a := rt.service(role))]
 
     async def sample() -> tuple[float, _Sample, int]:
         infos = await asyncio.gather(*(_hello(h) for h in workers.values()))
@@ -190,12 +180,10 @@ _Sample = dict[tuple[str, int], ServiceInfo | None]
 async def _phases(rt: Runtime) -> dict[str, int]:
     """Running turns per phase, as each host's engine holds them now."""
     phases: Counter[str] = Counter()
-    for handle in (await rt.hosts.handles()).values():
+    for host in (await rt.hosts.handles()).values():
         try:
-            for fields in await ask(handle.phases.remote(), 5):
-                event = decode_event(fields)
-                if isinstance(event, Transition):
-                    phases[event.dst.value] += 1
+            for transition in await host.phases(5):
+                phases[transition.dst.value] += 1
         except (TimeoutError, RayActorError):
             continue
     return dict(sorted(phases.items()))

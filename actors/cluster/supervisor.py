@@ -29,20 +29,14 @@ import logging
 import os
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointActor
-from actors.cluster.deployment import (
-    RAY_NAMESPACE,
-    Deployment,
-    HostDirectory,
-    ask,
-    ray_cluster_id,
-    worker_options,
-)
+from actors.cluster.deployment import Deployment, HostDirectory, ray_cluster_id, worker_options
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
 from actors.cluster.metrics import metrics
 from actors.cluster.placement import (
@@ -53,6 +47,7 @@ from actors.cluster.placement import (
     strategy,
 )
 from actors.cluster.recovery_actor import RecoveryActor
+from actors.cluster.refs import ActorRef, HostRef, RayActor, ServiceRef, ToolWorkerRef, spawn
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
@@ -71,7 +66,7 @@ log = logging.getLogger(__name__)
 METRICS_PERIOD_S = 5.0
 
 
-def services(dep: Deployment) -> dict[str, Any]:
+def services(dep: Deployment) -> dict[str, type[RayActor]]:
     """The service actors of a deployment by role: its CheckpointActors, the WatchdogActor and
     the RecoveryActor."""
     return {
@@ -81,8 +76,15 @@ def services(dep: Deployment) -> dict[str, Any]:
     }
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Supervisor:
+    """Keeps a deployment's actors alive (see the module's docstring)."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": -1,  # stateless: a restarted one boots itself from Redis and Ray
+        "max_task_retries": -1,
+    }
+
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
         self.client = self.dep.connect(max_connections=8)
@@ -202,19 +204,13 @@ class Supervisor:
 
     async def _reconcile(self) -> None:
         cfg = self.dep.settings.supervisor
-        handles = [
-            cls.options(
-                name=self.dep.name(role),
-                namespace=RAY_NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                **singleton_options(),
-            ).remote(self.dep.to_wire())
+        refs = [
+            ServiceRef(spawn(cls, self.dep.name(role), self.dep.to_wire(), **singleton_options()))
             for role, cls in services(self.dep).items()
         ]
         await self._scale_pools()
         await asyncio.gather(
-            *(_ping(h, cfg.ping_timeout_s) for h in handles),  # also starts the watchdog loop
+            *(_ping(r, cfg.ping_timeout_s) for r in refs),  # also starts the watchdog loop
             *(self._check_slot(slot) for slot in self.dep.slots()),
         )
 
@@ -248,9 +244,9 @@ class Supervisor:
                 for i in range(new, hi):
                     await _retire(self.dep.tool_worker_name(pool, i))
 
-    def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> Any:
+    def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> None:
         name = self.dep.tool_worker_name(pool, index)
-        return _named(ToolWorker, name, **worker_options(resources)).remote(self.dep.to_wire())
+        spawn(ToolWorker, name, self.dep.to_wire(), **worker_options(resources))
 
     async def _check_slot(self, slot: int) -> None:
         """One check at a time per slot (the watch loop and a death notice may both ask)."""
@@ -263,9 +259,9 @@ class Supervisor:
             await self._spawn(slot, 0, node=host_node(alive_nodes(), slot))
             return
         handle = await self.hosts.handle(slot, gen)
-        reply = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
-        if handle is None or reply is None:
-            dead = handle is None or not await _alive(handle)
+        info = None if handle is None else await _ping(handle, cfg.ping_timeout_s)
+        if handle is None or not isinstance(info, HostInfo):
+            dead = handle is None or not await handle.alive()
             if dead or not await self.leases.held(slot, gen):
                 why = "died" if dead else "stopped: its lease lapsed and it does not answer"
                 log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
@@ -273,14 +269,13 @@ class Supervisor:
             return
         self._park(slot, gen, handle)
         now = time.monotonic()
-        info = HostInfo.of(reply)
         self._load[slot] = info
         self._watch_standby(slot, gen + 1, info.node_id)
         fresh = info.incarnation not in self._adopted
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
             # (its task was cut short by a Redis failure, a lost call) is picked up again.
-            await handle.adopt.remote(False)  # no death to report: this host was alive
+            await handle.adopt(False)  # no death to report: this host was alive
             self._adopted.add(info.incarnation)
             self._last_adopt[slot] = now
 
@@ -291,15 +286,15 @@ class Supervisor:
         *,
         predecessor_died: bool = False,
         node: str | None = None,
-    ) -> Any:
+    ) -> HostRef:
         """Make ``generation`` the slot's host (the standby started for it, else a new one on
         ``node``) and start the next generation's standby on another node."""
         handle = self._host(slot, generation, node=node)
-        info = await HostInfo.asked(handle)
+        info = await handle.hello()
         await self.leases.renew(slot, generation)  # granted here; the host renews it from now
         await self.hosts.set_generation(slot, generation)
         self._park(slot, generation, handle)
-        await handle.adopt.remote(predecessor_died)
+        await handle.adopt(predecessor_died)
         self._adopted.add(info.incarnation)
         self._last_adopt[slot] = time.monotonic()
         # The next generation, started now and idle until it is needed: replacing a dead host
@@ -327,7 +322,7 @@ class Supervisor:
             node = standby_node(alive_nodes(), active_node, slot)
             standby = self._host(slot, generation, node=node)  # the live one, or a new one
             with contextlib.suppress(RayActorError):
-                await standby.park.remote()
+                await standby.park()
             if self._stopping or (await self.hosts.generations()).get(slot) != generation - 1:
                 return  # promoted (its own watch is the active host's now), or superseded
             # It died with a node other than its active host's: without it, the slot's next
@@ -339,81 +334,60 @@ class Supervisor:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 8.0)
 
-    def _host(self, slot: int, generation: int, *, node: str | None = None) -> Any:
-        """The slot's host of ``generation``: the one that exists, or a new one on ``node``
-        (soft affinity), else spread over the cluster."""
+    def _host(self, slot: int, generation: int, *, node: str | None = None) -> HostRef:
+        """The slot's host of ``generation``: the one that exists, or a new one on ``node``,
+        else wherever Ray places it."""
         name = self.dep.host_name(slot, generation)
-        return _named(TurnActor, name, scheduling_strategy=strategy(node)).remote(
-            self.dep.to_wire(), slot, generation
+        wire = self.dep.to_wire()
+        return HostRef(
+            spawn(TurnActor, name, wire, slot, generation, scheduling_strategy=strategy(node))
         )
 
-    def _park(self, slot: int, generation: int, handle: Any) -> None:
+    def _park(self, slot: int, generation: int, handle: HostRef) -> None:
         """Keep a call parked on the slot's host; its failure is the death notice."""
         parked = self._parked.get(slot)
         if parked is not None and parked[0] == generation and not parked[1].done():
             return
         self._parked[slot] = (generation, asyncio.ensure_future(self._on_death(slot, handle)))
 
-    async def _on_death(self, slot: int, handle: Any) -> None:
+    async def _on_death(self, slot: int, handle: HostRef) -> None:
         with contextlib.suppress(RayActorError):
-            await handle.park.remote()
+            await handle.park()
         if not self._stopping:
             try:
                 await self._check_slot(slot)
             except (PhaselineError, RayActorError) as exc:
                 log.warning("supervisor: %s; the watch loop retries", exc)
 
-    async def _replace(self, slot: int, generation: int, old: Any, *, died: bool) -> None:
+    async def _replace(
+        self, slot: int, generation: int, old: HostRef | None, *, died: bool
+    ) -> None:
         await self._spawn(slot, generation + 1, predecessor_died=died)
         with translated("count respawns"):
             await self.client.hincrby(self.dep.keys.supervisor(), "respawns", 1)
         if old is not None and self.dep.settings.supervisor.kill_replaced:
-            with contextlib.suppress(RayActorError, ValueError):
-                ray.kill(old, no_restart=True)
+            old.kill()
 
 
-async def _ping(handle: Any, timeout: float) -> Any | None:
-    """The raw ``hello`` reply (a host's or a service's), or None if it did not come."""
+async def _ping(ref: HostRef | ServiceRef, timeout: float) -> HostInfo | ServiceInfo | None:
+    """The actor's ``hello``, or None if it did not come."""
     try:
-        return await ask(handle.hello.remote(), timeout)
+        return await ref.hello(timeout)
     except (TimeoutError, RayActorError):
         return None
 
 
-async def _alive(handle: Any) -> bool:
-    """False once Ray itself says the actor is dead (a ping timeout alone is not death)."""
-    try:
-        await ask(handle.hello.remote(), 0.05)
-    except RayActorError:
-        return False
-    except TimeoutError:
-        return True
-    return True
-
-
-def _named(actor_class: Any, name: str, **options: Any) -> Any:
-    """A detached, named, highly concurrent actor of the deployment: the one that exists under
-    ``name``, or a new one."""
-    return actor_class.options(
-        name=name,
-        namespace=RAY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        max_concurrency=10_000,
-        **options,
-    )
-
-
 async def _retire(name: str) -> None:
     """Kill a tool worker past its pool's size once it runs no call (if it exists)."""
+    worker = ToolWorkerRef.named(name)
     try:
-        worker = ray.get_actor(name, namespace=RAY_NAMESPACE)
-        if (await ServiceInfo.asked(worker, 2)).counts.get("active", 0) == 0:
-            ray.kill(worker, no_restart=True)
-    except (ValueError, TimeoutError, RayActorError):
-        return  # not there, or busy: looked at again next tick
+        if worker is not None and (await worker.hello(2)).counts.get("active", 0) == 0:
+            worker.kill()
+    except (TimeoutError, RayActorError):
+        return  # busy, or dying: looked at again next tick
 
 
 def _kill(name: str) -> None:
-    with contextlib.suppress(ValueError):
-        ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
+    ref = ActorRef.named(name)
+    if ref is not None:
+        ref.kill()

@@ -24,14 +24,16 @@ import json
 import logging
 import zlib
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import RayActorError, RayError, TaskCancelledError
 
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, ask, pool_name
+from actors.cluster.deployment import Deployment, pool_name
 from actors.cluster.info import MCPSessionInfo, ServiceInfo
 from actors.cluster.metrics import metrics
+from actors.cluster.refs import ToolWorkerRef, ask
 from actors.engine.agents import load_agent
 from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
@@ -59,9 +61,15 @@ RETRY_WAIT_S = 30.0
 """How long a retry waits for a live worker of its pool (Ray restarting a killed one)."""
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class ToolWorker:
     """Runs registered tools; one process serves many concurrent calls."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,  # a pool's resources are given at spawn (``worker_options``)
+        "max_restarts": -1,
+        "max_task_retries": 0,  # a call is retried by the host, by its tool's ledger rule
+        "max_concurrency": 10_000,
+    }
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
@@ -103,14 +111,15 @@ class ToolWorker:
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
             return await loaded.tools.get(name).fn(args, ctx)
 
-    async def list_mcp(self, agent: str, server: str) -> str:
+    async def list_mcp(self, agent: str, server: str) -> list[dict[str, Any]]:
         """The tools of ``agent``'s MCP server ``server`` as this worker's session lists them
-        (JSON of :class:`MCPToolInfo`); :class:`ToolUnavailable` if it does not start."""
+        (each :class:`MCPToolInfo` as builtins); :class:`ToolUnavailable` if it does not
+        start."""
         spec = next((s for s in load_agent(agent).mcp if s.name == server), None)
         if spec is None:
             raise ConfigError(f"agent {agent} has no MCP server {server!r}")
         infos = await hub().list_tools(agent, spec)
-        return json.dumps([dataclasses.asdict(i) for i in infos])
+        return [dataclasses.asdict(i) for i in infos]
 
     async def hello(self) -> dict[str, Any]:
         sessions = tuple(
@@ -150,18 +159,18 @@ class RayToolRunner:
             key = (agent_path, server.name)
             if key not in self._listed:
                 pool = pool_name(server.resources)
-                worker = self._pick(pool, server.name, 0, await self.size(pool))
+                size = await self.size(pool)
                 try:
-                    raw = await ask(worker.list_mcp.remote(agent_path, server.name), 60)
-                except (TimeoutError, RayError) as exc:
+                    worker = self._pick(pool, server.name, 0, size)
+                    self._listed[key] = await worker.list_mcp(agent_path, server.name, 60)
+                except (TimeoutError, RayError, ValueError) as exc:  # ValueError: not registered
                     log.error("agent %s: MCP server %s not listed: %s", agent_path, server.name,
                               _last_line(exc))  # fmt: skip
                     continue
-                self._listed[key] = [MCPToolInfo(**d) for d in json.loads(raw)]
             specs.extend(mcp_spec(agent_path, server, info) for info in self._listed[key])
         return merged(agent_path, base, specs)
 
-    async def _worker(self, pool: str, attempt: int) -> Any | None:
+    async def _worker(self, pool: str, attempt: int) -> ToolWorkerRef | None:
         """The next worker of the pool, round robin over its current size; None if none could
         be found for ``RETRY_WAIT_S`` (the pool is being recreated).
 
@@ -178,7 +187,7 @@ class RayToolRunner:
                 worker = self._pick(pool, "", offset, await self.size(pool))
                 if attempt == 0:
                     return worker
-                await ask(worker.hello.remote(), 5.0)
+                await worker.hello(5.0)
                 return worker
             except ValueError:  # not registered: being (re)started by the Supervisor
                 pass
@@ -189,9 +198,14 @@ class RayToolRunner:
                 return None
             await asyncio.sleep(0.2)  # backoff before looking again
 
-    def _pick(self, pool: str, key: str, offset: int, size: int) -> Any:
+    def _pick(self, pool: str, key: str, offset: int, size: int) -> ToolWorkerRef:
+        """The pool's worker for ``key`` and ``offset``; ``ValueError`` if it is not registered
+        (being started or restarted by the Supervisor)."""
         index = (zlib.crc32(key.encode()) + offset) % size
-        return ray.get_actor(self.dep.tool_worker_name(pool, index), namespace=RAY_NAMESPACE)
+        worker = ToolWorkerRef.named(self.dep.tool_worker_name(pool, index))
+        if worker is None:
+            raise ValueError(f"tool worker {index} of pool {pool} is not registered")
+        return worker
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         pool = pool_name(spec.resources)
@@ -245,7 +259,7 @@ class RayToolRunner:
             worker = await self._worker(pool, attempt)
             if worker is None:  # never sent: nothing can have happened
                 return tool_result(call, "error", f"{call.name}: no worker of pool {pool} is up")
-            ref = worker.call.remote(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
+            ref = worker.call(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
             try:
                 output = await ask(ref, spec.timeout_s)
                 return tool_result(call, "ok", str(output))

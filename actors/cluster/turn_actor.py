@@ -27,16 +27,17 @@ import os
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from collections.abc import Coroutine, Mapping
+from typing import Any, ClassVar
 
 import psutil
-import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointClient, ShardedCheckpoints, actor_sender
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment, HostDirectory
+from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
+from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
 from actors.engine.resume import ResumePlan
@@ -54,8 +55,15 @@ from store.streams import BufferedPublisher, RedisBus
 log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
 class TurnActor:
+    """Hosts the turns of one slot, for one generation."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": 0,  # never restarted in place: the Supervisor starts a new generation
+        "max_concurrency": 10_000,
+    }
+
     def __init__(self, deployment_json: str, slot: int, generation: int) -> None:
         self.dep = Deployment.from_wire(deployment_json)
         self.slot = slot
@@ -106,8 +114,8 @@ class TurnActor:
             metrics().rate_limit_waits.inc(1, tags={"host": self.dep.host_label(self.slot)})
         self.publisher.add(event)
 
-    def _checkpoint_actor(self, role: str) -> Any:
-        return ray.get_actor(self.dep.name(role), namespace=RAY_NAMESPACE)
+    def _checkpoint_actor(self, role: str) -> CheckpointRef | None:
+        return CheckpointRef.named(self.dep.name(role))
 
     async def hello(self) -> dict[str, Any]:
         stats = self.engine.stats
@@ -245,7 +253,7 @@ class TurnActor:
     def _isolation_wanted(self, _turn_id: str) -> None:
         self._poke(self.directory.handle(self.dep.isolation_slot))
 
-    def _poke(self, host: Any) -> None:
+    def _poke(self, host: Coroutine[Any, Any, HostRef | None]) -> None:
         """Ask another host to adopt now, without waiting for it (best effort: the
         supervisor's periodic adopt is the fallback)."""
 
@@ -253,7 +261,7 @@ class TurnActor:
             with contextlib.suppress(PhaselineError, RayActorError):
                 handle = await host
                 if handle is not None:
-                    await handle.adopt.remote()
+                    await handle.adopt()
 
         task = asyncio.ensure_future(go())
         self._pokes.add(task)
@@ -261,13 +269,13 @@ class TurnActor:
 
     # -- turn tasks ---------------------------------------------------------------------------
 
-    def _spawn(self, turn_id: str, coro: Any) -> bool:
+    def _spawn(self, turn_id: str, coro: Coroutine[Any, Any, TurnOutcome]) -> bool:
         if turn_id in self._tasks or self._closed:
             coro.close()
             return False
         task = asyncio.ensure_future(coro)
         self._tasks[turn_id] = task
-        task.add_done_callback(lambda _t, tid=turn_id: self._finished(tid, _t))
+        task.add_done_callback(functools.partial(self._finished, turn_id))
         return True
 
     def _finished(self, turn_id: str, task: asyncio.Task[TurnOutcome]) -> None:
@@ -298,7 +306,7 @@ class TurnActor:
         else:
             self._poke(self.directory.handle_for(turn_id))
 
-    def _background(self, coro: Any) -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         async def go() -> None:
             try:
                 await coro
@@ -331,9 +339,12 @@ class TurnActor:
 
     async def _plan(self, turn_ids: list[str]) -> list[ResumePlan]:
         """Ask the RecoveryActor; while it restarts, plan here with the same function."""
-        try:
-            actor = ray.get_actor(self.dep.name("recovery"), namespace=RAY_NAMESPACE)
-            return [ResumePlan.from_wire(w) for w in await actor.plan_many.remote(turn_ids)]
-        except (RayActorError, ValueError) as exc:
-            log.warning("recovery actor unavailable (%s); planning %d locally", exc, len(turn_ids))
-            return list(await asyncio.gather(*(self.engine.plan(t) for t in turn_ids)))
+        actor = RecoveryRef.named(self.dep.name("recovery"))
+        why = "it is not registered"
+        if actor is not None:
+            try:
+                return await actor.plan_many(turn_ids)
+            except RayActorError as exc:
+                why = str(exc)
+        log.warning("recovery actor unavailable (%s); planning %d locally", why, len(turn_ids))
+        return list(await asyncio.gather(*(self.engine.plan(t) for t in turn_ids)))

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import RayActorError
@@ -20,9 +21,9 @@ from ray.exceptions import RayActorError
 from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import ServiceInfo
 from actors.cluster.metrics import metrics
-from actors.turn.watchdog import HardCancel, WatchdogRules
+from actors.turn.watchdog import HardCancel, WatchdogAction, WatchdogRules
 from bus.errors import PhaselineError
-from bus.events import Status, StatusEvent, decode_event
+from bus.events import Status, StatusEvent
 from bus.phase import Transition
 from store.streams import RedisBus
 
@@ -31,9 +32,14 @@ log = logging.getLogger(__name__)
 WATCHDOG_GROUP = "watchdog"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class WatchdogActor:
     """The watchdog rules over the bus: soft -> ``idle_soft`` status event, hard -> cancel."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": -1,  # it rebuilds its timers from the hosts
+        "max_task_retries": -1,
+    }
 
     def __init__(self, deployment_json: str) -> None:
         self.dep = Deployment.from_wire(deployment_json)
@@ -91,14 +97,12 @@ class WatchdogActor:
         """Arm timers for every turn running right now, from the hosts themselves."""
         for host in (await self.hosts.handles()).values():
             try:
-                for fields in await host.phases.remote():
-                    event = decode_event(fields)
-                    if isinstance(event, Transition):
-                        self.rules.observe(event)
+                for transition in await host.phases():
+                    self.rules.observe(transition)
             except RayActorError:
                 continue
 
-    async def _act(self, actions: list[Any]) -> None:
+    async def _act(self, actions: list[WatchdogAction]) -> None:
         now_ms = int(time.time() * 1000)
         events: list[StatusEvent] = []
         for a in actions:
@@ -112,7 +116,7 @@ class WatchdogActor:
                     await self.hosts.handle(self.dep.isolation_slot),
                 )
                 replies = await asyncio.gather(
-                    *(h.cancel_llm.remote(a.turn_id, a.epoch) for h in hosts if h),
+                    *(h.cancel_llm(a.turn_id, a.epoch) for h in hosts if h),
                     return_exceptions=True,
                 )
                 for reply in replies:

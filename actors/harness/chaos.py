@@ -47,8 +47,6 @@ from pathlib import Path
 
 import ray
 
-from actors.cluster.deployment import RAY_NAMESPACE
-from actors.cluster.info import ServiceInfo
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
@@ -239,8 +237,11 @@ class ChaosMonkey:
     async def _kill_tool_worker(self) -> Fault:
         rt = self.rt
         index = self.rng.randrange(rt.dep.settings.tools.workers)
-        handle = ray.get_actor(rt.dep.tool_worker_name("default", index), namespace=RAY_NAMESPACE)
-        pid = (await ServiceInfo.asked(handle)).pid
+        worker = rt.tool_worker("default", index)
+        if worker is None:
+            return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", None,
+                         note="the worker is being restarted", skipped=True)  # fmt: skip
+        pid = (await worker.hello()).pid
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", pid)
 

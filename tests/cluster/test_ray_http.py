@@ -12,11 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE
-from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.turn_engine import TurnEngine
@@ -86,8 +83,9 @@ async def test_http_turns_survive_killed_hosts_and_tool_workers(
         assert early, "no turn of the victim's slot is early in its run"
         watcher = asyncio.ensure_future(collect(rt.watch(early[0])))
         await rt.kill_host(slot)
-        worker = ray.get_actor(rt.dep.tool_worker_name("default", 0), namespace=RAY_NAMESPACE)
-        os.kill(ServiceInfo.of(await worker.hello.remote()).pid, signal.SIGKILL)
+        worker = rt.tool_worker("default", 0)
+        assert worker is not None
+        os.kill((await worker.hello()).pid, signal.SIGKILL)
         finals = await rt.wait(ids, timeout=180)
         seen = await asyncio.wait_for(watcher, 60)
     finally:

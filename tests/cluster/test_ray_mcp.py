@@ -10,11 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE
-from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from store.records import TurnInput
@@ -53,8 +50,9 @@ async def test_mcp_turns_survive_killed_tool_workers_and_servers(
         first = await eventually(servers_up, timeout=60, what="MCP servers started by workers")
         for pid in first:  # the servers die under their workers' calls
             os.kill(pid, signal.SIGKILL)
-        worker = ray.get_actor(rt.dep.tool_worker_name("default", 0), namespace=RAY_NAMESPACE)
-        os.kill(ServiceInfo.of(await worker.hello.remote()).pid, signal.SIGKILL)
+        worker = rt.tool_worker("default", 0)
+        assert worker is not None
+        os.kill((await worker.hello()).pid, signal.SIGKILL)
         finals = await rt.wait(ids, timeout=240)
     finally:
         await rt.shutdown()

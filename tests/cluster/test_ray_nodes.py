@@ -4,14 +4,12 @@ mid-turn (its raylet and every worker on it) loses no turn and runs no call twic
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo
+from actors.cluster.refs import HostRef, SupervisorRef
 from actors.cluster.runtime import Runtime
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -26,8 +24,10 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 async def _standby_info(rt: Runtime, host: HostInfo) -> HostInfo:
     name = rt.dep.host_name(host.slot, host.generation + 1)
-    handle: Any = ray.get_actor(name, namespace=RAY_NAMESPACE)
-    return HostInfo.of(await handle.hello.remote())
+    standby = HostRef.named(name)
+    if standby is None:
+        raise ValueError(f"no standby {name} is registered")
+    return await standby.hello()
 
 
 async def test_a_slots_standby_runs_on_another_node_than_its_active_host(
@@ -95,8 +95,11 @@ async def test_the_singletons_run_on_the_head_node(
     try:
         head = ray_cluster.head_node.node_id
         for role in ("supervisor", "checkpoint", "watchdog", "recovery"):
-            handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
-            assert (await handle.hello.remote())["node_id"] == head, role
+            ref = (
+                SupervisorRef.named(rt.dep.name(role)) if role == "supervisor" else rt.service(role)
+            )
+            assert ref is not None, role
+            assert (await ref.hello()).node_id == head, role
     finally:
         await rt.shutdown()
 

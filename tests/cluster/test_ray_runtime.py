@@ -13,8 +13,8 @@ import pytest
 import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE
 from actors.cluster.info import HostInfo, ServiceInfo
+from actors.cluster.refs import RecoveryRef
 from actors.cluster.runtime import Runtime
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
@@ -223,12 +223,11 @@ async def rt_effects(rt: Runtime, turn_id: str) -> dict[str, int]:
 
 
 async def tool_worker_info(rt: Runtime) -> list[ServiceInfo]:
-    from actors.cluster.deployment import RAY_NAMESPACE
-
     out = []
     for i in range(rt.dep.settings.tools.workers):
-        handle = ray.get_actor(rt.dep.tool_worker_name("default", i), namespace=RAY_NAMESPACE)
-        out.append(ServiceInfo.of(await handle.hello.remote()))
+        worker = rt.tool_worker("default", i)
+        assert worker is not None, i
+        out.append(await worker.hello())
     return out
 
 
@@ -266,8 +265,9 @@ async def test_checkpoint_actors_sharded_by_key_shard_share_the_saves_and_surviv
     assert await rt.service_pid("checkpoint1") != old
     await assert_all_correct(rt, real_client, sc, finals)
     for role in roles:
-        handle: Any = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
-        assert ServiceInfo.of(await handle.hello.remote()).counts["saves"] > 0, role
+        service = rt.service(role)
+        assert service is not None, role
+        assert (await service.hello()).counts["saves"] > 0, role
 
 
 @pytest.mark.parametrize("role", ["watchdog", "recovery", "supervisor"])
@@ -289,8 +289,9 @@ async def test_a_killed_service_actor_comes_back_and_works(
 
     await eventually(new_pid, timeout=60, what=f"{role} restarted")
     if role == "recovery":  # the policy it hosts answers operators too
-        actor = ray.get_actor(rt.dep.name(role), namespace=RAY_NAMESPACE)
-        decided = await actor.decide.remote("retryable", retry_attempts=1)
+        actor = RecoveryRef.named(rt.dep.name(role))
+        assert actor is not None
+        decided = await actor.decide(Problem.RETRYABLE, retry_attempts=1)
         assert decided == Decision(Action.RETRY, Problem.RETRYABLE, backoff_s=2.0)
     # and it still does its job: a host dies (supervisor + recovery), a model hangs (watchdog)
     sc = scenario()
@@ -346,8 +347,8 @@ async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
     await assert_all_correct(rt, real_client, sc, finals)
     assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}  # none twice
 
-    async def zombie_fenced() -> dict[str, Any] | None:
-        info = HostInfo.of(await zombie.hello.remote())
+    async def zombie_fenced() -> HostInfo | None:
+        info = await zombie.hello()
         return info if info.running == 0 else None
 
     info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
@@ -356,7 +357,7 @@ async def test_a_frozen_host_is_replaced_and_its_zombie_writes_are_refused(
     assert info.outcomes and set(info.outcomes) <= {"fenced", "interrupted"}, info
     taken_over = [t for t in ids if rt.dep.slot_of(t) == slot]
     assert taken_over and all(finals[t].epoch >= 2 for t in taken_over)
-    ray.kill(zombie, no_restart=True)
+    zombie.kill()
 
 
 async def test_a_woken_zombie_cannot_dispatch_a_non_idempotent_call(
@@ -382,13 +383,13 @@ async def test_a_woken_zombie_cannot_dispatch_a_non_idempotent_call(
         counts = await effects.counts(t)
         assert counts and max(counts.values()) == 1, (t, counts)
 
-    async def zombie_fenced() -> dict[str, Any] | None:
-        info = HostInfo.of(await zombie.hello.remote())
+    async def zombie_fenced() -> HostInfo | None:
+        info = await zombie.hello()
         return info if info.running == 0 else None
 
     info = await eventually(zombie_fenced, timeout=60, what="the zombie to give up its turns")
     assert info.outcomes and set(info.outcomes) <= {"fenced", "interrupted"}, info
-    ray.kill(zombie, no_restart=True)
+    zombie.kill()
 
 
 async def test_watchdog_soft_then_hard_on_a_hanging_model(

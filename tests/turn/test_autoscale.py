@@ -4,11 +4,9 @@ settings, and a pool resized under load on the real Ray runtime."""
 from __future__ import annotations
 
 import pytest
-import ray
 import redis.asyncio as aioredis
 
-from actors.cluster.deployment import RAY_NAMESPACE, worker_options
-from actors.cluster.info import ServiceInfo
+from actors.cluster.deployment import worker_options
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings, ToolSettings
 from actors.engine.scenario import parse_scenario
@@ -73,11 +71,7 @@ async def test_a_pool_is_resized_under_load_on_ray(
         await eventually(shrunk, timeout=30, what="the idle pool to shrink back")
 
         def retired() -> bool:
-            try:
-                ray.get_actor(rt.dep.tool_worker_name("default", 1), namespace=RAY_NAMESPACE)
-            except ValueError:
-                return True
-            return False
+            return rt.tool_worker("default", 1) is None
 
         async def gone() -> bool:
             return retired()
@@ -109,7 +103,8 @@ async def test_a_tool_with_ray_resources_runs_on_its_own_pool(
         await rt.submit(agent, work, ["heavy1"])
         final = (await rt.wait(["heavy1"], timeout=120))["heavy1"]
         assert final.answer == "ok: 5"
-        worker = ray.get_actor(rt.dep.tool_worker_name("num_cpus=0.5", 0), namespace=RAY_NAMESPACE)
-        assert ServiceInfo.of(await worker.hello.remote()).counts["calls"] == 1
+        worker = rt.tool_worker("num_cpus=0.5", 0)
+        assert worker is not None
+        assert (await worker.hello()).counts["calls"] == 1
     finally:
         await rt.shutdown()

@@ -23,8 +23,10 @@ from typing import Any
 
 import ray
 
-from actors.cluster.checkpoint_actor import CheckpointClient, Verdict, actor_sender, local_sender
-from actors.cluster.deployment import RAY_NAMESPACE, Deployment
+from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender, local_sender
+from actors.cluster.deployment import Deployment
+from actors.cluster.info import Verdict
+from actors.cluster.refs import CheckpointRef
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore
@@ -58,7 +60,7 @@ class BenchProbe:
             for atomic in AtomicSave
         }
         self.store = stores[dep.settings.checkpoint.atomic]
-        actor = ray.get_actor(dep.name("checkpoint"), namespace=RAY_NAMESPACE)
+        actor = CheckpointRef.named(dep.name("checkpoint"))
         self.send = actor_sender(lambda: actor)
         self.paths: dict[str, Save] = {
             "batched": CheckpointClient(self.send).save,

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from actors.cluster.deployment import ask
+from actors.cluster.refs import ask
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id, turn_ids
 from actors.engine.scenario import Scenario

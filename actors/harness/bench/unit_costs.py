@@ -21,10 +21,7 @@ import time
 from typing import Any
 
 import psutil
-import ray
 
-from actors.cluster.deployment import RAY_NAMESPACE
-from actors.cluster.info import ServiceInfo
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
@@ -59,11 +56,9 @@ async def _pids(rt: Runtime) -> dict[str, list[int]]:
     tools = []
     for pool in rt.dep.tool_pools():
         for i in range(rt.dep.settings.tools.bounds()[1]):
-            try:
-                handle = ray.get_actor(rt.dep.tool_worker_name(pool, i), namespace=RAY_NAMESPACE)
-            except ValueError:
-                continue
-            tools.append((await ServiceInfo.asked(handle)).pid)
+            worker = rt.tool_worker(pool, i)
+            if worker is not None:
+                tools.append((await worker.hello()).pid)
     out["tool"] = tools
     out["driver"] = [os.getpid()]
     return out
