@@ -73,11 +73,13 @@ def save_commands(
     turn = record.turn_id
     bodies, key = keys.bodies(turn), keys.turn(turn)
     out: list[tuple[Any, ...]] = []
-    agent, *counts = tally_args(record)
+    agent, *counts, outcome = tally_args(record)
     if agent and ends_turn:
         for name, n in zip(TALLY_COUNTERS, counts, strict=True):
             if n:
                 out.append(("HINCRBY", keys.usage_of(turn), f"{name}|{agent!s}", n))
+        if outcome:
+            out.append(("HINCRBY", keys.usage_of(turn), f"outcome|{outcome!s}", 1))
     if record.replace:
         out.append(("DEL", bodies))
     if record.puts:

@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.messages import Usage
+from bus.outcomes import Outcome
 from store.codec import EncodedRecord
 from store.connection import StoreClient
 from store.failures import translated
 from store.keys import KeyLayout
 from store.replies import text
 
-__all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "tally_args"]
+__all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "outcome_counts", "tally_args"]
 
 #: What the save script adds per agent, in the order of its ARGV.
 TALLY_COUNTERS = ("turns", "prompt", "completion", "cached", "unmetered", "resumes")
@@ -48,10 +49,10 @@ class AgentUsage:
 
 
 def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
-    """The save script's tally ARGV for ``record``: the agent and its counters when the save
-    ends the turn (the script adds them only if the stored record was in progress), else
-    ``''`` and zeros."""
-    nothing: list[bytes | str | int] = ["", 0, 0, 0, 0, 0, 0]
+    """The save script's tally ARGV for ``record``: the agent, its counters and the outcome
+    when the save ends the turn (the script adds them only if the stored record was in
+    progress), else ``''``, zeros and ``''``."""
+    nothing: list[bytes | str | int] = ["", 0, 0, 0, 0, 0, 0, ""]
     if record.in_progress:
         return nothing
     c = record.counters()
@@ -61,7 +62,7 @@ def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
     return [
         str(record.fields.get("agent", "")) or "-",
         1, t.prompt_tokens, t.completion_tokens, t.cached_tokens, c.unmetered_calls,
-        c.resume_attempts,
+        c.resume_attempts, "" if c.outcome is None else c.outcome.value,
     ]  # fmt: skip
 
 
@@ -93,3 +94,22 @@ async def agent_usage(client: StoreClient, keys: KeyLayout) -> list[AgentUsage]:
         )
         for agent, n in sorted(sums.items())
     ]
+
+
+async def outcome_counts(client: StoreClient, keys: KeyLayout) -> dict[Outcome, int]:
+    """Finished turns per outcome, all time (the final saves count them with the tokens; a
+    turn whose record expired or was purged stays counted)."""
+    counts: dict[Outcome, int] = {}
+    with translated("read the outcome counts"):
+        async with client.pipeline(transaction=False) as pipe:
+            for shard in keys.all_shards():
+                pipe.hgetall(keys.usage(shard))
+            shards = await pipe.execute()
+    for fields in shards:
+        for raw_field, raw_value in fields.items():
+            kind, _, value = text(raw_field).partition("|")
+            if kind == "outcome" and value in Outcome.__members__.values():
+                n = text(raw_value)
+                if n.isdigit():
+                    counts[Outcome(value)] = counts.get(Outcome(value), 0) + int(n)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import click
@@ -21,6 +21,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
 from bus.errors import ConfigError, RecordError, RecordNotFound
+from bus.phase import TurnPhase
 from store.approvals import Approvals
 from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
@@ -31,6 +32,7 @@ from store.keys import KeyLayout, check_turn_id
 from store.ledger import ToolLedger
 from store.records import Approval, CheckpointRecord
 from store.retention import TurnPurger
+from store.summaries import TurnFilter, TurnPage, TurnSummary, summaries, turn_page
 
 __all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge", "turns"]
 
@@ -66,84 +68,63 @@ def _age(ms: int) -> str:
 # -- turns ------------------------------------------------------------------------------------
 
 
-def _status(record: CheckpointRecord) -> str:
-    if record.in_progress:
-        return f"running ({record.phase.value})"
-    return str(record.counters.outcome or "final")
-
-
-def _matches(
-    record: CheckpointRecord, session: str | None, outcome: str | None, phase: str | None
-) -> bool:
-    if session is not None and record.session_id != session:
-        return False
-    if phase is not None and (not record.in_progress or record.phase.value != phase):
-        return False
-    if outcome is not None:
-        got = record.counters.outcome
-        return got is not None and (got.value == outcome or got.value.startswith(f"{outcome}:"))
-    return True
-
-
 @main.command()
 @_common
 @click.option("--session", default=None, help="Only this session's turns.")
+@click.option("--agent", default=None, help="Only this agent's turns (its import path).")
 @click.option("--outcome", default=None,
               help="Only turns that ended so (answered, cancelled, aborted, aborted:retryable, "
                    "suspended ...).")  # fmt: skip
-@click.option("--phase", default=None, help="Only running turns in this phase.")
+@click.option("--phase", type=click.Choice([p.value for p in TurnPhase]), default=None,
+              help="Only running turns in this phase.")  # fmt: skip
 @click.option("--since", "since_s", type=click.FloatRange(min=0), default=None,
               help="Only turns submitted in the last SECONDS.")  # fmt: skip
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 def turns(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    session: str | None, outcome: str | None, phase: str | None, since_s: float | None,
-    limit: int, as_json: bool,
+    session: str | None, agent: str | None, outcome: str | None, phase: str | None,
+    since_s: float | None, limit: int, as_json: bool,
 ) -> None:  # fmt: skip
     """List turns, newest first (from the turns index, not a scan of the keyspace): status,
     agent, tokens and the last error of each."""
     settings = _settings(config_path, redis_url, namespace)
     since_ms = 0 if since_s is None else int((time.time() - since_s) * 1000)
+    try:
+        where = TurnFilter(session=session, agent=agent, outcome=outcome, since_ms=since_ms,
+                           phase=None if phase is None else TurnPhase(phase))  # fmt: skip
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
-    async def go(client: StoreClient) -> list[tuple[CheckpointRecord, int]]:
-        store = _store(client, settings)
-        found: list[tuple[CheckpointRecord, int]] = []
-        ids = sorted([t async for t in store.iter_turns(since_ms=since_ms)],
-                     key=lambda x: (-x[1], x[0]))  # fmt: skip
-        for tid, at in ids:  # newest first, until enough match
-            record = await _load(store, tid)
-            if record is not None and _matches(record, session, outcome, phase):
-                found.append((record, at))
-                if len(found) == limit:
-                    break
-        return found
+    async def go(client: StoreClient) -> TurnPage:
+        return await turn_page(client, _keys(settings), where=where, limit=limit,
+                               scan=max(5000, 20 * limit))  # fmt: skip
 
-    listed = _run(go, settings)
+    page = _run(go, settings)
     if as_json:
-        for record, at in listed:
-            c = record.counters
+        for row in page.rows:
             click.echo(json.dumps({
-                "turn_id": record.turn_id, "session_id": record.session_id,
-                "agent": record.agent, "submitted_at_ms": at, "in_progress": record.in_progress,
-                "phase": record.phase.value, "outcome": c.outcome, "tokens": c.tokens.total,
-                "resumes": c.resume_attempts,
-                "last_error": None if c.last_error is None else dump_model(c.last_error),
+                "turn_id": row.turn_id, "session_id": row.session_id, "agent": row.agent,
+                "submitted_at_ms": row.submitted_at_ms, "in_progress": row.in_progress,
+                "phase": row.phase.value, "outcome": row.outcome, "tokens": row.tokens,
+                "resumes": row.resumes,
+                "last_error": None if row.last_error is None else dump_model(row.last_error),
             }))  # fmt: skip
         return
     table = Table(title=f"turns of namespace {settings.redis.namespace!r}")
     for col in ("turn", "submitted", "status", "agent", "tokens", "resumes", "last error"):
         table.add_column(col, justify="right" if col in ("tokens", "resumes") else "left")
-    for record, at in listed:
-        c = record.counters
-        error = "" if c.last_error is None else escape(c.last_error.line()[:CELL])
+    for row in page.rows:
+        error = "" if row.last_error is None else escape(row.last_error.line()[:CELL])
         table.add_row(
-            record.turn_id, _age(at) + " ago", _status(record), record.agent or "-",
-            f"{c.tokens.total:,}", str(c.resume_attempts), error,
+            row.turn_id, _age(row.submitted_at_ms) + " ago", row.status, row.agent or "-",
+            f"{row.tokens:,}", str(row.resumes), error,
         )  # fmt: skip
     out.print(table)
-    if not listed:
+    if not page.rows:
         console.print("[dim]no turn matches")
+    if page.next is not None and len(page.rows) < limit:
+        console.print(f"[dim]stopped after {page.scanned:,} turns; older ones were not read")
 
 
 async def _load(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord | None:
@@ -152,6 +133,34 @@ async def _load(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord |
         return await store.load(turn_id)
     except (RecordError, RecordNotFound):
         return None
+
+
+def _where(session: str | None, outcome: str | None, since_ms: int) -> TurnFilter:
+    try:
+        return TurnFilter(session=session, outcome=outcome, since_ms=since_ms)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+async def _finished(
+    client: StoreClient, store: RedisCheckpointStore, where: TurnFilter
+) -> AsyncIterator[TurnSummary]:
+    """Every finished turn of the index that ``where`` admits (read by summary: a record is
+    loaded only for the turns chosen)."""
+    batch: list[tuple[str, int]] = []
+
+    async def admitted() -> list[TurnSummary]:
+        rows = await summaries(client, store.keys, batch)
+        batch.clear()
+        return [r for r in rows if r is not None and not r.in_progress and where.admits(r)]
+
+    async for entry in store.iter_turns(since_ms=where.since_ms):
+        batch.append(entry)
+        if len(batch) == 500:
+            for row in await admitted():
+                yield row
+    for row in await admitted():
+        yield row
 
 
 def _finished_filters(fn: Any) -> Any:
@@ -178,19 +187,19 @@ def export(
     settings = _settings(config_path, redis_url, namespace)
     since_ms = 0 if since_s is None else int((time.time() - since_s) * 1000)
 
+    where = _where(session, outcome, since_ms)
+
     async def go(client: StoreClient) -> int:
         store = _store(client, settings)
         ledger = ToolLedger(client, _keys(settings))
         written = 0
         with click.open_file(output, "w", encoding="utf-8") as sink:
-            async for tid, _at in store.iter_turns(since_ms=since_ms):
-                record = await _load(store, tid)
-                if record is None or record.in_progress:
-                    continue
-                if not _matches(record, session, outcome, None):
-                    continue
-                sink.write(FinishedTurn(record, await ledger.entries(tid)).json_line())
-                written += 1
+            async for row in _finished(client, store, where):
+                record = await _load(store, row.turn_id)
+                if record is not None and not record.in_progress:
+                    entries = await ledger.entries(row.turn_id)
+                    sink.write(FinishedTurn(record, entries).json_line())
+                    written += 1
         return written
 
     written = _run(go, settings)
@@ -216,19 +225,16 @@ def purge(
     if not (everything or session or outcome or older_s is not None):
         raise BadInput("say which finished turns: --older-than, --session, --outcome, or --all")
     cutoff = None if older_s is None else int((time.time() - older_s) * 1000)
+    where = _where(session, outcome, 0)
 
     async def go(client: StoreClient) -> tuple[int, int]:
         store = _store(client, settings)
         purger = TurnPurger(client, _keys(settings))
-        chosen = []
-        async for tid, _at in store.iter_turns():  # collected first: purging moves the pages
-            record = await _load(store, tid)
-            if record is None or record.in_progress:
-                continue
-            if cutoff is not None and record.updated_at >= cutoff:
-                continue
-            if _matches(record, session, outcome, None):
-                chosen.append(tid)
+        chosen = [  # collected first: purging moves the pages
+            row.turn_id
+            async for row in _finished(client, store, where)
+            if cutoff is None or row.updated_at_ms < cutoff
+        ]
         if dry_run:
             return len(chosen), 0
         return len(chosen), sum([await purger.purge(t) for t in chosen])

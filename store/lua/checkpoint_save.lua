@@ -6,7 +6,8 @@
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
 --       first), puts (n), drops (m),
---       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS),
+--       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS)
+--       and the outcome it ends with,
 --       ms the keys of a turn this save ends live on (0: for ever; store/retention.py),
 --       then n digest, body pairs, then m digests to drop,
 --       then the record's hash fields as field, value, ...
@@ -17,7 +18,8 @@
 -- The fence is checked before anything is written, so a refused save changes nothing: no body
 -- is written or dropped (store/transcript.py says why that keeps every needed body).
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
--- to the agent's totals in the shard's usage hash: once per turn, with the record.
+-- to the agent's totals in the shard's usage hash, and counts the outcome there
+-- ('outcome|<outcome>'): once per turn, with the record.
 -- A save that ends the turn with a time to live sets it on every key of the turn (and its
 -- session's), and trims the shard's turns index and events stream of what is older than that.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
@@ -27,8 +29,8 @@ if submission and redis.call('EXISTS', record, KEYS[6]) > 0 then
   return {'exists'}
 end
 local puts, drops = tonumber(ARGV[10]), tonumber(ARGV[11])
-local ttl = tonumber(ARGV[19])
-local head = 20  -- the first ARGV after the header, the tally and the time to live
+local ttl = tonumber(ARGV[20])
+local head = 21  -- the first ARGV after the header, the tally and the time to live
 local fields = head + 2 * puts + drops  -- the first of the record's field, value pairs
 -- A save at the stored (epoch, seq) is a replay only if it is this very record, field for
 -- field: two resumers that claimed the same epoch at once send the same (epoch, seq) with
@@ -66,6 +68,7 @@ if ARGV[12] ~= '' and stored[3] == '1' then
     local n = tonumber(ARGV[12 + i])
     if n ~= 0 then redis.call('HINCRBY', KEYS[5], name .. '|' .. ARGV[12], n) end
   end
+  if ARGV[19] ~= '' then redis.call('HINCRBY', KEYS[5], 'outcome|' .. ARGV[19], 1) end
 end
 if puts > 0 then each_slice(first, first + 2 * puts - 1, 1000, 'HSET', bodies) end
 first = first + 2 * puts
