@@ -83,6 +83,12 @@ class ToolCalled:
     """The arguments as canonical JSON, cut to :data:`LIVE_TEXT_LIMIT` characters."""
     at_ms: int
     """Unix milliseconds."""
+    call_key: str = ""
+    """Its stable key in the tool ledger (what the tool gets as its idempotency key); empty
+    for a call that was never journaled (skipped)."""
+    idempotent: bool = False
+    """Whether the tool may run twice: caught in flight by a crash, an idempotent call is run
+    again, any other is reported ``outcome_unknown``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,54 @@ class ToolReturned:
     """How it came out, as the model reads it (``ok``, ``error``, ``outcome_unknown`` ...)."""
     output: str
     """What the model reads, cut to :data:`LIVE_TEXT_LIMIT` characters."""
+    at_ms: int
+    """Unix milliseconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReplied:
+    """A model call ended: with a reply, or with an error the recovery policy then acts on.
+    What a trace's model-call span and the console's timeline are made of."""
+
+    turn_id: str
+    """The turn calling."""
+    epoch: int
+    """Owner epoch that made the call."""
+    system: str
+    """Who serves the model (``openai`` for an OpenAI-compatible endpoint, ``phaseline`` for
+    the scripted model)."""
+    model: str
+    """The model asked for."""
+    started_ms: int
+    """When the call started (unix ms; admission waits included)."""
+    at_ms: int
+    """When it ended (unix ms)."""
+    finish_reason: str = ""
+    """Why the reply stopped (``stop``, ``tool_calls``, ``length``); empty on an error."""
+    prompt_tokens: int = 0
+    """Prompt tokens the endpoint reported (0: none reported)."""
+    completion_tokens: int = 0
+    """Reply tokens the endpoint reported."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the endpoint's cache."""
+    error: str = ""
+    """The problem the call ended with (a :class:`~bus.outcomes.Problem` value), if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """A checkpoint of the turn is durable in Redis."""
+
+    turn_id: str
+    """The turn."""
+    epoch: int
+    """Owner epoch that wrote it."""
+    seq: int
+    """Its checkpoint number."""
+    reason: SaveReason
+    """Why it was written (after a tool batch, a compaction, before a force stop, final)."""
+    messages: int
+    """Messages of the transcript it holds."""
     at_ms: int
     """Unix milliseconds."""
 
@@ -163,7 +217,16 @@ class Recovering:
     """Unix milliseconds."""
 
 
-LiveEvent = TextDelta | ToolCalled | ToolReturned | Restarted | Finished | Recovering
+LiveEvent = (
+    TextDelta
+    | ToolCalled
+    | ToolReturned
+    | ModelReplied
+    | Checkpointed
+    | Restarted
+    | Finished
+    | Recovering
+)
 """Events only a watcher reads (never the shard buses): see ``store.streams`` for their
 per-turn stream."""
 
@@ -197,7 +260,7 @@ def encode_event(event: WatchEvent) -> dict[str, str | int]:
     fields: dict[str, str | int] = {"kind": _KIND_OF[type(event)]}
     for name in event.__slots__:
         value = getattr(event, name)
-        fields[name] = "" if value is None else value
+        fields[name] = "" if value is None else int(value) if isinstance(value, bool) else value
     return fields
 
 
@@ -205,12 +268,15 @@ _KINDS: dict[str, type[LiveEvent]] = {
     "text": TextDelta,
     "tool_call": ToolCalled,
     "tool_result": ToolReturned,
+    "model": ModelReplied,
+    "checkpoint": Checkpointed,
     "restarted": Restarted,
     "finished": Finished,
     "recovering": Recovering,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
-_OPTIONAL_FIELDS = frozenset({"error"})
+#: Fields an entry written by an older build may lack (their defaults then).
+_OPTIONAL_FIELDS = frozenset({"error", "call_key", "idempotent"})
 _TOOL_STATUSES = frozenset(get_args(ToolStatus))
 
 
@@ -230,7 +296,9 @@ def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 #: How each typed field of a live event is read back from its string (the rest are str).
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
-    "epoch": int, "at_ms": int, "messages": int,
+    "epoch": int, "at_ms": int, "messages": int, "seq": int, "started_ms": int,
+    "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
+    "idempotent": lambda v: {"1": True, "0": False}[v], "reason": SaveReason,
     "status": _tool_status, "resumed_from": _or_none(SaveReason), "outcome": _or_none(Outcome),
     "problem": _problem, "action": Action,
 }  # fmt: skip

@@ -214,6 +214,9 @@ def _arguments(raw: str) -> dict[str, Any]:
 class OpenAIChatClient:
     """One turn's :class:`~actors.turn.llm.LLMClient` on a shared SDK client."""
 
+    system = "openai"
+    """The OpenAI API's shape, as the GenAI conventions name it (whatever server speaks it)."""
+
     def __init__(
         self, cfg: OpenAIChat, sdk: openai.AsyncOpenAI, ctx: ModelContext | None = None
     ) -> None:
@@ -222,6 +225,7 @@ class OpenAIChatClient:
         self.admission = None if ctx is None else ctx.admission
         self.ticket = "" if ctx is None else ctx.turn_id
         self.endpoint_id = endpoint_id(cfg.endpoint(), cfg.model)
+        self.model = cfg.model
 
     def _request(self, request: LLMRequest, *, stream: bool) -> dict[str, Any]:
         cfg = self.cfg
@@ -399,7 +403,7 @@ def _reply(finish: str | None, text: str, calls: tuple[ToolCall, ...], usage: An
             cached_tokens=getattr(details, "cached_tokens", None) or 0,
         )
     message = Message(role="assistant", text=text, tool_calls=calls)
-    return LLMReply(message, usage=used, truncated=finish == "length")
+    return LLMReply(message, usage=used, truncated=finish == "length", finish_reason=finish or "")
 
 
 @contextlib.contextmanager

@@ -47,12 +47,17 @@ def payload(seed: str, size: int) -> str:
 
 
 class ScriptedLLM:
+    system = "phaseline"
+    """Traces name the scripted model's system so."""
+
     def __init__(self, scenario: Scenario, *, baseline: int) -> None:
         self.scenario = scenario
         self.baseline = baseline
+        self.model = f"scripted:{scenario.name}"
 
     async def complete(self, request: LLMRequest) -> LLMReply:
-        return LLMReply(await self._reply(request))
+        message = await self._reply(request)
+        return LLMReply(message, finish_reason="tool_calls" if message.tool_calls else "stop")
 
     async def _reply(self, request: LLMRequest) -> Message:
         sc = self.scenario

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from bus.events import (
+    Checkpointed,
     Finished,
     Recovering,
     Restarted,
@@ -67,6 +68,8 @@ class LiveView:
             return None
         if isinstance(event, StatusEvent):
             return f"[yellow]… {escape(event.label)}"
+        if isinstance(event, Checkpointed):
+            return f"[dim]· checkpoint {event.seq} ({event.reason})" if self.phases else None
         if isinstance(event, ToolCalled):
             return f"[cyan]  ⚙ {escape(event.name)}({escape(_cut(event.arguments))})"
         if isinstance(event, ToolReturned):

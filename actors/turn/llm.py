@@ -49,6 +49,8 @@ class LLMReply:
     truncated: bool = False
     """The reply stopped at the caller's ``max_tokens`` cap (``finish_reason: length``): its
     text is usable as far as it goes, its tool calls are not (their arguments may be cut)."""
+    finish_reason: str = ""
+    """Why the reply stopped, as the endpoint said (``stop``, ``tool_calls``, ``length``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,10 @@ class Admission(Protocol):
 
 
 class LLMClient(Protocol):
+    """A model client. It may also say who serves the model and which (``system``, such as
+    ``openai``, and ``model`` attributes: what traces and the console show of its calls);
+    an agent's own client without them is shown as ``unknown``."""
+
     async def complete(self, request: LLMRequest) -> LLMReply:
         """Return one assistant reply or raise a typed LLMError."""
         ...

@@ -18,7 +18,7 @@ from actors.turn.poison import step_name
 from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
 from bus.errors import RecordTooLarge, StaleOwner, StoreError, UnstorableRecord
-from bus.events import LiveEvent
+from bus.events import Checkpointed, LiveEvent
 from bus.messages import Message, Source, Usage
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import PhaseTracker, TurnPhase
@@ -213,6 +213,8 @@ class LoopState:
         self._last_save = now
         self._saved = record
         self.saves += 1
+        self._emit(Checkpointed(self.turn_id, self.epoch, record.seq, reason,
+                                len(record.messages), record.updated_at))  # fmt: skip
         if final:
             self._emit(record.finished_event())
         if self._probation is not None and self._probation.releases and not final:

@@ -17,7 +17,7 @@ from bus.errors import (
     RateLimitedLLMError,
     RetryableLLMError,
 )
-from bus.events import TextDelta
+from bus.events import ModelReplied, TextDelta
 from bus.messages import Message, Usage
 from bus.outcomes import Problem
 from bus.phase import TurnPhase
@@ -49,7 +49,8 @@ class ModelSteps(LoopState):
             on_text=on_text if self.deps.events is not None else None,
         )
         self._hard_cancelled = False
-        task = asyncio.ensure_future(self.deps.llm.complete(request))
+        started = self._now_ms()
+        task = asyncio.ensure_future(self._replied(request, started))
         self._llm_task = task
         try:
             await asyncio.wait({task})
@@ -67,6 +68,27 @@ class ModelSteps(LoopState):
         reply = task.result()
         if not streamed and reply.message.text:  # a model that does not stream: all at once
             on_text(reply.message.text)
+        return reply
+
+    async def _replied(self, request: LLMRequest, started_ms: int) -> LLMReply:
+        """The model's reply; either way the call ends, a :class:`ModelReplied` says how."""
+        llm = self.deps.llm
+        system = str(getattr(llm, "system", "unknown"))  # optional: see LLMClient
+        model = str(getattr(llm, "model", "unknown"))
+        try:
+            reply = await llm.complete(request)
+        except LLMError as exc:
+            self._emit(ModelReplied(self.turn_id, self.epoch, system, model, started_ms,
+                                    self._now_ms(), error=problem_of(exc).value))  # fmt: skip
+            raise
+        u = reply.usage or Usage()
+        self._emit(
+            ModelReplied(
+                self.turn_id, self.epoch, system, model, started_ms, self._now_ms(),
+                finish_reason=reply.finish_reason, prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+            )
+        )  # fmt: skip
         return reply
 
     def _meter(self, usage: Usage | None) -> None:

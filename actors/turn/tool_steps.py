@@ -33,9 +33,13 @@ class ToolSteps(LoopState):
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
         if self.deps.events is not None:
             now = self._now_ms()
-            for call in calls:
+            for key, call in zip(keys, calls, strict=True):
                 args = call.arguments_json()[:LIVE_TEXT_LIMIT]
-                self._emit(ToolCalled(self.turn_id, self.epoch, call.id, call.name, args, now))
+                spec = (
+                    self.deps.registry.get(call.name) if call.name in self.deps.registry else None
+                )
+                self._emit(ToolCalled(self.turn_id, self.epoch, call.id, call.name, args, now,
+                                      key, spec is not None and spec.idempotent))  # fmt: skip
         denied: dict[int, str] = {}
         decisions: dict[int, Approval] = {}
         for i, (key, call) in enumerate(zip(keys, calls, strict=True)):

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from bus.errors import RecordError
 from bus.events import (
     BadBusEntry,
+    Checkpointed,
     Finished,
+    ModelReplied,
     Recovering,
     Restarted,
     TextDelta,
@@ -190,6 +192,11 @@ def test_a_valid_bus_entry_round_trips() -> None:
     for live in (
         TextDelta("t1", 2, "héllo\n", 1),
         ToolCalled("t1", 2, "c1", "echo", '{"a":1}', 2),
+        ToolCalled("t1", 2, "c1", "counter_increment", "{}", 2, "t1:0:counter:0", False),
+        ToolCalled("t1", 2, "c1", "echo", "{}", 2, "t1:0:echo:0", True),
+        ModelReplied("t1", 2, "openai", "qwen", 1, 9, "tool_calls", 10, 4, 2),
+        ModelReplied("t1", 2, "openai", "qwen", 1, 9, error="rate_limited"),
+        Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
         ToolReturned("t1", 2, "c1", "echo", "outcome_unknown", "", 3),
         Restarted("t1", 3, SaveReason.TOOL_BATCH, 7, 4),
         Restarted("t1", 3, None, 7, 4),
@@ -206,7 +213,8 @@ def test_a_valid_bus_entry_round_trips() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("status", "exploded"), ("outcome", "aborted:boredom"), ("problem", "gremlins"),
-     ("action", "panic"), ("resumed_from", "whim")],
+     ("action", "panic"), ("resumed_from", "whim"), ("reason", "whim"), ("idempotent", "yes"),
+     ("seq", "four")],
 )  # fmt: skip
 def test_a_live_event_with_a_word_no_layer_knows_is_a_bad_entry(field: str, value: str) -> None:
     events = {
@@ -215,6 +223,9 @@ def test_a_live_event_with_a_word_no_layer_knows_is_a_bad_entry(field: str, valu
         "problem": Recovering("t1", 3, Problem.LOOP, Action.NUDGE, "", 6),
         "action": Recovering("t1", 3, Problem.LOOP, Action.NUDGE, "", 6),
         "resumed_from": Restarted("t1", 3, SaveReason.FINAL, 7, 4),
+        "reason": Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
+        "seq": Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
+        "idempotent": ToolCalled("t1", 2, "c1", "echo", "{}", 2, "k", True),
     }
     wire = {**encode_event(events[field]), field: value}
     with pytest.raises(BadBusEntry):
