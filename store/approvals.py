@@ -92,11 +92,14 @@ class Approvals:
 
     async def pending(self, turn_id: str) -> dict[str, Approval]:
         """Calls of the turn still waiting for a decision, by call key."""
+        return {k: a for k, a in (await self.all(turn_id)).items() if a.state == "pending"}
+
+    async def all(self, turn_id: str) -> dict[str, Approval]:
+        """Every call of the turn that asked for approval, waiting or decided, by call key."""
         key = self.keys.approval(turn_id)
         with translated(f"read approvals {turn_id}"):
             raw = await self.client.hgetall(key)
-        found = {text(k): _read(f"{key}#{text(k)}", v) for k, v in raw.items()}
-        return {k: a for k, a in sorted(found.items()) if a.state == "pending"}
+        return dict(sorted((text(k), _read(f"{key}#{text(k)}", v)) for k, v in raw.items()))
 
 
 def _now_ms() -> int:

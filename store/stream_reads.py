@@ -68,8 +68,14 @@ async def _xread(
     ]
 
 
-async def read_range(client: StoreClient, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
-    """Every entry of a stream (XRANGE - +), typed and translated."""
+async def read_range(
+    client: StoreClient, stream: str, *, newest: int | None = None
+) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every entry of a stream (XRANGE - +), or its ``newest`` entries (in order), typed and
+    translated."""
     with translated(f"read stream {stream}"):
-        reply: Any = await client.xrange(stream)
+        if newest is None:
+            reply: Any = await client.xrange(stream)
+        else:
+            reply = list(reversed(await client.xrevrange(stream, count=newest) or []))
     return [(text(eid), fields) for eid, fields in reply or [] if fields is not None]

@@ -37,11 +37,27 @@ async def watch_turn(
     ``from_start`` replays what the stream still holds first (a reattaching watcher sees the
     turn so far); otherwise only what comes from now on. A turn that does not exist raises
     :class:`~bus.errors.RecordNotFound`. Malformed entries are logged and skipped."""
+    after = "0-0" if from_start else None
+    async for _entry_id, event in watch_entries(client, keys, turn_id, after, block_ms=block_ms):
+        yield event
+
+
+async def watch_entries(
+    client: StoreClient,
+    keys: KeyLayout,
+    turn_id: str,
+    after: str | None,
+    *,
+    block_ms: int = 1000,
+) -> AsyncIterator[tuple[str, WatchEvent]]:
+    """:func:`watch_turn` from just after the live stream's entry ``after`` (None: from its
+    end now), each event with its entry id (where a reconnecting watcher goes on from; the
+    :class:`Finished` made from the record when the stream has none carries the last id)."""
     store = RedisCheckpointStore(client, keys)
     key = keys.live(check_turn_id(turn_id))
     await store.load(turn_id)  # RecordNotFound for an unknown turn
-    cursor = "0-0"
-    if not from_start:
+    cursor = after or "0-0"
+    if after is None:
         with translated(f"read the end of {key}"):
             last = await client.xrevrange(key, count=1)
         cursor = text(last[0][0] or "0-0") if last else "0-0"
@@ -58,11 +74,11 @@ async def watch_turn(
                 except BadBusEntry as exc:
                     log.warning("watch %s: skipping entry %s: %s", turn_id, entry_id, exc)
                     continue
-                yield event
+                yield cursor, event
                 if isinstance(event, Finished):
                     return
         if quiet:
             record = await store.load(turn_id)
             if not record.in_progress:
-                yield record.finished_event()
+                yield cursor, record.finished_event()
                 return

@@ -7,13 +7,14 @@
 * :mod:`actors.cli.sessions`: ``submit``, ``chat``;
 * :mod:`actors.cli.serve`: ``serve``, ``redis``;
 * :mod:`actors.cli.operate`: the operator's verbs on turns (``turns``, ``cancel``, ``inject``,
-  ``approvals``, ``approve``, ``deny``, ``export``, ``purge``).
+  ``approvals``, ``approve``, ``deny``, ``export``, ``purge``);
+* :mod:`actors.cli.ui`: ``ui``, the web console.
 """
 
 from __future__ import annotations
 
 # Each module registers its verbs on ``main`` when imported.
-from actors.cli import harness, operate, runs, serve, sessions, views  # noqa: F401
+from actors.cli import harness, operate, runs, serve, sessions, ui, views  # noqa: F401
 from actors.cli.app import main
 
 __all__ = ["main"]

@@ -285,8 +285,11 @@ def run(
 
     async def in_proc(client: StoreClient) -> RunStats:
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
-        with bar.progress:
-            return await engine.run_new(agent, turn_input, ids)
+        try:
+            with bar.progress:
+                return await engine.run_new(agent, turn_input, ids)
+        finally:
+            await engine.aclose()
 
     async def on_ray(rt: Runtime) -> RunStats:
         started = time.monotonic()
@@ -343,11 +346,14 @@ def resume(
         ids = await chosen(store) if named else None
         bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
         engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
-        with bar.progress:
-            if ids is None:
-                return await engine.resume_all()
-            await engine.probations.note_predecessor(died=True)
-            return await engine.resume_turns(ids)
+        try:
+            with bar.progress:
+                if ids is None:
+                    return await engine.resume_all()
+                await engine.probations.note_predecessor(died=True)
+                return await engine.resume_turns(ids)
+        finally:
+            await engine.aclose()
 
     async def on_ray(rt: Runtime) -> RunStats:
         # The supervisor has every host adopt its slot's in-progress turns as it starts.

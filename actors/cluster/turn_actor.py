@@ -94,6 +94,7 @@ class TurnActor:
             runner=self.tools,
             on_transition=self.publisher.add,
             on_event=self._on_event,
+            publish=False,  # its own publisher, above: its drops are counted in hello
             on_isolate=self._isolation_wanted,
         )
         self.directory = HostDirectory(self.dep, self.client)

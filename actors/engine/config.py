@@ -252,6 +252,32 @@ class RetentionSettings(_Section):
         return Retention(finished_ttl_s=self.finished_ttl_s)
 
 
+#: The standard variables that turn tracing on without a ``[telemetry]`` endpoint.
+OTLP_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+class TelemetrySettings(_Section):
+    """OpenTelemetry traces (``actors.engine.telemetry``): off unless an endpoint is set here
+    or in the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``..._TRACES_ENDPOINT`` variables
+    (then the exporter also reads ``OTEL_EXPORTER_OTLP_HEADERS`` and the rest)."""
+
+    endpoint: str = Field(default="", pattern=r"^(https?://[^\s]+)?$")
+    """The OTLP/HTTP receiver's base URL (``http://collector:4318``: spans go to
+    ``/v1/traces``); empty: the standard variables decide."""
+    service_name: str = Field(default="phaseline", min_length=1, max_length=200)
+    """``service.name`` of the spans (``OTEL_SERVICE_NAME`` wins when set)."""
+    capture_content: bool = False
+    """Put message contents, tool arguments and results on the spans. Off by default: they
+    may hold what a user typed or a tool read."""
+    export_delay_ms: int = Field(default=1000, ge=10, le=60_000)
+    """Longest an ended span waits in the batch before it is sent (a SIGKILLed host loses at
+    most this much of its spans)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint) or any(os.environ.get(v) for v in OTLP_ENDPOINT_ENVS)
+
+
 class Settings(_Section):
     redis: RedisSettings = RedisSettings()
     retention: RetentionSettings = RetentionSettings()
@@ -262,6 +288,7 @@ class Settings(_Section):
     supervisor: SupervisorSettings = SupervisorSettings()
     tools: ToolSettings = ToolSettings()
     events: EventSettings = EventSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @model_validator(mode="after")
     def _check_checkpoint_actors(self) -> Settings:

@@ -24,6 +24,7 @@ from actors.engine.agents import (
     noted_agent,
 )
 from actors.engine.config import Settings
+from actors.engine.listeners import Listeners
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
 from actors.engine.resume import PlanAction, ResumePlan, claim_for_resume, plan_resume
@@ -122,6 +123,9 @@ class TurnEngine:
         self.probations = Probations(self, patience_s=probation_patience_s)
         self.setbacks = Setbacks(self.store, self._rerun, on_event=on_event,
                                  backoff_scale=loop_settings.backoff_scale)  # fmt: skip
+        self.listeners: Listeners | None = None
+        """Who hears this engine's events (the live streams, the tracer), when it was made
+        :meth:`from_settings`."""
 
     @classmethod
     def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
@@ -135,12 +139,25 @@ class TurnEngine:
         kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
         if settings.retention.on_finish:
             kw.setdefault("on_finish", load_on_finish(settings.retention.on_finish))
-        return cls(
+        listeners = Listeners.of(
+            client, settings, on_transition=kw.pop("on_transition", None),
+            on_event=kw.pop("on_event", None), publish=kw.pop("publish", True),
+        )  # fmt: skip
+        engine = cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),
             loop_settings=settings.loop_settings(),
+            on_transition=listeners.on_transition(),
+            on_event=listeners.on_event(),
             **kw,
         )
+        engine.listeners = listeners
+        return engine
+
+    async def aclose(self) -> None:
+        """Publish the live events still buffered and export the spans (end of a run)."""
+        if self.listeners is not None:
+            await self.listeners.aclose()
 
     # -- submitting and running ---------------------------------------------------------------
 
@@ -367,9 +384,12 @@ class TurnEngine:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
         self._loops[loop.turn_id] = loop
         started_at = loop.saved.seq
+        how = "failed"  # what a trace calls this run if it raised
         try:
             outcome = await loop.run()
+            how = outcome.outcome.value
         except StoreError as exc:
+            how = "interrupted"
             # Redis failed under this turn. Its last checkpoint is intact and still marked in
             # progress, so a resume picks it up; the other turns go on.
             log.error("turn %s interrupted: %s", loop.turn_id, exc)
@@ -379,6 +399,10 @@ class TurnEngine:
             return await self.setbacks.run_failed(loop.saved, exc, progressed=progressed)
         finally:
             self._loops.pop(loop.turn_id, None)
+            if self.listeners is not None and self.listeners.tracer is not None:
+                self.listeners.tracer.run_ended(
+                    loop.turn_id, loop.epoch, int(time.time() * 1000), how
+                )
         self.setbacks.succeeded(loop.turn_id)
         final = loop.saved
         ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended

@@ -1,0 +1,206 @@
+"""The console over HTTP, served for real against the real Redis, with turns run in this
+process: pages, filters, actions through the CLI's API, the live stream, the token and the
+same-origin rule, and bad input answered with a clear status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from actors.engine.config import Settings
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from actors.engine.turn_engine import TurnEngine
+from store.keys import KeyLayout
+from tests.support.console_server import serving
+from tests.support.polling import eventually
+
+
+def engine_of(client: aioredis.Redis, namespace: str) -> TurnEngine:
+    """An in-process engine that publishes its live events, as ``phaseline run`` does."""
+    settings = Settings.model_validate({
+        "redis": {"namespace": namespace}, "loop": {"strict": True},
+        "checkpoint": {"min_interval_s": 0}, "approvals": {"poll_s": 0.01},
+    })  # fmt: skip
+    return TurnEngine.from_settings(client, settings, watchdog=None)
+
+
+@pytest.fixture
+def keys(namespace: str) -> KeyLayout:
+    return KeyLayout(namespace)  # the console's layout: 16 shards
+
+
+@pytest.fixture
+def base(redis_url: str, namespace: str) -> Iterator[str]:
+    with serving(redis_url, namespace) as url:
+        yield url
+
+
+def scenario(**kw: Any) -> Any:
+    return scripted_turn(parse_scenario({"name": "ui", "rounds": 2, "tools_per_round": 1, **kw}))
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, dict[str, str]]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(), dict(exc.headers)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *_args: Any, **_kw: Any) -> None:
+        return None
+
+
+def post(url: str, form: dict[str, str], origin: str | None) -> tuple[int, str]:
+    """A form post; the answer's status and its Location (the console redirects back)."""
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    if origin is not None:
+        headers["Origin"] = origin
+    data = urllib.parse.urlencode(form).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(request, timeout=30) as r:
+            return r.status, r.headers.get("Location", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Location", "") or exc.read().decode()
+
+
+async def aget(url: str) -> tuple[int, str, dict[str, str]]:
+    return await asyncio.to_thread(get, url)
+
+
+async def apost(url: str, form: dict[str, str], origin: str | None) -> tuple[int, str]:
+    return await asyncio.to_thread(post, url, form, origin)
+
+
+async def test_the_list_shows_a_runs_turns_with_counts_and_filters(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace)
+    await engine.run_new(*scenario(), ["ui-a", "ui-b"])
+    status, page, _ = await aget(f"{base}/turns")
+    assert status == 200
+    assert "ui-a" in page and "ui-b" in page and 'id="indexed">2<' in page
+    assert "answered <b>2</b>" in page  # the outcome counts at the top
+    status, page, _ = await aget(f"{base}/turns?outcome=aborted")
+    assert status == 200 and "no turn matches" in page
+    status, page, _ = await aget(f"{base}/turns?outcome=exploded")
+    assert status == 400 and "unknown outcome" in page
+    status, page, _ = await aget(f"{base}/turns?after=garbage")
+    assert status == 400 and "not a cursor" in page
+
+
+async def test_a_turns_page_shows_transcript_ledger_and_timeline(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace)
+    await engine.run_new(*scenario(tools=["counter_increment"]), ["ui-t"])
+    status, page, _ = await aget(f"{base}/turns/ui-t")
+    assert status == 200
+    assert "answered" in page and "counter_increment" in page
+    assert "runs at most once" in page  # the timeline's tool row names the ledger rule
+    assert "checkpoint 1 (tool_batch)" in page and "committed" in page
+    status, parts, _ = await aget(f"{base}/turns/ui-t/parts")
+    assert status == 200 and set(json.loads(parts)) == {"summary", "approvals", "transcript",
+                                                         "ledger"}  # fmt: skip
+    assert (await aget(f"{base}/turns/nope"))[0] == 200  # a page that says so
+    assert "no such turn" in (await aget(f"{base}/turns/nope"))[1]
+    assert (await aget(f"{base}/turns/bad%20id"))[0] == 404
+
+
+async def test_an_approval_on_the_page_lets_the_turn_go_on(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace)
+    agent, turn_input = scenario(rounds=1, require_approval=["echo"])
+    record = (await engine.submit_many(agent, turn_input, ["ui-gate"]))[0][1]
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("ui-gate")))
+
+    async def asked() -> str | None:
+        return engine.pending_approval("ui-gate")
+
+    key = await eventually(asked, timeout=10, what="the approval request")
+    _, page, _ = await aget(f"{base}/turns/ui-gate")
+    assert "Waiting for a decision" in page and key in page
+    url = f"{base}/turns/ui-gate/approve"
+    assert (await apost(url, {"call_key": key}, origin="http://evil.example"))[0] == 403
+    assert (await apost(url, {"call_key": key}, origin=None))[0] == 403
+    status, where = await apost(url, {"call_key": key, "reason": "fine"}, origin=base)
+    assert status == 303 and "approved" in urllib.parse.unquote_plus(where)
+    await asyncio.wait_for(task, 30)
+    final = await engine.store.load("ui-gate")
+    (result,) = [m.tool_result for m in final.messages if m.tool_result]
+    assert result.status == "ok"
+    status, where = await apost(url, {"call_key": key}, origin=base)  # decided already
+    assert status == 303 and "decided already" in urllib.parse.unquote_plus(where)
+
+
+async def test_inject_and_cancel_from_the_page(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace)
+    agent, turn_input = scenario(rounds=40, llm_latency_ms=100)
+    record = (await engine.submit_many(agent, turn_input, ["ui-long"]))[0][1]
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("ui-long")))
+    status, where = await apost(f"{base}/turns/ui-long/inject", {"text": "  "}, origin=base)
+    assert status == 303 and "problem=" in where  # empty: refused, said why
+    status, where = await apost(f"{base}/turns/ui-long/inject", {"text": "hi"}, origin=base)
+    assert status == 303 and "queued" in urllib.parse.unquote_plus(where)
+    status, where = await apost(f"{base}/turns/ui-long/cancel", {"reason": "enough"}, origin=base)
+    assert status == 303 and "cancel" in where
+    await asyncio.wait_for(task, 30)
+    final = await engine.store.load("ui-long")
+    assert final.counters.outcome == "cancelled"
+    assert final.counters.cancel_reason == "enough (by console@127.0.0.1)"
+    assert any(m.role == "user" and m.text == "hi" for m in final.messages)
+    status, where = await apost(f"{base}/turns/ui-long/cancel", {}, origin=base)
+    assert status == 303 and "problem=" in where  # ended: nothing to cancel
+    status, where = await apost(f"{base}/turns/ui-long/explode", {}, origin=base)
+    assert status == 303 and "no action" in urllib.parse.unquote_plus(where)
+
+
+async def test_the_live_stream_sends_a_turns_rows_until_it_ends(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace)
+    agent, turn_input = scenario(rounds=3, llm_latency_ms=50)
+    record = (await engine.submit_many(agent, turn_input, ["ui-live"]))[0][1]
+    task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("ui-live")))
+    status, body, headers = await aget(f"{base}/turns/ui-live/live?after=0-0")
+    await task
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [block for block in body.split("\n\n") if block.startswith("id: ")]
+    rows = [json.loads(b.split("data: ", 1)[1])["row"] for b in events]
+    kinds = [r["kind"] for r in rows]
+    assert kinds[-1] == "end" and "checkpoint" in kinds and "model" in kinds
+    assert body.rstrip().endswith("event: end\ndata: {}")
+
+
+def test_a_console_with_a_token_refuses_requests_without_it(redis_url: str, namespace: str) -> None:
+    token = "s3cret-token-for-the-test"
+    with serving(redis_url, namespace, token=token) as url:
+        assert get(f"{url}/turns")[0] == 401
+        assert get(f"{url}/turns", {"Authorization": "Bearer wrong-token-wrong"})[0] == 401
+        status, page, _ = get(f"{url}/turns", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and token not in page
+        opener = urllib.request.build_opener(_NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as moved:  # the token goes into a cookie
+            opener.open(f"{url}/turns?token={token}", timeout=30)
+        assert moved.value.code == 303 and moved.value.headers["Location"] == f"{url}/turns"
+        cookie = moved.value.headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+        status, page, _ = get(f"{url}/turns", {"Cookie": cookie.split(";")[0]})
+        assert status == 200 and token not in page
+        assert get(f"{url}/static/console.css")[0] == 200
