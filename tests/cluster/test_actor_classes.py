@@ -145,4 +145,3 @@ async def test_malformed_replies_are_typed_errors_at_the_seam() -> None:
     status = encode_event(StatusEvent("t", 1, Status.IDLE_SOFT, "idle", 1))
     with pytest.raises(PhaselineError, match="StatusEvent"):
         await HostRef(answering([status])).phases()
-
