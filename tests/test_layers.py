@@ -18,11 +18,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "bus": ("store", "actors", "ray", "redis"),
     "store": ("actors", "ray"),
     "actors/turn": ("ray", "redis", "actors.engine", "actors.cluster", "actors.harness",
-                    "actors.cli"),
-    "actors/engine": ("ray", "actors.cluster", "actors.harness", "actors.cli"),
-    "actors/cluster": ("actors.harness", "actors.cli"),
-    "actors/harness": ("actors.cli",),
-    "actors/examples": ("ray", "redis", "actors.cluster", "actors.harness", "actors.cli"),
+                    "actors.console", "actors.cli"),
+    "actors/engine": ("ray", "actors.cluster", "actors.harness", "actors.console", "actors.cli"),
+    "actors/cluster": ("actors.harness", "actors.console", "actors.cli"),
+    "actors/harness": ("actors.console", "actors.cli"),
+    "actors/console": ("actors.harness", "actors.cli"),
+    "actors/examples": ("ray", "redis", "actors.cluster", "actors.harness", "actors.console",
+                        "actors.cli"),
 }  # fmt: skip
 
 
@@ -55,7 +57,7 @@ def test_every_module_of_actors_is_in_a_layer() -> None:
     top = sorted(p.name for p in (ROOT / "actors").glob("*.py"))
     assert top == ["__init__.py"]
     subpackages = {p.name for p in (ROOT / "actors").iterdir() if (p / "__init__.py").exists()}
-    assert subpackages == {"turn", "engine", "cluster", "harness", "examples", "cli"}
+    assert subpackages == {"turn", "engine", "cluster", "harness", "console", "examples", "cli"}
 
 
 @pytest.mark.parametrize(("package", "banned"), [("actors.turn", ("ray", "redis")),

@@ -112,7 +112,7 @@ class Runtime:
         owns_ray = ensure_ray(ray_address)
         dep = Deployment(
             redis_url=redis_url,
-            settings=settings,
+            settings=settings.with_telemetry_env(),  # hosts on other nodes lack this env
             hosts=hosts,
             effects_url=effects_url,
             agents=tuple(agents),

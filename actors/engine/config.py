@@ -313,6 +313,23 @@ class Settings(_Section):
             max_reply_bytes=self.checkpoint.max_model_reply_bytes,
         )
 
+    def with_telemetry_env(self) -> Settings:
+        """These settings with the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` and
+        ``OTEL_SERVICE_NAME`` of this process written into ``[telemetry]`` (where the file did
+        not set them), so actors on other nodes trace as this process was told to."""
+        update: dict[str, str] = {}
+        if not self.telemetry.endpoint and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            update["endpoint"] = os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        if os.environ.get("OTEL_SERVICE_NAME"):
+            update["service_name"] = os.environ["OTEL_SERVICE_NAME"]
+        if not update:
+            return self
+        try:
+            telemetry = TelemetrySettings.model_validate({**self.telemetry.model_dump(), **update})
+        except ValidationError as exc:
+            raise ConfigError(f"invalid OpenTelemetry variables:\n{describe(exc)}") from None
+        return self.model_copy(update={"telemetry": telemetry})
+
     def with_overrides(self, **redis: Any) -> Settings:
         """Apply non-None Redis overrides (flags); the env var fills ``url`` below a flag."""
         values = {k: v for k, v in redis.items() if v is not None}
