@@ -222,11 +222,16 @@ def main(log_level: str) -> None:
     _exit_on_signals()
 
 
+#: The signal that asked this command to stop, once one did (see :func:`raise_if_signalled`).
+_signalled: list[int] = []
+
+
 def _exit_on_signals() -> None:
     """SIGTERM and SIGHUP unwind like Ctrl-C (SIGINT), so every ``finally`` runs: above all,
     an embedded server this command started is stopped with it instead of orphaned."""
 
     def leave(signum: int, _frame: object) -> None:
+        _signalled.append(signum)
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is not threading.main_thread():
@@ -234,6 +239,15 @@ def _exit_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, leave)
+
+
+def raise_if_signalled() -> None:
+    """Raise the exit a signal asked for if its handler's own raise was lost: a handler that
+    runs while the garbage collector is in an object's ``__del__`` (a Redis connection pool's,
+    say) has its exception printed and dropped, and a command that waits for ever would go on
+    waiting. Long waits call this between polls."""
+    if _signalled:
+        raise SystemExit(128 + _signalled[-1])
 
 
 def whoami() -> str:

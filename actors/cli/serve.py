@@ -13,7 +13,16 @@ import time
 import click
 import ray
 
-from actors.cli.app import _appendfsync, _common, _run_with_url, _settings, console, main, out
+from actors.cli.app import (
+    _appendfsync,
+    _common,
+    _run_with_url,
+    _settings,
+    console,
+    main,
+    out,
+    raise_if_signalled,
+)
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from store.connection import StoreClient
@@ -175,6 +184,7 @@ def redis_cmd(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.process.wait(timeout=1.0)
                 break
+            raise_if_signalled()
     except KeyboardInterrupt:
         pass
     finally:

@@ -117,6 +117,7 @@ class _Console:
             self.runtime = await Runtime.attach(self.settings, ray_address=self.console.ray_address)
             self.client = self.runtime.client
             self.redis_url = self.runtime.dep.redis_url
+            self.keys = self.runtime.dep.keys  # the deployment's layout (its shard count)
         else:
             self.redis_url = self.console.redis_url
             self.client = self.settings.redis.connect(self.redis_url)

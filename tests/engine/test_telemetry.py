@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import TurnInput
 from tests.support.agents import TEST_KEY_ENV
+from tests.support.console_server import serving
 from tests.support.otlp_receiver import ReceivedSpan, Receiver, receiving
 from tests.support.polling import eventually
 
@@ -182,3 +184,14 @@ async def test_a_turn_killed_and_resumed_is_one_trace_linked_across_the_kill(
     assert {s.trace_id for s in spans} == {turn_trace_id(turn_id)}
     password = redis_url.split("@")[0].rsplit(":", 1)[-1]
     assert all(password not in everything(s) for s in spans)
+    # and the console tells the same story: epoch 1's rows, the resume, epoch 2's rows
+    with serving(redis_url, namespace) as console:
+        page = await asyncio.to_thread(_read, f"{console}/turns/{turn_id}")
+    assert "resumed at epoch 2 from its tool_batch checkpoint" in page
+    assert '<td class="e">e1</td>' in page and '<td class="e">e2</td>' in page
+    assert page.index('<td class="e">e1</td>') < page.index("resumed at epoch 2")
+
+
+def _read(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return str(reply.read().decode())

@@ -22,11 +22,19 @@ def _free_port() -> int:
 
 @contextmanager
 def serving(
-    redis_url: str, namespace: str, *, token: str | None = None, shards: int = 16
+    redis_url: str,
+    namespace: str,
+    *,
+    token: str | None = None,
+    shards: int = 16,
+    ray_address: str | None = None,
 ) -> Iterator[str]:
-    """The console of ``namespace`` on ``redis_url``; yields its base URL."""
+    """The console of ``namespace`` on ``redis_url`` (attached to the deployment on the Ray
+    cluster at ``ray_address``, if given); yields its base URL."""
     settings = Settings.model_validate({"redis": {"namespace": namespace, "shards": shards}})
-    app = console_app(settings, ConsoleSettings(redis_url=redis_url, token=token))
+    app = console_app(
+        settings, ConsoleSettings(redis_url=redis_url, token=token, ray_address=ray_address)
+    )
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
