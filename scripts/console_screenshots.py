@@ -3,8 +3,9 @@
 On a fresh embedded Redis: 40 short scripted turns (some with model faults the loop recovers
 from or stops on), one turn whose ``phaseline run`` is SIGKILLed mid-turn and finished by a
 resume (its page is the turn screenshot: the timeline shows both incarnations), and one turn
-left waiting for an approval. The console serves them; Debian's chromium, driven by
-Playwright's client, takes the three pages.
+left waiting for an approval; then a Ray deployment of two hosts busy with 40 more. The console,
+attached to the deployment, serves them; Debian's chromium, driven by Playwright's client, takes
+the three pages.
 
 Run from a checkout: ``.venv/bin/python scripts/console_screenshots.py [--out docs/images]``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,10 +24,12 @@ import threading
 import time
 from pathlib import Path
 
+import ray
 import redis
 import uvicorn
 from playwright.async_api import async_playwright
 
+from actors.cluster.runtime import Runtime
 from actors.console import ConsoleSettings, console_app
 from actors.engine.config import Settings
 from actors.engine.scenario import parse_scenario
@@ -61,7 +65,13 @@ def crash_and_resume(url: str, tmp: Path) -> str:
     key = KeyLayout(NAMESPACE).turn("crashed-t000000")
     probe = redis.Redis.from_url(url)
     deadline = time.monotonic() + 60
-    while probe.hget(key, "reason") != b"tool_batch":  # its first checkpoint
+    live = KeyLayout(NAMESPACE).live("crashed-t000000")
+
+    def published() -> bool:  # its first checkpoint, and the live events up to it
+        kinds = [fields.get(b"kind") for _id, fields in probe.xrange(live)]
+        return probe.hget(key, "reason") == b"tool_batch" and b"checkpoint" in kinds
+
+    while not published():
         if time.monotonic() > deadline or child.poll() is not None:
             raise RuntimeError("the run made no checkpoint")
         time.sleep(0.05)  # polling Redis with a deadline
@@ -97,7 +107,18 @@ async def populate(url: str) -> asyncio.Task[object]:
 
 async def shoot(url: str, crashed: str, out: Path) -> None:
     task = await populate(url)
-    app = console_app(Settings.model_validate(SETTINGS), ConsoleSettings(redis_url=url))
+    task.cancel()  # the deployment below adopts it (one owner at a time): it waits there
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    # A deployment beside them, busy with 40 turns, for the deployment page (attached).
+    rt = await Runtime.start(Settings.model_validate(SETTINGS), redis_url=url, hosts=2)
+    busy = parse_scenario({"name": "busy", "rounds": 8, "tools_per_round": 2,
+                           "llm_latency_ms": 800, "tool_latency_ms": 200})  # fmt: skip
+    await rt.submit(*scripted_turn(busy), [f"ray-t{i:06d}" for i in range(40)])
+    await asyncio.sleep(3)  # let the hosts get going: the page shows them at work
+    address = ray.get_runtime_context().gcs_address
+    settings = Settings.model_validate(SETTINGS)
+    app = console_app(settings, ConsoleSettings(redis_url=url, ray_address=address))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=18_321, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -117,7 +138,7 @@ async def shoot(url: str, crashed: str, out: Path) -> None:
             await browser.close()
     finally:
         server.should_exit = True
-        task.cancel()
+        await rt.shutdown()
 
 
 def main() -> None:

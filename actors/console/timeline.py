@@ -8,6 +8,7 @@ text is not a row (the transcript shows what was kept).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -27,12 +28,13 @@ from bus.events import (
     decode_event,
 )
 from bus.outcomes import ANSWER_OUTCOMES, Action
-from bus.phase import Transition
+from bus.phase import Transition, TurnPhase
 from store.connection import StoreClient
+from store.failures import translated
 from store.keys import KeyLayout
 from store.stream_reads import read_range
 
-__all__ = ["Row", "Tone", "read_timeline", "row_of"]
+__all__ = ["Row", "Timeline", "Tone", "live_phases", "read_timeline", "row_of"]
 
 #: Characters of an argument list, an output or a detail a row shows.
 DETAIL = 240
@@ -129,19 +131,59 @@ def row_of(event: WatchEvent) -> Row | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """What a turn's live stream holds, as the page shows it."""
+
+    rows: list[Row]
+    """Its rows, oldest first."""
+    last_id: str
+    """The id of its last entry: where a live page goes on from (``0-0``: none)."""
+    phase: TurnPhase | None
+    """The phase its last transition entered (a record holds the phase of its checkpoint:
+    a turn waiting for an approval has none since); None: no transition kept."""
+
+
 async def read_timeline(
     client: StoreClient, keys: KeyLayout, turn_id: str, *, limit: int = 2000
-) -> tuple[list[Row], str]:
-    """The rows of what the turn's live stream still holds (the newest ``limit`` entries, in
-    order), and the id of its last entry (where a live page goes on from; ``0-0``: none)."""
+) -> Timeline:
+    """The timeline of what the turn's live stream still holds (its newest ``limit``
+    entries)."""
     entries = await read_range(client, keys.live(turn_id), newest=limit)
     rows: list[Row] = []
+    phase = None
     for _entry_id, fields in entries:
         try:
-            row = row_of(decode_event(fields))
+            event = decode_event(fields)
         except BadBusEntry:
             continue  # advisory: a malformed entry is left out, the page shows the rest
+        if isinstance(event, Transition):
+            phase = event.dst
+        row = row_of(event)
         if row is not None:
             rows.append(row)
-    last = entries[-1][0] if entries else "0-0"
-    return rows, last
+    return Timeline(rows, entries[-1][0] if entries else "0-0", phase)
+
+
+async def live_phases(
+    client: StoreClient, keys: KeyLayout, turn_ids: list[str], *, look_back: int = 50
+) -> dict[str, TurnPhase]:
+    """The phase each turn's last transition entered, for the running turns of a page (one
+    pipelined read of the last ``look_back`` entries of each live stream)."""
+    if not turn_ids:
+        return {}
+    with translated("read live phases"):
+        async with client.pipeline(transaction=False) as pipe:
+            for turn_id in turn_ids:
+                pipe.xrevrange(keys.live(turn_id), count=look_back)
+            streams = await pipe.execute()
+    found: dict[str, TurnPhase] = {}
+    for turn_id, entries in zip(turn_ids, streams, strict=True):
+        for _entry_id, fields in entries or []:
+            if fields.get(b"kind") == b"transition":
+                with contextlib.suppress(BadBusEntry):
+                    event = decode_event(fields)
+                    if isinstance(event, Transition):
+                        found[turn_id] = event.dst
+                break
+    return found

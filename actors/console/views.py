@@ -7,12 +7,13 @@ its live stream for the timeline, ``actors.cluster.status`` for the deployment).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 from actors.cluster.runtime import Runtime
 from actors.cluster.status import DeploymentStatus, deployment_status
-from actors.console.timeline import Row, read_timeline
+from actors.console.timeline import Row, live_phases, read_timeline
 from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message, Usage
 from bus.outcomes import Outcome
@@ -65,6 +66,11 @@ async def list_view(
     client: StoreClient, keys: KeyLayout, where: TurnFilter, after: Cursor | None, limit: int
 ) -> ListView:
     page = await turn_page(client, keys, where=where, after=after, limit=limit)
+    running = [r.turn_id for r in page.rows if r.in_progress]
+    live = await live_phases(client, keys, running)  # a record's phase is its checkpoint's
+    page = dataclasses.replace(
+        page, rows=[dataclasses.replace(r, phase=live.get(r.turn_id, r.phase)) for r in page.rows]
+    )
     with translated("count indexed turns"):
         async with client.pipeline(transaction=False) as pipe:
             for shard in keys.all_shards():
@@ -146,6 +152,8 @@ class TurnView:
     """What its live stream holds, as rows."""
     last_event: str
     """The live stream's last entry id: where the page's live updates go on from."""
+    phase: TurnPhase
+    """Its phase now: its last transition's, else its record's."""
 
     @property
     def suspended(self) -> bool:
@@ -157,7 +165,7 @@ class TurnView:
         outcome = self.record.counters.outcome
         if outcome is not None and (outcome.suspended or not self.record.in_progress):
             return outcome.value
-        return f"running ({self.record.phase.value})" if self.record.in_progress else "final"
+        return f"running ({self.phase.value})" if self.record.in_progress else "final"
 
 
 def _ledger_rows(record: CheckpointRecord, entries: dict[str, LedgerEntry]) -> list[LedgerRow]:
@@ -189,7 +197,7 @@ async def turn_view(client: StoreClient, keys: KeyLayout, turn_id: str) -> TurnV
         spec = None
     entries = await ToolLedger(client, keys).entries(turn_id)
     approvals = await Approvals(client, keys).all(turn_id)
-    timeline, last = await read_timeline(client, keys, turn_id)
+    timeline = await read_timeline(client, keys, turn_id)
     messages = [
         MessageRow(i, m, meta, i < record.baseline)
         for i, (m, meta) in enumerate(zip(record.messages, record.meta, strict=True))
@@ -201,8 +209,9 @@ async def turn_view(client: StoreClient, keys: KeyLayout, turn_id: str) -> TurnV
         ledger=_ledger_rows(record, entries),
         waiting={k: a for k, a in approvals.items() if a.state == "pending"},
         decided={k: a for k, a in approvals.items() if a.state != "pending"},
-        timeline=timeline,
-        last_event=last,
+        timeline=timeline.rows,
+        last_event=timeline.last_id,
+        phase=timeline.phase if record.in_progress and timeline.phase else record.phase,
     )
 
 
