@@ -165,6 +165,14 @@ class KeyLayout:
     def turns(self, shard: int) -> str:
         return f"{self._prefix(shard)}:turns"
 
+    def phases(self, shard: int) -> str:
+        """Hash: phase -> in-progress turns of the shard whose latest record is in it (kept by
+        the save script: the counts at the top of the console's list)."""
+        return f"{self._prefix(shard)}:phases"
+
+    def phases_of(self, turn_id: str) -> str:
+        return self.phases(self.shard_of(turn_id))
+
     def turns_of(self, turn_id: str) -> str:
         return self.turns(self.shard_of(turn_id))
 

@@ -83,7 +83,7 @@ def save_call(
     turn_id = record.turn_id
     key_list = [keys.turn(turn_id), keys.bodies(turn_id), keys.events_of(turn_id)]
     key_list += [keys.in_progress_of(turn_id), keys.usage_of(turn_id)]
-    key_list += [*retained_keys(keys, turn_id), keys.turns_of(turn_id)]
+    key_list += [*retained_keys(keys, turn_id), keys.turns_of(turn_id), keys.phases_of(turn_id)]
     args: list[bytes | str | int] = [
         record.epoch, record.seq, turn_id, record.phase, record.reason,
         int(record.in_progress), events_maxlen, b"" if spec is None else spec[1],

@@ -285,20 +285,18 @@ async def turn_page(
 
 async def phase_counts(client: StoreClient, keys: KeyLayout) -> dict[TurnPhase, int]:
     """Turns in progress per phase of their latest record (suspended ones under the phase
-    they stopped in). Reads the in-progress sets and one field per running turn."""
+    they stopped in), as the save script counts them (``KeyLayout.phases``): one read per
+    shard, whatever the number of turns. Records saved before these counts existed are not
+    in them until their next save; a count never shows below 0."""
     with translated("count running turns"):
         async with client.pipeline(transaction=False) as pipe:
             for shard in keys.all_shards():
-                pipe.smembers(keys.in_progress(shard))
-            running = [text(t) for members in await pipe.execute() for t in members]
-        if not running:
-            return {}
-        async with client.pipeline(transaction=False) as pipe:
-            for turn_id in running:
-                pipe.hget(keys.turn(turn_id), "phase")
-            phases = await pipe.execute()
+                pipe.hgetall(keys.phases(shard))
+            shards = await pipe.execute()
     counts: Counter[TurnPhase] = Counter()
-    for raw in phases:
-        if raw is not None and text(raw) in TurnPhase.__members__.values():
-            counts[TurnPhase(text(raw))] += 1
-    return dict(counts)
+    for fields in shards:
+        for raw_phase, raw_n in fields.items():
+            phase, n = text(raw_phase), text(raw_n)
+            if phase in TurnPhase.__members__.values() and n.lstrip("-").isdigit():
+                counts[TurnPhase(phase)] += int(n)
+    return {p: n for p, n in counts.items() if n > 0}

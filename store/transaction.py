@@ -31,6 +31,7 @@ from store.codec import EncodedRecord
 from store.connection import StoreClient
 from store.keys import KeyLayout
 from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip
+from store.replies import text
 from store.retention import Retention, retained_keys
 from store.save_script import SaveStatus, fence
 from store.usage import TALLY_COUNTERS, tally_args
@@ -65,11 +66,13 @@ def save_commands(
     *,
     ends_turn: bool = False,
     ttl_ms: int = 0,
+    phase_was: str | None = None,
 ) -> list[tuple[Any, ...]]:
     """The writes of one accepted save, in the script's order (one of them the XADD).
     ``ends_turn``: the stored record is in progress, so a final save adds its tally
     (:mod:`store.usage`); ``ttl_ms``: the time to live the save sets on the turn's keys
-    (:mod:`store.retention`)."""
+    (:mod:`store.retention`); ``phase_was``: the stored record's phase if it is in progress
+    (the turn moves out of it in the phase counts)."""
     turn = record.turn_id
     bodies, key = keys.bodies(turn), keys.turn(turn)
     out: list[tuple[Any, ...]] = []
@@ -95,6 +98,12 @@ def save_commands(
     )  # fmt: skip
     index = keys.in_progress_of(turn)
     out.append(("SADD", index, turn) if record.in_progress else ("SREM", index, turn))
+    phase_now = record.phase if record.in_progress else None
+    if phase_was != phase_now:
+        if phase_was is not None:
+            out.append(("HINCRBY", keys.phases_of(turn), phase_was, -1))
+        if phase_now is not None:
+            out.append(("HINCRBY", keys.phases_of(turn), phase_now, 1))
     if spec is not None:
         out.append(("SET", spec[0], spec[1]))
         out.append(("ZADD", keys.turns_of(turn), record.fields["updated_at"], turn))
@@ -179,7 +188,7 @@ class ShardBatch:
         keys = self.keys
         reads: list[tuple[Any, ...]] = [("WATCH", *(keys.turn(r.turn_id) for r in self.records))]
         for r, spec in zip(self.records, self.specs, strict=True):
-            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq", "in_progress"))
+            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq", "in_progress", "phase"))
             reads.append(("HLEN", keys.bodies(r.turn_id)))
             if spec is not None:
                 reads.append(("EXISTS", keys.turn(r.turn_id), spec[0]))
@@ -208,9 +217,10 @@ class ShardBatch:
                 replies.append(refusal)
                 continue
             ends_turn = stored[2] in (b"1", "1")
+            was = text(stored[3]) if ends_turn and stored[3] is not None else None
             commands = save_commands(
                 keys, r, spec, self.maxlen, ends_turn=ends_turn,
-                ttl_ms=self.retention.ttl_ms_of(r),
+                ttl_ms=self.retention.ttl_ms_of(r), phase_was=was,
             )  # fmt: skip
             xadd = len(writes) + next(i for i, c in enumerate(commands) if c[0] == "XADD")
             accepted.append((i, len(writes), xadd))

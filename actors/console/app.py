@@ -75,6 +75,9 @@ class ConsoleSettings:
     cancel that ends an in-flight model call, a resume picked up at once); None: Redis only."""
     page_size: int = 50
     """Turns per page of the list."""
+    scan: int = 1000
+    """Index entries a filtered page reads at most before it offers the next page (what a
+    narrow filter costs a page, whatever the store holds)."""
 
 
 def _ago(ms: int) -> str:
@@ -159,7 +162,8 @@ class _Console:
             after = Cursor.parse(q["after"]) if q.get("after") else None
         except ValueError as exc:
             return PlainTextResponse(f"bad filter: {exc}", 400)
-        view = await list_view(self.redis, self.keys, where, after, self.console.page_size)
+        view = await list_view(self.redis, self.keys, where, after,
+                               limit=self.console.page_size, scan=self.console.scan)  # fmt: skip
         query = {k: v for k, v in q.items() if k not in ("after", "done", "problem") and v}
         older = None
         if view.page.next is not None:

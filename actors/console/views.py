@@ -63,9 +63,15 @@ class ListView:
 
 
 async def list_view(
-    client: StoreClient, keys: KeyLayout, where: TurnFilter, after: Cursor | None, limit: int
+    client: StoreClient,
+    keys: KeyLayout,
+    where: TurnFilter,
+    after: Cursor | None,
+    *,
+    limit: int,
+    scan: int,
 ) -> ListView:
-    page = await turn_page(client, keys, where=where, after=after, limit=limit)
+    page = await turn_page(client, keys, where=where, after=after, limit=limit, scan=scan)
     running = [r.turn_id for r in page.rows if r.in_progress]
     live = await live_phases(client, keys, running)  # a record's phase is its checkpoint's
     page = dataclasses.replace(

@@ -2,7 +2,8 @@
 --
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
 --       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
---       session hash (the record key again for a turn of no session), shard turns index
+--       session hash (the record key again for a turn of no session), shard turns index,
+--       shard phase counts hash
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
 --       first), puts (n), drops (m),
@@ -22,6 +23,9 @@
 -- ('outcome|<outcome>'): once per turn, with the record.
 -- A save that ends the turn with a time to live sets it on every key of the turn (and its
 -- session's), and trims the shard's turns index and events stream of what is older than that.
+-- An accepted save moves the turn in the shard's phase counts (in-progress turns per phase of
+-- their latest record): out of the stored record's phase if that was in progress, into its own
+-- if it is.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
 local record, bodies = KEYS[1], KEYS[2]
 local submission = ARGV[8] ~= ''
@@ -43,7 +47,7 @@ local function same_record()
   end
   return true
 end
-local stored = redis.call('HMGET', record, 'epoch', 'seq', 'in_progress')
+local stored = redis.call('HMGET', record, 'epoch', 'seq', 'in_progress', 'phase')
 if stored[1] or stored[2] then
   local e, s = tonumber(stored[1]), tonumber(stored[2])
   if not e or not s then
@@ -84,6 +88,12 @@ if ARGV[6] == '1' then
   redis.call('SADD', KEYS[4], ARGV[3])
 else
   redis.call('SREM', KEYS[4], ARGV[3])
+end
+local was = stored[3] == '1' and stored[4] or false
+local now = ARGV[6] == '1' and ARGV[4] or false
+if was ~= now then
+  if was then redis.call('HINCRBY', KEYS[13], was, -1) end
+  if now then redis.call('HINCRBY', KEYS[13], now, 1) end
 end
 if submission then
   redis.call('SET', KEYS[6], ARGV[8])

@@ -41,7 +41,7 @@ async def _submit(
 async def _finish(store: RedisCheckpointStore, rec: CheckpointRecord, outcome: Outcome) -> None:
     counters = Counters(outcome=outcome, tokens=Usage(prompt_tokens=5), resume_attempts=1)
     await store.save(
-        rec.model_copy(update={"seq": 1, "in_progress": False, "reason": SaveReason.FINAL,
+        rec.model_copy(update={"seq": rec.seq + 1, "in_progress": False, "reason": SaveReason.FINAL,
                                "phase": TurnPhase.DONE, "counters": counters})
     )  # fmt: skip
 
@@ -129,3 +129,24 @@ async def test_a_purged_turn_is_left_out_and_counted_as_gone(
     await any_client.delete(keys.turn("purged"))
     page = await turn_page(any_client, keys)
     assert [r.turn_id for r in page.rows] == ["kept"] and page.gone == 1
+
+
+async def test_phase_counts_follow_each_turns_latest_record_and_ignore_refused_saves(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    a = await _submit(store, "p-a", 1000)
+    b = await _submit(store, "p-b", 1001)
+    assert await phase_counts(any_client, keys) == {TurnPhase.EXECUTING_TOOLS: 2}
+    waiting = a.model_copy(update={"seq": 1, "phase": TurnPhase.AWAITING_LLM})
+    await store.save(waiting)
+    assert await phase_counts(any_client, keys) == {
+        TurnPhase.EXECUTING_TOOLS: 1, TurnPhase.AWAITING_LLM: 1,
+    }  # fmt: skip
+    with pytest.raises(StaleOwner):  # refused: moves nothing
+        await store.save(waiting.model_copy(update={"epoch": 0, "seq": 9,
+                                                    "phase": TurnPhase.COMPACTING}))  # fmt: skip
+    assert (await store.save(waiting)).event_id  # a replay: moves nothing either
+    await _finish(store, b, Outcome.ANSWERED)
+    assert await phase_counts(any_client, keys) == {TurnPhase.AWAITING_LLM: 1}
+    await _finish(store, waiting, Outcome.CANCELLED)
+    assert await phase_counts(any_client, keys) == {}
