@@ -28,6 +28,7 @@ from store.failures import translated
 from store.keys import KeyLayout
 from store.records import Counters, TurnError
 from store.replies import text
+from store.shard_sums import summed
 
 __all__ = [
     "Cursor",
@@ -288,15 +289,9 @@ async def phase_counts(client: StoreClient, keys: KeyLayout) -> dict[TurnPhase, 
     they stopped in), as the save script counts them (``KeyLayout.phases``): one read per
     shard, whatever the number of turns. Records saved before these counts existed are not
     in them until their next save; a count never shows below 0."""
-    with translated("count running turns"):
-        async with client.pipeline(transaction=False) as pipe:
-            for shard in keys.all_shards():
-                pipe.hgetall(keys.phases(shard))
-            shards = await pipe.execute()
-    counts: Counter[TurnPhase] = Counter()
-    for fields in shards:
-        for raw_phase, raw_n in fields.items():
-            phase, n = text(raw_phase), text(raw_n)
-            if phase in TurnPhase.__members__.values() and n.lstrip("-").isdigit():
-                counts[TurnPhase(phase)] += int(n)
-    return {p: n for p, n in counts.items() if n > 0}
+    counts = await summed(client, keys, keys.phases, "the phase counts")
+    return {
+        TurnPhase(phase): n
+        for phase, n in counts.items()
+        if phase in TurnPhase.__members__.values() and n > 0
+    }

@@ -21,9 +21,8 @@ from bus.messages import Usage
 from bus.outcomes import Outcome
 from store.codec import EncodedRecord
 from store.connection import StoreClient
-from store.failures import translated
 from store.keys import KeyLayout
-from store.replies import text
+from store.shard_sums import summed
 
 __all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "outcome_counts", "tally_args"]
 
@@ -69,17 +68,10 @@ def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
 async def agent_usage(client: StoreClient, keys: KeyLayout) -> list[AgentUsage]:
     """Every agent's totals in the namespace (one read per shard), by agent."""
     sums: dict[str, dict[str, int]] = {}
-    with translated("read the agents' token totals"):
-        async with client.pipeline(transaction=False) as pipe:
-            for shard in keys.all_shards():
-                pipe.hgetall(keys.usage(shard))
-            shards = await pipe.execute()
-    for fields in shards:
-        for raw_field, raw_value in fields.items():
-            counter, _, agent = text(raw_field).partition("|")
-            if counter in TALLY_COUNTERS and text(raw_value).lstrip("-").isdigit():
-                per = sums.setdefault(agent, dict.fromkeys(TALLY_COUNTERS, 0))
-                per[counter] += int(raw_value)
+    for field, n in (await summed(client, keys, keys.usage, "the agents' token totals")).items():
+        counter, _, agent = field.partition("|")
+        if counter in TALLY_COUNTERS:
+            sums.setdefault(agent, dict.fromkeys(TALLY_COUNTERS, 0))[counter] += n
     return [
         AgentUsage(
             agent="" if agent == "-" else agent,
@@ -100,16 +92,8 @@ async def outcome_counts(client: StoreClient, keys: KeyLayout) -> dict[Outcome, 
     """Finished turns per outcome, all time (the final saves count them with the tokens; a
     turn whose record expired or was purged stays counted)."""
     counts: dict[Outcome, int] = {}
-    with translated("read the outcome counts"):
-        async with client.pipeline(transaction=False) as pipe:
-            for shard in keys.all_shards():
-                pipe.hgetall(keys.usage(shard))
-            shards = await pipe.execute()
-    for fields in shards:
-        for raw_field, raw_value in fields.items():
-            kind, _, value = text(raw_field).partition("|")
-            if kind == "outcome" and value in Outcome.__members__.values():
-                n = text(raw_value)
-                if n.isdigit():
-                    counts[Outcome(value)] = counts.get(Outcome(value), 0) + int(n)
+    for field, n in (await summed(client, keys, keys.usage, "the outcome counts")).items():
+        kind, _, value = field.partition("|")
+        if kind == "outcome" and value in Outcome.__members__.values() and n > 0:
+            counts[Outcome(value)] = n
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
