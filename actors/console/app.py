@@ -123,7 +123,8 @@ class _Console:
             self.keys = self.runtime.dep.keys  # the deployment's layout (its shard count)
         else:
             self.redis_url = self.console.redis_url
-            self.client = self.settings.redis.connect(self.redis_url)
+            # Each open live page holds a connection in a blocking read: room for many.
+            self.client = self.settings.redis.connect(self.redis_url, max_connections=512)
         try:
             yield
         finally:
