@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import ServiceInfo
 from actors.cluster.metrics import metrics
-from actors.engine.resume import plan_resume
+from actors.engine.resume import plan_resume, plan_to_wire
 from actors.turn.recovery import Situation, decide_recovery
 from bus.outcomes import Problem
 from store.checkpoint import RedisCheckpointStore
@@ -54,7 +54,7 @@ class RecoveryActor:
         m = metrics()
         m.adoption.observe((time.monotonic() - started) * 1000)
         m.resumes.inc(len(turn_ids))
-        return [p.to_wire() for p in plans]
+        return [plan_to_wire(p) for p in plans]
 
     async def decide(self, problem: str, situation: dict[str, Any]) -> dict[str, Any]:
         """``decide_recovery`` for callers outside a turn loop (operators, tests), its

@@ -27,7 +27,7 @@ from ray.actor import ActorClass, ActorHandle
 from ray.exceptions import RayActorError
 
 from actors.cluster.info import Answer, HostInfo, ServiceInfo, SupervisorInfo
-from actors.engine.resume import ResumePlan
+from actors.engine.resume import ResumePlan, plan_from_wire
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.recovery import Decision
 from bus.errors import PhaselineError, StoreError
@@ -220,7 +220,7 @@ class RecoveryRef(ServiceRef):
 
     async def plan_many(self, turn_ids: Sequence[str]) -> list[ResumePlan]:
         """Each turn claimed for a new owner, its resume plan, in order."""
-        return [ResumePlan.from_wire(w) for w in await self._ask("plan_many", list(turn_ids))]
+        return [plan_from_wire(w) for w in await self._ask("plan_many", list(turn_ids))]
 
     async def decide(self, problem: Problem, **situation: Any) -> Decision:
         """The recovery policy's answer (``ValueError`` raised there for an unknown field)."""

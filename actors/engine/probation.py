@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.engine.resume import PlanAction, ResumePlan, died_inside
+from actors.engine.resume import Resume, ResumePlan, died_inside
 from actors.turn.poison import isolation_backoff_s
 from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import StaleOwner, StoreError
@@ -129,7 +129,7 @@ class Probations:
         plan = await engine.plan(turn_id, isolated=True, marker=await self.isolation.current())
         if turn_id == self._died_first:
             self._died_first = None  # its claim has recorded the death: it went first
-        if plan.action is not PlanAction.RESUME or plan.record is None:
+        if not isinstance(plan, Resume):
             outcome = await engine.run_plan(plan)
             await self.isolation.remove(turn_id)
             return outcome

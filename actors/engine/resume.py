@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from actors.turn.poison import Placement, place
@@ -27,50 +26,18 @@ from store.msgpack_wire import pack, unpack
 from store.records import CheckpointRecord, TurnSpec
 
 
-class PlanAction(StrEnum):
-    """What a plan tells its caller to do with the turn."""
-
-    RESUME = "resume"
-    """Run the claimed record (new epoch)."""
-    ISOLATE = "isolate"
-    """Not claimed: the turn must run alone on the isolation host."""
-    SUSPENDED = "suspended"
-    """This claim parked the turn as ``suspended:poison``; nothing to run."""
-    FENCED = "fenced"
-    """Another owner claimed the turn first."""
-    FINISHED = "finished"
-    """The turn is not in progress any more."""
-    UNUSABLE = "unusable"
-    """Its record, spec or ledger failed to decode and were quarantined."""
-
-    @property
-    def stop(self) -> RunStop:
-        """What a plan that runs nothing makes of the turn for this run."""
-        return _STOPS.get(self, RunStop.UNUSABLE)
-
-
-_STOPS = {
-    PlanAction.FENCED: RunStop.FENCED,
-    PlanAction.FINISHED: RunStop.FINISHED,
-    PlanAction.UNUSABLE: RunStop.UNUSABLE,
-    PlanAction.ISOLATE: RunStop.ISOLATE,
-}
-
-
 @dataclass(frozen=True, slots=True)
-class ResumePlan:
-    """What to do with one turn that lost its host."""
+class Resume:
+    """Run the claimed record (the new epoch) from its checkpoint."""
 
     turn_id: str
     """The turn."""
-    action: PlanAction
-    """What to do with it."""
-    record: CheckpointRecord | None = None
-    """The claimed record (new epoch) for ``resume``; the parked one for ``suspended``."""
-    resume_from: SaveReason | None = None
+    record: CheckpointRecord
+    """The claimed record: the last checkpoint under the new epoch."""
+    spec: TurnSpec
+    """The turn's spec (its agent and input)."""
+    resume_from: SaveReason
     """Reason of the checkpoint the turn restarts from (``force_stop`` resumes the wrap-up)."""
-    spec: TurnSpec | None = None
-    """The turn's spec (its agent and input), for ``resume``."""
     in_flight: int = 0
     """Tool calls the ledger shows dispatched but unfinished (non-idempotent ones will be
     reported ``outcome_unknown``, idempotent ones re-run)."""
@@ -79,39 +46,94 @@ class ResumePlan:
     detail: str = ""
     """Why, for logs."""
 
-    def to_wire(self) -> bytes:
-        """msgpack form for crossing a Ray call (validated again by :meth:`from_wire`)."""
-        return pack(
-            {
-                "turn_id": self.turn_id,
-                "action": self.action.value,
-                "record": None if self.record is None else dump_model(self.record),
-                "resume_from": None if self.resume_from is None else self.resume_from.value,
-                "spec": None if self.spec is None else dump_model(self.spec),
-                "in_flight": self.in_flight,
-                "pending_inbox": self.pending_inbox,
-                "detail": self.detail,
-            }
-        )
+    @property
+    def what(self) -> str:
+        """What the plan does, as logs name it."""
+        return "resume"
 
-    @classmethod
-    def from_wire(cls, data: bytes) -> ResumePlan:
-        d: dict[str, Any] = unpack(data)
-        try:
-            action = PlanAction(d["action"])
-            resume_from = None if d["resume_from"] is None else SaveReason(d["resume_from"])
-        except ValueError as exc:
-            raise RecordError(f"plan of {str(d.get('turn_id'))[:128]}", str(exc)[:200]) from exc
-        return cls(
-            turn_id=str(d["turn_id"]),
-            action=action,
-            record=None if d["record"] is None else CheckpointRecord.model_validate(d["record"]),
-            resume_from=resume_from,
-            spec=None if d["spec"] is None else TurnSpec.model_validate(d["spec"]),
-            in_flight=int(d["in_flight"]),
-            pending_inbox=int(d["pending_inbox"]),
-            detail=str(d["detail"]),
-        )
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """This claim parked the turn as ``suspended:poison``; nothing runs."""
+
+    turn_id: str
+    """The turn."""
+    record: CheckpointRecord
+    """The parked record (its isolated deaths are the evidence)."""
+    detail: str = ""
+    """Why, for logs."""
+
+    @property
+    def what(self) -> str:
+        """What the plan does, as logs name it."""
+        return "suspended"
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """Nothing to run, and why: another owner claimed the turn (``fenced``), it ended
+    (``finished``), its record, spec or ledger failed to decode and were quarantined
+    (``unusable``), or the policy wants it alone on the isolation host (``isolate``, nothing
+    claimed)."""
+
+    turn_id: str
+    """The turn."""
+    stop: RunStop
+    """What this run of it is then."""
+    detail: str = ""
+    """Why, for logs."""
+
+    @property
+    def what(self) -> str:
+        """What the plan does, as logs name it: why nothing runs."""
+        return self.stop.value
+
+
+ResumePlan = Resume | Parked | Skipped
+"""What to do with one turn that lost its host: one of three shapes, each with exactly the
+fields it needs (``match`` on it)."""
+
+
+def plan_to_wire(plan: ResumePlan) -> bytes:
+    """msgpack form for crossing a Ray call (read back, validated, by :func:`plan_from_wire`)."""
+    if isinstance(plan, Resume):
+        return pack({
+            "kind": "resume", "turn_id": plan.turn_id, "record": dump_model(plan.record),
+            "spec": dump_model(plan.spec), "resume_from": plan.resume_from.value,
+            "in_flight": plan.in_flight, "pending_inbox": plan.pending_inbox,
+            "detail": plan.detail,
+        })  # fmt: skip
+    if isinstance(plan, Parked):
+        return pack({"kind": "parked", "turn_id": plan.turn_id,
+                     "record": dump_model(plan.record), "detail": plan.detail})  # fmt: skip
+    return pack({"kind": "skipped", "turn_id": plan.turn_id, "stop": plan.stop.value,
+                 "detail": plan.detail})  # fmt: skip
+
+
+def plan_from_wire(data: bytes) -> ResumePlan:
+    """A plan read back from :func:`plan_to_wire`; :class:`RecordError` for anything else."""
+    d: Any = unpack(data)
+    turn_id = str(d.get("turn_id", ""))[:128] if isinstance(d, dict) else "?"
+    try:
+        kind, detail = d["kind"], str(d["detail"])
+        if kind == "resume":
+            return Resume(
+                turn_id=str(d["turn_id"]),
+                record=CheckpointRecord.model_validate(d["record"]),
+                spec=TurnSpec.model_validate(d["spec"]),
+                resume_from=SaveReason(d["resume_from"]),
+                in_flight=int(d["in_flight"]),
+                pending_inbox=int(d["pending_inbox"]),
+                detail=detail,
+            )
+        if kind == "parked":
+            record = CheckpointRecord.model_validate(d["record"])
+            return Parked(turn_id=str(d["turn_id"]), record=record, detail=detail)
+        if kind == "skipped":
+            return Skipped(turn_id=str(d["turn_id"]), stop=RunStop(d["stop"]), detail=detail)
+        raise ValueError(f"unknown plan kind {kind!r}")
+    except (KeyError, TypeError, ValueError) as exc:  # a pydantic error is a ValueError
+        raise RecordError(f"plan of {turn_id}", str(exc)[:200]) from exc
 
 
 def stalled_resumes(record: CheckpointRecord) -> int:
@@ -215,9 +237,9 @@ async def plan_resume(
     try:
         record = await store.load(turn_id)
     except (RecordNotFound, RecordError) as exc:  # deleted under us, or quarantined on load
-        return ResumePlan(turn_id, PlanAction.UNUSABLE, detail=str(exc))
+        return Skipped(turn_id, RunStop.UNUSABLE, detail=str(exc))
     if not record.in_progress:
-        return ResumePlan(turn_id, PlanAction.FINISHED, detail=str(record.counters.outcome))
+        return Skipped(turn_id, RunStop.FINISHED, detail=str(record.counters.outcome))
     try:
         spec = await store.load_spec(turn_id)
         entries = await ledger.entries(turn_id)
@@ -226,13 +248,13 @@ async def plan_resume(
         # can never resume: take it aside, so it is reported once instead of planned again
         # at every adopt.
         await store.quarantine(turn_id, f"unusable: {exc}")
-        return ResumePlan(turn_id, PlanAction.UNUSABLE, detail=str(exc))
+        return Skipped(turn_id, RunStop.UNUSABLE, detail=str(exc))
     died_at = died_inside(marker, record) if isolated else None
     deaths = (*record.counters.isolated_deaths, *((died_at,) if died_at else ()))
     placement = place(stalled_resumes(record) + 1, deaths)
     if placement is Placement.ISOLATED and not isolated:
         detail = "stalled: runs alone on the isolation host"
-        return ResumePlan(turn_id, PlanAction.ISOLATE, detail=detail)
+        return Skipped(turn_id, RunStop.ISOLATE, detail=detail)
     in_flight = sum(e.state == "dispatched" for e in entries.values())
     pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))
     claimed = claim_for_resume(record, now_ms=int(time.time() * 1000), died_at=died_at)
@@ -241,12 +263,11 @@ async def plan_resume(
     try:
         await store.save(claimed)
     except StaleOwner as exc:
-        return ResumePlan(turn_id, PlanAction.FENCED, detail=str(exc))
+        return Skipped(turn_id, RunStop.FENCED, detail=str(exc))
     if placement is Placement.SUSPEND:
-        return ResumePlan(turn_id, PlanAction.SUSPENDED, record=claimed, detail="poison")
-    return ResumePlan(
+        return Parked(turn_id, claimed, detail="poison")
+    return Resume(
         turn_id,
-        PlanAction.RESUME,
         record=claimed,
         resume_from=record.reason,
         spec=spec,

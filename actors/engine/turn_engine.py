@@ -27,7 +27,13 @@ from actors.engine.config import Settings
 from actors.engine.listeners import Listeners
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
-from actors.engine.resume import PlanAction, ResumePlan, claim_for_resume, plan_resume
+from actors.engine.resume import (
+    Parked,
+    ResumePlan,
+    Skipped,
+    claim_for_resume,
+    plan_resume,
+)
 from actors.engine.run_stats import RunStats, still_in_progress
 from actors.engine.setbacks import Setbacks
 from actors.engine.submission import new_turns, queued_turn, session_turn
@@ -262,7 +268,7 @@ class TurnEngine:
         A turn the policy isolates is queued for the isolation host instead (``isolate``)."""
         if plan is None:
             plan = await self.plan(turn_id)
-        if plan.action is PlanAction.ISOLATE:
+        if isinstance(plan, Skipped) and plan.stop is RunStop.ISOLATE:
             await self.isolation.enqueue(turn_id)
             log.warning("turn %s: %s", turn_id, plan.detail)
             if self._on_isolate is not None:
@@ -274,14 +280,15 @@ class TurnEngine:
         """Carry out a plan: run its claimed record (``loop_kw`` go to :meth:`build_loop`), or
         report why there is nothing to run."""
         turn_id = plan.turn_id
-        if plan.action is PlanAction.UNUSABLE:
-            self.stats.quarantined.append(turn_id)
-        if plan.action is PlanAction.SUSPENDED and plan.record is not None:
-            log.error("turn %s suspended: %s", turn_id, plan.record.counters.isolated_deaths)
-            return TurnOutcome.parked(turn_id, Outcome.SUSPENDED_POISON, plan.record.epoch)
-        if plan.action is not PlanAction.RESUME or plan.record is None or plan.spec is None:
-            log.warning("turn %s not resumed: %s (%s)", turn_id, plan.action, plan.detail)
-            return TurnOutcome.stopped(turn_id, plan.action.stop)
+        match plan:
+            case Parked(record=record):
+                log.error("turn %s suspended: %s", turn_id, record.counters.isolated_deaths)
+                return TurnOutcome.parked(turn_id, Outcome.SUSPENDED_POISON, record.epoch)
+            case Skipped(stop=stop, detail=detail):
+                if stop is RunStop.UNUSABLE:
+                    self.stats.quarantined.append(turn_id)
+                log.warning("turn %s not resumed: %s (%s)", turn_id, stop, detail)
+                return TurnOutcome.stopped(turn_id, stop)
         self.stats.resumed += 1
         return await self.start(plan.record, plan.spec, resume_from=plan.resume_from, **loop_kw)
 

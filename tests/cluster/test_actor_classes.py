@@ -27,8 +27,9 @@ from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
 from actors.engine.config import Settings
-from actors.engine.resume import PlanAction
+from actors.engine.resume import Skipped
 from actors.turn.recovery import Decision
+from actors.turn.run_result import RunStop
 from bus.errors import PhaselineError, StaleOwner, StoreError
 from bus.events import Status, StatusEvent, encode_event
 from bus.outcomes import Action, Problem
@@ -125,7 +126,7 @@ async def test_the_recovery_actor_plans_and_decides_through_its_ref(
     actor = RecoveryActor(deployment(redis_url, namespace).to_wire())
     ref = RecoveryRef(local(actor))
     (plan,) = await ref.plan_many(["no-such-turn"])
-    assert (plan.turn_id, plan.action) == ("no-such-turn", PlanAction.UNUSABLE)
+    assert plan == Skipped("no-such-turn", RunStop.UNUSABLE, plan.detail)
     assert (await ref.hello()).counts["plans"] == 1
     decided = await ref.decide(Problem.RETRYABLE, retry_attempts=1)
     assert decided == Decision(Action.RETRY, Problem.RETRYABLE, backoff_s=2.0)

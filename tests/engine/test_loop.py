@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.cancel import Cancelled, request_cancel
-from actors.engine.resume import claim_for_resume, plan_resume
+from actors.engine.resume import Resume, claim_for_resume, plan_resume
 from actors.engine.run_stats import still_in_progress
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
@@ -278,12 +278,12 @@ async def test_an_in_progress_record_without_a_spec_is_quarantined_not_replanned
     await engine.submit(*scripted_turn(scenario()), "fine")
     await real_client.delete(keys.spec("nospec"))
     lost = await plan_resume(engine.store, engine.ledger, engine.inbox, "nospec")
-    assert lost.action == "unusable" and "no spec" in lost.detail
+    assert lost.what == "unusable" and "no spec" in lost.detail
     assert "nospec" in await engine.store.quarantined()
     # out of the in-progress index, so the next adopt does not plan it again
     assert await engine.store.list_in_progress() == ["fine"]
     ok = await plan_resume(engine.store, engine.ledger, engine.inbox, "fine")
-    assert ok.action == "resume" and ok.record is not None and ok.record.epoch == 2
+    assert isinstance(ok, Resume) and ok.record.epoch == 2
 
 
 async def test_only_resumes_without_progress_count_towards_isolation(
@@ -292,7 +292,7 @@ async def test_only_resumes_without_progress_count_towards_isolation(
     engine = make_engine(real_client, keys)
 
     async def plan(turn_id: str) -> str:
-        return (await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)).action
+        return (await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)).what
 
     # claimed again and again before it saved anything: not aborted, but isolated
     await engine.submit(*scripted_turn(scenario()), "stuck")

@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.resume import ResumePlan, plan_resume, reopen
+from actors.engine.resume import (
+    Parked,
+    Resume,
+    Skipped,
+    plan_from_wire,
+    plan_resume,
+    plan_to_wire,
+    reopen,
+)
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -24,16 +32,18 @@ from actors.turn.poison import (
     isolation_backoff_s,
     place,
 )
+from actors.turn.run_result import RunStop
 from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, StoreError
-from bus.outcomes import Outcome
+from bus.outcomes import Outcome, SaveReason
 from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
-from store.records import CheckpointRecord, TurnInput
+from store.records import CheckpointRecord, TurnInput, TurnSpec
 from tests.support.agents import BUGGY_CALLS
 from tests.support.polling import eventually
+from tests.support.records import record
 from tests.support.reference import reference
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
@@ -81,14 +91,29 @@ def test_evidence_names_the_steps() -> None:
     assert "2 times" in text and "awaiting_llm@7 x2" in text and "4 stalled" in text
 
 
-@pytest.mark.parametrize(("action", "resume_from"), [("explode", None), ("resume", "whim")])
-def test_a_plan_with_an_unknown_action_or_reason_is_a_record_error(
-    action: str, resume_from: str | None
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [({"kind": "explode"}, "unknown plan kind"), ({"kind": "skipped", "stop": "whim"}, "whim"),
+     ({"kind": "resume", "record": None}, "CheckpointRecord"), ({"kind": "skipped"}, "stop")],
+)  # fmt: skip
+def test_a_malformed_plan_on_the_wire_is_a_record_error(
+    fields: dict[str, object], why: str
 ) -> None:
-    wire = pack({"turn_id": "t", "action": action, "record": None, "resume_from": resume_from,
-                 "scenario": None, "in_flight": 0, "pending_inbox": 0, "detail": ""})  # fmt: skip
-    with pytest.raises(RecordError, match="is not a valid"):
-        ResumePlan.from_wire(wire)
+    wire = pack({"turn_id": "t", "detail": "", **fields})
+    with pytest.raises(RecordError, match=why):
+        plan_from_wire(wire)
+
+
+def test_every_plan_shape_round_trips_the_wire() -> None:
+    rec = record("t", epoch=2, seq=3)
+    spec = TurnSpec(turn_id="t", session_id="s1", agent="a.b:c", input={"message": "hi"},
+                    created_at=1)  # fmt: skip
+    for plan in (
+        Resume("t", rec, spec, SaveReason.TOOL_BATCH, in_flight=1, pending_inbox=2, detail="d"),
+        Parked("t", rec, detail="poison"),
+        Skipped("t", RunStop.FENCED, detail="newer owner"),
+    ):
+        assert plan_from_wire(plan_to_wire(plan)) == plan
 
 
 def test_poison_turns_are_spread_and_crash_at_their_third_call() -> None:
@@ -147,7 +172,7 @@ async def test_isolation_queue_and_probation_marker(
 async def claims(engine: TurnEngine, turn_id: str, n: int) -> None:
     for _ in range(n):
         plan = await plan_resume(engine.store, engine.ledger, engine.inbox, turn_id)
-        assert plan.action == "resume"
+        assert plan.what == "resume"
 
 
 async def test_a_stalled_turn_is_isolated_then_released_and_completes(
@@ -159,7 +184,7 @@ async def test_a_stalled_turn_is_isolated_then_released_and_completes(
     await claims(engine, "unlucky", ISOLATE_AFTER - 1)  # lost its host, resumed, lost it again
     before = await engine.store.load("unlucky")
     plan = await plan_resume(engine.store, engine.ledger, engine.inbox, "unlucky")
-    assert plan.action == "isolate" and plan.record is None
+    assert plan == Skipped("unlucky", RunStop.ISOLATE, plan.detail)
     assert (await engine.store.load("unlucky")).epoch == before.epoch  # no claim by a shared host
 
     assert (await engine.resume("unlucky")).outcome == "isolate"
@@ -243,7 +268,7 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
     await engine.probations.note_predecessor(died=True)
     plan = await plan_resume(engine.store, engine.ledger, engine.inbox, "early", isolated=True,
                              marker=await engine.isolation.current())  # fmt: skip
-    assert plan.action == "resume" and plan.record is not None
+    assert isinstance(plan, Resume)
     assert plan.record.counters.isolated_deaths == ()
 
     # a freeze: the supervisor replaced a host that stopped answering
@@ -268,7 +293,7 @@ async def test_deaths_the_turn_cannot_have_caused_do_not_count(
     await claims(stale, "moved", 1)  # epoch 2 now
     plan = await plan_resume(stale.store, stale.ledger, stale.inbox, "moved", isolated=True,
                              marker=await stale.isolation.current())  # fmt: skip
-    assert plan.record is not None and plan.record.counters.isolated_deaths == ()
+    assert isinstance(plan, Resume) and plan.record.counters.isolated_deaths == ()
 
 
 async def _epoch_past(engine: TurnEngine, turn_id: str, epoch: int) -> CheckpointRecord | None:
