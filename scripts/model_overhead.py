@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from actors.engine.engine_settings import EngineSettings  # noqa: E402
 from actors.engine.scenario import parse_scenario  # noqa: E402
 from actors.engine.scripted import scripted_turn  # noqa: E402
 from actors.engine.turn_engine import TurnEngine  # noqa: E402
@@ -37,10 +38,9 @@ ROUNDS, TURNS, REPEATS = 10, 30, 2
 
 async def per_call_ms(client: object, label: str, agent: str, turn_input: TurnInput) -> float:
     engine = TurnEngine(
-        client,  # type: ignore[arg-type]
+        client,
         KeyLayout(f"overhead{label}", 4),
-        watchdog=None,
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
+        EngineSettings(watchdog=None, loop=LoopSettings(checkpoint_min_interval_s=0)),
     )
     await engine.run_new(agent, turn_input, [f"warm-{label}"])
     t0 = time.perf_counter()

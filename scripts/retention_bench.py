@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -38,9 +39,14 @@ async def load(url: str, turns: int, batch: int, ttl_s: float, settle_s: float) 
     client = connect(url)
     keys = KeyLayout(f"ret{int(ttl_s)}")
     engine = TurnEngine(
-        client, keys, watchdog=None, retention=Retention(finished_ttl_s=ttl_s),
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
-    )  # fmt: skip
+        client,
+        keys,
+        EngineSettings(
+            watchdog=None,
+            retention=Retention(finished_ttl_s=ttl_s),
+            loop=LoopSettings(checkpoint_min_interval_s=0),
+        ),
+    )
     agent, turn_input = scripted_turn(parse_scenario(SCENARIO))
     memory: dict[str, int] = {}
     try:

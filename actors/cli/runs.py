@@ -34,6 +34,7 @@ from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineHooks
 from actors.engine.resume import reopen
 from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
@@ -284,7 +285,9 @@ def run(
     console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
 
     async def in_proc(client: StoreClient) -> RunStats:
-        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        engine = TurnEngine.from_settings(
+            client, settings, EngineHooks(on_transition=bar.on_transition)
+        )
         try:
             with bar.progress:
                 return await engine.run_new(agent, turn_input, ids)
@@ -345,7 +348,9 @@ def resume(
         store = RedisCheckpointStore(client, keys)
         ids = await chosen(store) if named else None
         bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
-        engine = TurnEngine.from_settings(client, settings, on_transition=bar.on_transition)
+        engine = TurnEngine.from_settings(
+            client, settings, EngineHooks(on_transition=bar.on_transition)
+        )
         try:
             with bar.progress:
                 if ids is None:

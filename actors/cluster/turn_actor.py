@@ -40,6 +40,7 @@ from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
+from actors.engine.engine_settings import EngineHooks
 from actors.engine.resume import ResumePlan
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.run_result import RunStop, TurnOutcome
@@ -89,13 +90,15 @@ class TurnActor:
         self.engine = TurnEngine.from_settings(
             self.client,
             self.dep.settings,
-            watchdog=None,
-            checkpoints=self.checkpoints,
-            runner=self.tools,
-            on_transition=self.publisher.add,
-            on_event=self._on_event,
+            EngineHooks(
+                checkpoints=self.checkpoints,
+                runner=self.tools,
+                on_transition=self.publisher.add,
+                on_event=self._on_event,
+                on_isolate=self._isolation_wanted,
+            ),
+            watchdog=False,  # the WatchdogActor watches every host's turns
             publish=False,  # its own publisher, above: its drops are counted in hello
-            on_isolate=self._isolation_wanted,
         )
         self.directory = HostDirectory(self.dep, self.client)
         self._tasks: dict[str, asyncio.Task[TurnOutcome]] = {}

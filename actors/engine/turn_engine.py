@@ -17,13 +17,13 @@ from typing import Any
 
 from actors.engine.admission import RedisAdmission
 from actors.engine.agents import (
-    AgentChange,
     AgentChanged,
     agent_fingerprint,
     load_agent,
     noted_agent,
 )
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.listeners import Listeners
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
@@ -38,7 +38,6 @@ from actors.engine.run_stats import RunStats, still_in_progress
 from actors.engine.setbacks import Setbacks
 from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
-    DEFAULT_MAX_TOOL_RESULT_BYTES,
     BatchExecutor,
     LocalToolRunner,
     ToolRunner,
@@ -48,26 +47,22 @@ from actors.turn.deps import Checkpointer, ProbationHooks, TurnDeps
 from actors.turn.loop import TurnLoop
 from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
-from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules, WatchdogSettings
+from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules
 from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError
-from bus.events import LiveEvent, Recovering
+from bus.events import Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
 from bus.phase import Transition
 from store.approvals import Approvals
 from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
-from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.connection import StoreClient
-from store.durability import Durability
 from store.effects import EffectCounters
 from store.inbox import Inbox
 from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
 from store.records import CheckpointRecord, TurnError, TurnInput, TurnSpec
-from store.retention import Retention
 from store.sessions import Sessions
-from store.transaction import AtomicSave
 
 log = logging.getLogger(__name__)
 
@@ -79,83 +74,64 @@ class TurnEngine:
         self,
         client: StoreClient,
         keys: KeyLayout,
-        *,
-        loop_settings: LoopSettings = LoopSettings(),
-        watchdog: WatchdogSettings | None = WatchdogSettings(),
-        checkpoints: Checkpointer | None = None,
-        runner: ToolRunner | None = None,
-        on_transition: Callable[[Transition], None] | None = None,
-        on_event: Callable[[LiveEvent], None] | None = None,
-        on_status: Callable[[SoftIdle], None] | None = None,
-        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-        max_tool_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES,
-        durability: Durability = Durability(),
-        atomic: AtomicSave = AtomicSave.SCRIPT,
-        retention: Retention = Retention(),
-        on_agent_change: AgentChange = AgentChange.CONTINUE,
-        on_isolate: Callable[[str], None] | None = None,
-        probation_patience_s: float = 30.0,
-        on_finish: OnFinish | None = None,
+        settings: EngineSettings = EngineSettings(),
+        hooks: EngineHooks = EngineHooks(),
     ) -> None:
-        """``on_event`` hears what a watcher sees besides transitions (streamed text, tool calls
-        and results, restarts, final answers); ``on_isolate`` of every turn this engine queued
-        for the isolation host; ``on_finish`` (``actors.engine.on_finish``) of every turn that
-        ends here, after its final save."""
         self.keys = keys
-        self.on_finish = on_finish
+        self.settings = settings
+        self.hooks = hooks
         self.store = RedisCheckpointStore(
-            client, keys, max_record_bytes=max_record_bytes, durability=durability, atomic=atomic,
-            retention=retention,
+            client, keys, max_record_bytes=settings.max_record_bytes,
+            durability=settings.durability, atomic=settings.atomic, retention=settings.retention,
         )  # fmt: skip
         self.ledger = ToolLedger(client, keys)
-        self.max_tool_result_bytes = max_tool_result_bytes
-        self.on_agent_change = on_agent_change
         self.effects = EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
         self.admission = RedisAdmission(client, keys)
         self.isolation = Isolation(client, keys)
         self.sessions = Sessions(self.store)
-        self.checkpoints: Checkpointer = checkpoints or self.store
-        self.loop_settings = loop_settings
-        self.runner: ToolRunner = runner or LocalToolRunner()
-        self.rules = None if watchdog is None else WatchdogRules(watchdog)
+        self.checkpoints: Checkpointer = hooks.checkpoints or self.store
+        self.runner: ToolRunner = hooks.runner or LocalToolRunner()
+        self.rules = None if settings.watchdog is None else WatchdogRules(settings.watchdog)
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}
-        self.on_transition = on_transition
-        self.on_event = on_event
-        self._on_status = on_status
-        self._on_isolate = on_isolate
-        self.probations = Probations(self, patience_s=probation_patience_s)
-        self.setbacks = Setbacks(self.store, self._rerun, on_event=on_event,
-                                 backoff_scale=loop_settings.backoff_scale)  # fmt: skip
+        self.probations = Probations(self, patience_s=settings.probation_patience_s)
+        self.setbacks = Setbacks(self.store, self._rerun, on_event=hooks.on_event,
+                                 backoff_scale=settings.loop.backoff_scale)  # fmt: skip
         self.listeners: Listeners | None = None
         """Who hears this engine's events (the live streams, the tracer), when it was made
         :meth:`from_settings`."""
 
     @classmethod
-    def from_settings(cls, client: StoreClient, settings: Settings, **kw: Any) -> TurnEngine:
-        kw.setdefault("watchdog", settings.watchdog)
-        kw.setdefault("max_record_bytes", settings.checkpoint.max_record_bytes)
-        kw.setdefault("max_tool_result_bytes", settings.checkpoint.max_tool_result_bytes)
-        kw.setdefault("durability", settings.redis.durability_policy())
-        kw.setdefault("atomic", settings.checkpoint.atomic)
-        kw.setdefault("retention", settings.retention.policy())
-        kw.setdefault("on_agent_change", settings.loop.on_agent_change)
-        kw.setdefault("probation_patience_s", settings.supervisor.probation_patience_s)
-        if settings.retention.on_finish:
-            kw.setdefault("on_finish", load_on_finish(settings.retention.on_finish))
+    def from_settings(
+        cls,
+        client: StoreClient,
+        settings: Settings,
+        hooks: EngineHooks = EngineHooks(),
+        *,
+        watchdog: bool = True,
+        publish: bool = True,
+    ) -> TurnEngine:
+        """The engine ``settings`` describe, with ``hooks``, the live streams (``publish``; a
+        Ray host brings its own publisher) and the tracer of ``[telemetry]`` listening, and
+        ``[retention] on_finish`` loaded unless ``hooks`` has one. ``watchdog=False``: no
+        watchdog in this process."""
+        if settings.retention.on_finish and hooks.on_finish is None:
+            hooks = dataclasses.replace(
+                hooks, on_finish=load_on_finish(settings.retention.on_finish)
+            )
         listeners = Listeners.of(
-            client, settings, on_transition=kw.pop("on_transition", None),
-            on_event=kw.pop("on_event", None), publish=kw.pop("publish", True),
+            client, settings, on_transition=hooks.on_transition, on_event=hooks.on_event,
+            publish=publish,
         )  # fmt: skip
         engine = cls(
             client,
             KeyLayout(settings.redis.namespace, settings.redis.shards),
-            loop_settings=settings.loop_settings(),
-            on_transition=listeners.on_transition(),
-            on_event=listeners.on_event(),
-            **kw,
+            EngineSettings.of(settings, watchdog=watchdog),
+            dataclasses.replace(
+                hooks, on_transition=listeners.on_transition(), on_event=listeners.on_event()
+            ),
         )
         engine.listeners = listeners
         return engine
@@ -271,8 +247,8 @@ class TurnEngine:
         if isinstance(plan, Skipped) and plan.stop is RunStop.ISOLATE:
             await self.isolation.enqueue(turn_id)
             log.warning("turn %s: %s", turn_id, plan.detail)
-            if self._on_isolate is not None:
-                self._on_isolate(turn_id)
+            if self.hooks.on_isolate is not None:
+                self.hooks.on_isolate(turn_id)
             return TurnOutcome.stopped(turn_id, RunStop.ISOLATE)
         return await self.run_plan(plan)
 
@@ -348,18 +324,18 @@ class TurnEngine:
                 self.ledger,
                 self.effects,
                 agent=spec.agent,
-                max_result_bytes=self.max_tool_result_bytes,
+                max_result_bytes=self.settings.max_tool_result_bytes,
             ),
             registry=registry,
             checkpoints=self.checkpoints,
             inbox=self.inbox,
             approvals=self.approvals,
             listener=self._transition,
-            events=self.on_event,
+            events=self.hooks.on_event,
         )
         limits = agent.settings
         tuned = dataclasses.replace(
-            settings or self.loop_settings,
+            settings or self.settings.loop,
             max_tool_rounds=limits.max_tool_rounds,
             compact_at_chars=limits.compact_at_chars,
             loop_thresholds=limits.loop_thresholds,
@@ -376,11 +352,11 @@ class TurnEngine:
 
     def _note_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:
         """:func:`~actors.engine.agents.noted_agent`, its change logged and published."""
-        record, change = noted_agent(record, fingerprint, self.on_agent_change)
+        record, change = noted_agent(record, fingerprint, self.settings.on_agent_change)
         if change:
             log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
-            if self.on_event is not None:
-                self.on_event(
+            if self.hooks.on_event is not None:
+                self.hooks.on_event(
                     Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
                                Action.CONTINUE, f"the agent changed ({change}); going on with it",
                                int(time.time() * 1000))
@@ -413,8 +389,8 @@ class TurnEngine:
         self.setbacks.succeeded(loop.turn_id)
         final = loop.saved
         ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended
-        if self.on_finish is not None and ended and not final.in_progress:
-            await self._finished(self.on_finish, final)
+        if self.hooks.on_finish is not None and ended and not final.in_progress:
+            await self._finished(self.hooks.on_finish, final)
         return outcome
 
     async def _finished(self, hook: OnFinish, final: CheckpointRecord) -> None:
@@ -505,14 +481,14 @@ class TurnEngine:
     def _transition(self, t: Transition) -> None:
         if self.rules is not None:
             self.rules.observe(t)
-        if self.on_transition is not None:
-            self.on_transition(t)
+        if self.hooks.on_transition is not None:
+            self.hooks.on_transition(t)
 
     def _soft_idle(self, action: SoftIdle) -> None:
         self.stats.idle_soft += 1
         log.info("turn %s: %s", action.turn_id, action.label)
-        if self._on_status is not None:
-            self._on_status(action)
+        if self.hooks.on_status is not None:
+            self.hooks.on_status(action)
 
     def _hard_cancel(self, action: HardCancel) -> None:
         self.cancel_llm(action.turn_id, action.epoch)

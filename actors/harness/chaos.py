@@ -328,7 +328,7 @@ class ChaosMonkey:
         """Claim and run a few turns of one host from here, as a second resumer would."""
         if self._rival is None:
             self._rival = TurnEngine.from_settings(
-                self.rt.client, self.rt.dep.settings, watchdog=None, publish=False
+                self.rt.client, self.rt.dep.settings, watchdog=False, publish=False
             )
         slot = self.rng.randrange(self.rt.dep.hosts)
         running = await self._affected(slot)  # turn -> epoch

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
 from actors.turn.settings import LoopSettings
@@ -62,7 +63,7 @@ async def reference_transcript(
     engine = TurnEngine(
         client,
         KeyLayout(namespace, shards=1),
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
+        EngineSettings(loop=LoopSettings(checkpoint_min_interval_s=0)),
     )
     await engine.run_new(*work.reference(), ["reference"])
     return (await engine.store.load("reference")).messages

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -57,7 +58,7 @@ def scenario(**kw: Any) -> Any:
 async def test_turns_lists_them_from_the_index_with_filters(
     real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     await engine.run_new(*scenario(), ["a1", "a2"])
     await engine.run_new(*scenario(), ["a3"])
     code, text = await cli("turns", *at(redis_url, keys), "--json")
@@ -75,7 +76,7 @@ async def test_turns_lists_them_from_the_index_with_filters(
 async def test_an_approval_is_listed_then_decided_from_the_cli(
     real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     agent, turn_input = scenario(rounds=1, require_approval=["echo"])
     record = (await engine.submit_many(agent, turn_input, ["gate"]))[0][1]
     spec = await engine.store.load_spec("gate")
@@ -103,7 +104,7 @@ async def test_an_approval_is_listed_then_decided_from_the_cli(
 async def test_cancel_and_inject_from_the_cli(
     real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     agent, turn_input = scenario(rounds=40, llm_latency_ms=100)
     record = (await engine.submit_many(agent, turn_input, ["long"]))[0][1]
     task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec("long")))
@@ -153,7 +154,7 @@ RECALL = "tests.support.agents:recall"
 async def test_a_busy_session_queues_or_interrupts_and_the_next_turn_opens_in_order(
     real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     first = asyncio.ensure_future(engine.run_in_session(RECALL, TurnInput(message="#sleep 1"), "q"))
 
     async def running() -> bool:
@@ -193,7 +194,7 @@ async def test_a_busy_session_queues_or_interrupts_and_the_next_turn_opens_in_or
 async def test_export_then_purge_round_trips_every_finished_turn(
     real_client: aioredis.Redis, keys: KeyLayout, redis_url: str, tmp_path: Path
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     ids = [f"ex{i:03d}" for i in range(600)]  # one run: all submitted in the same millisecond
     await engine.run_new(*scenario(rounds=1), ids)
     agent, turn_input = scenario(rounds=30, llm_latency_ms=1000)

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.events import Finished, Restarted, ToolReturned, WatchEvent
@@ -49,9 +50,10 @@ async def test_http_turns_survive_killed_hosts_and_tool_workers(
 ) -> None:
     turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
     reference = TurnEngine(
-        real_client, KeyLayout(f"{namespace}r", 4), watchdog=None,
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
-    )  # fmt: skip
+        real_client,
+        KeyLayout(f"{namespace}r", 4),
+        EngineSettings(watchdog=None, loop=LoopSettings(checkpoint_min_interval_s=0)),
+    )
     await reference.run_new(AGENT, turn_input, ["ref"])
     expected = texts(await reference.store.load("ref"))
 

@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import check_agent, load_agent
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -23,7 +24,7 @@ FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01
 
 
 def engine(client: aioredis.Redis, keys: KeyLayout) -> TurnEngine:
-    return TurnEngine(client, keys, loop_settings=FAST, watchdog=None)
+    return TurnEngine(client, keys, EngineSettings(loop=FAST, watchdog=None))
 
 
 def test_a_tool_schema_comes_from_type_hints_and_docstring() -> None:

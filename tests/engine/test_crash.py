@@ -12,6 +12,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -104,7 +105,7 @@ async def test_sigkill_between_checkpoints_then_resume_equals_fault_free_run(
     ref = (await reference(real_client, sc, [turn_id]))[turn_id]
     assert crashed.messages == ref.messages[: len(crashed.messages)]
 
-    engine = TurnEngine(real_client, keys, loop_settings=FAST)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
     stats = await engine.resume_all()
     assert stats.resumed == 1 and stats.outcomes == {"answered": 1}
     final = await store.load(turn_id)
@@ -217,7 +218,7 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
     keys = KeyLayout(namespace, shards=16)
     normal = load_scenario(write_scenario(tmp_path, 40, '["echo", "counter_increment"]'))
     poison = poison_variant(normal)  # its third model call SIGKILLs the process
-    engine = TurnEngine(real_client, keys, loop_settings=FAST)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
     await engine.submit_many(*scripted_turn(normal), ["ok1", "ok2", "ok3"])
     await engine.submit(*scripted_turn(poison), "bad")
 

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome
@@ -52,9 +53,10 @@ async def test_a_tool_agent_answers_in_process(
     real_client: aioredis.Redis, keys: KeyLayout, llama_server: str
 ) -> None:
     engine = TurnEngine(
-        real_client, keys, watchdog=None,
-        loop_settings=LoopSettings(strict=True, checkpoint_min_interval_s=0),
-    )  # fmt: skip
+        real_client,
+        keys,
+        EngineSettings(watchdog=None, loop=LoopSettings(strict=True, checkpoint_min_interval_s=0)),
+    )
     ids = [f"llama{i}" for i in range(3)]
     stats = await engine.run_new(ADDER, ASK, ids)
     assert stats.all_final and not stats.aborted, stats.as_dict()
@@ -70,9 +72,10 @@ async def test_a_prompt_too_long_is_the_endpoints_context_error_not_a_transient_
     of the turn's own can be compacted (the input alone is too long): the turn ends
     ``aborted:context_length`` at once, with the server's words, not after three retries."""
     engine = TurnEngine(
-        real_client, keys, watchdog=None,
-        loop_settings=LoopSettings(strict=True, checkpoint_min_interval_s=0),
-    )  # fmt: skip
+        real_client,
+        keys,
+        EngineSettings(watchdog=None, loop=LoopSettings(strict=True, checkpoint_min_interval_s=0)),
+    )
     long = TurnInput(message="Add 2 and 3. " + "Numbers are fun. " * 700)
     stats = await engine.run_new(ADDER, long, ["too-long"])
     assert stats.outcomes == {Outcome.ABORTED_CONTEXT_LENGTH: 1}

@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.cancel import Cancelled, request_cancel
+from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.resume import Resume, claim_for_resume, plan_resume
 from actors.engine.run_stats import still_in_progress
 from actors.engine.scenario import Scenario, parse_scenario
@@ -66,8 +67,8 @@ class Recorder:
 
 
 def make_engine(client: aioredis.Redis, keys: KeyLayout, **kw: Any) -> TurnEngine:
-    kw.setdefault("loop_settings", FAST)
-    return TurnEngine(client, keys, **kw)
+    """An engine on the test loop settings; ``kw`` are :class:`EngineSettings` fields."""
+    return TurnEngine(client, keys, EngineSettings(**{"loop": FAST, **kw}))
 
 
 async def run_with_recorder(
@@ -361,7 +362,7 @@ async def test_injected_messages_enter_once_at_the_next_boundary(
                 asyncio.ensure_future(engine.inbox.push("inbox", "mid", message_id="mid"))
             )
 
-    engine.on_transition = on_move
+    engine.hooks = EngineHooks(on_transition=on_move)
     await engine.start(record, await engine.store.load_spec(record.turn_id))
     await asyncio.gather(*pushes)
     final = await engine.store.load("inbox")
@@ -382,11 +383,11 @@ async def test_approvals_wait_in_a_transient_and_deny_after_the_cap(
     settings = LoopSettings(
         strict=True, checkpoint_min_interval_s=0, approval_timeout_s=0.3, approval_poll_s=0.01
     )
-    engine = make_engine(real_client, keys, loop_settings=settings)
+    engine = make_engine(real_client, keys, loop=settings)
     sc = scenario(rounds=1, tools_per_round=1, require_approval=["echo"])
     record = await engine.submit(*scripted_turn(sc), "gate")
     moves: list[Transition] = []
-    engine.on_transition = moves.append
+    engine.hooks = EngineHooks(on_transition=moves.append)
     task = asyncio.ensure_future(engine.start(record, await engine.store.load_spec(record.turn_id)))
 
     async def pending() -> str | None:
@@ -422,10 +423,9 @@ async def test_hang_gets_soft_then_hard_idle_and_keeps_the_partial_transcript(
 ) -> None:
     statuses: list[Any] = []
     engine = make_engine(
-        real_client, keys,
-        watchdog=WatchdogSettings(tick_s=0.02, soft_idle_s=0.1, hard_idle_s=0.4),
-        on_status=statuses.append,
-    )  # fmt: skip
+        real_client, keys, watchdog=WatchdogSettings(tick_s=0.02, soft_idle_s=0.1, hard_idle_s=0.4)
+    )
+    engine.hooks = EngineHooks(on_status=statuses.append)
     sc = scenario(faults=[{"at_call": 2, "kind": "hang"}])
     stats = await engine.run_new(*scripted_turn(sc), ["hung"])
     assert stats.outcomes == {"aborted:hard_idle_timeout": 1}

@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import load_agent
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.mcp import MCPHub, hub, mcp_registry
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine(client: aioredis.Redis, keys: KeyLayout) -> TurnEngine:
-    return TurnEngine(client, keys, loop_settings=FAST, watchdog=None)
+    return TurnEngine(client, keys, EngineSettings(loop=FAST, watchdog=None))
 
 
 def plan(*calls: tuple[str, dict[str, Any]], quote: bool = True) -> TurnInput:

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -34,7 +35,7 @@ FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0)
 def engine_with(
     client: aioredis.Redis, keys: KeyLayout, hook: Callable[[FinishedTurn], Any]
 ) -> TurnEngine:
-    return TurnEngine(client, keys, loop_settings=FAST, on_finish=hook)
+    return TurnEngine(client, keys, EngineSettings(loop=FAST), EngineHooks(on_finish=hook))
 
 
 async def test_the_hook_gets_each_finished_turn_once_with_its_export_line(

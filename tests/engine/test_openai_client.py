@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.resume import reopen
 from actors.engine.run_stats import RunStats
 from actors.engine.submission import session_tokens
@@ -62,10 +63,9 @@ def ask(rounds: int = 2, **faults: dict[str, Any]) -> TurnInput:
 
 async def run(
     client: aioredis.Redis, keys: KeyLayout, agent: str, turn_input: TurnInput, turn_id: str,
-    **engine_kw: Any,
+    watchdog: WatchdogSettings | None = None,
 ) -> tuple[RunStats, CheckpointRecord]:  # fmt: skip
-    engine_kw.setdefault("watchdog", None)
-    engine = TurnEngine(client, keys, loop_settings=FAST, **engine_kw)
+    engine = TurnEngine(client, keys, EngineSettings(loop=FAST, watchdog=watchdog))
     stats = await engine.run_new(agent, turn_input, [turn_id])
     return stats, await engine.store.load(turn_id)
 
@@ -298,7 +298,7 @@ async def test_a_missing_api_key_leaves_the_turn_for_a_host_that_has_it_then_sus
     error = record.counters.last_error
     assert error is not None and error.source == "agent" and record.counters.agent_failures == 1
     assert f"${TEST_KEY_ENV} is not set here" in error.message and "cannot run on" in error.message
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     spec = await engine.store.load_spec("nokey")
     for _ in range(2):  # two more hosts without the key: the turn is parked, with its reason
         done = await engine.start(await engine.store.load("nokey"), spec)
@@ -347,7 +347,7 @@ async def test_a_burst_over_the_rate_limit_waits_and_every_turn_answers(
     nothing) without spending a transient-error attempt, and every turn answers."""
     rate_limit(rpm=600, burst=5, headers=headers)
     ids = [f"rl{headers:d}-{i}" for i in range(20)]
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     stats = await engine.run_new(JSON, ask(2), ids)
     seen = stats_of(endpoint)
     assert stats.outcomes == {"answered": 20}
@@ -365,7 +365,7 @@ async def test_a_rate_limit_past_the_cap_aborts_the_turn_rate_limited(
 ) -> None:
     rate_limit(rpm=1, burst=1, headers=True)  # the next request in a minute
     settings = dataclasses.replace(FAST, rate_limit_max_wait_s=0.2)
-    engine = TurnEngine(real_client, keys, loop_settings=settings, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=settings, watchdog=None))
     stats = await engine.run_new(JSON, ask(0), ["capped1", "capped2"])  # one call each
     assert stats.outcomes == {"aborted:rate_limited": 1, "answered": 1}
 
@@ -377,7 +377,7 @@ async def test_with_the_limit_declared_the_cluster_keeps_to_it(
     limiter instead of being refused (at most 10 % refused), and every turn answers."""
     rate_limit(rpm=600, burst=5, headers=True)
     ids = [f"decl-{i}" for i in range(20)]
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     stats = await engine.run_new(LIMITED, ask(2), ids)
     seen = stats_of(endpoint)
     assert stats.outcomes == {"answered": 20}
@@ -406,7 +406,7 @@ async def test_tokens_are_summed_per_turn_and_a_budget_wraps_the_turn_up(
 async def test_a_sessions_tokens_add_up_across_turns_and_its_budget_ends_it(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    engine = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
     finals: list[CheckpointRecord] = []
     with pytest.raises(BudgetExhausted) as refused:
         for _ in range(10):  # 150 tokens a session: a few turns of one round each

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.resume import (
     Parked,
     Resume,
@@ -57,7 +58,7 @@ HANG_FIRST_CALL = {"faults": [{"at_call": 1, "kind": "hang"}]}
 
 
 def engine_on(client: aioredis.Redis, keys: KeyLayout) -> TurnEngine:
-    return TurnEngine(client, keys, loop_settings=FAST, watchdog=None)
+    return TurnEngine(client, keys, EngineSettings(loop=FAST, watchdog=None))
 
 
 # -- the pure policy ----------------------------------------------------------------------------
@@ -312,7 +313,10 @@ async def test_a_redis_failure_cutting_a_probation_leaves_no_evidence(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     engine = TurnEngine(
-        real_client, keys, loop_settings=FAST, watchdog=None, checkpoints=_Unreachable()
+        real_client,
+        keys,
+        EngineSettings(loop=FAST, watchdog=None),
+        EngineHooks(checkpoints=_Unreachable()),
     )
     await engine.submit(*scripted_turn(scenario()), "cut")
     await engine.isolation.enqueue("cut")
@@ -353,7 +357,7 @@ async def test_a_slow_probation_does_not_hold_the_queue(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     engine = TurnEngine(
-        real_client, keys, loop_settings=FAST, watchdog=None, probation_patience_s=0.2
+        real_client, keys, EngineSettings(loop=FAST, watchdog=None, probation_patience_s=0.2)
     )
     await engine.submit(*scripted_turn(scenario(**HANG_FIRST_CALL)), "slow")
     await engine.submit(*scripted_turn(scenario()), "next")
@@ -375,7 +379,7 @@ async def test_a_turn_whose_runs_keep_failing_backs_off_then_is_suspended(
     """A bug (here the model adapter's KeyError) fails one turn, not the run: it is resumed
     with a backoff, and suspended with the error after three runs in a row; the other turns of
     the run answer."""
-    engine = TurnEngine(real_client, keys, loop_settings=FAST)
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
     ask = TurnInput(message="2+3")
     await asyncio.gather(
         engine.run_new("tests.support.agents:buggy", ask, ["bug"]),

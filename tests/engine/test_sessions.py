@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import AgentChange
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.resume import reopen
 from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
@@ -23,7 +24,7 @@ FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0)
 
 
 def engine(client: aioredis.Redis, keys: KeyLayout) -> TurnEngine:
-    return TurnEngine(client, keys, loop_settings=FAST, watchdog=None)
+    return TurnEngine(client, keys, EngineSettings(loop=FAST, watchdog=None))
 
 
 def test_a_session_turn_id_lives_in_its_session_shard() -> None:
@@ -141,7 +142,9 @@ def new_session_turn(turn_id: str) -> tuple[TurnSpec, CheckpointRecord]:
 async def test_a_turn_resumed_under_a_changed_agent_goes_on_noted_or_is_suspended(
     real_client: aioredis.Redis, keys: KeyLayout, policy: AgentChange
 ) -> None:
-    eng = TurnEngine(real_client, keys, loop_settings=FAST, watchdog=None, on_agent_change=policy)
+    eng = TurnEngine(
+        real_client, keys, EngineSettings(loop=FAST, watchdog=None, on_agent_change=policy)
+    )
     spec, record = (await eng.submit_many(AGENT, TurnInput(message="hi"), ["up"]))[0]
     # as if it had started on an older version of the agent, then lost its host
     before = record.counters.model_copy(update={"agent_fingerprint": "0123456789abcdef"})

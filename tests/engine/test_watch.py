@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from rich.console import Console
 
+from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -42,9 +43,11 @@ def publishing_engine(
 ) -> tuple[TurnEngine, BufferedPublisher]:
     publisher = BufferedPublisher(RedisBus(client, keys), interval_s=0.005)
     eng = TurnEngine(
-        client, keys, loop_settings=FAST, watchdog=None,
-        on_transition=publisher.add, on_event=publisher.add,
-    )  # fmt: skip
+        client,
+        keys,
+        EngineSettings(loop=FAST, watchdog=None),
+        EngineHooks(on_transition=publisher.add, on_event=publisher.add),
+    )
     return eng, publisher
 
 
@@ -85,9 +88,11 @@ async def test_streamed_text_arrives_in_pieces_that_join_into_the_reply(
     monkeypatch.setenv(TEST_KEY_ENV, "sk-watch")
     pieces: list[TextDelta] = []
     eng = TurnEngine(
-        real_client, keys, loop_settings=FAST, watchdog=None,
-        on_event=lambda e: pieces.append(e) if isinstance(e, TextDelta) else None,
-    )  # fmt: skip
+        real_client,
+        keys,
+        EngineSettings(loop=FAST, watchdog=None),
+        EngineHooks(on_event=lambda e: pieces.append(e) if isinstance(e, TextDelta) else None),
+    )
     script = {"rounds": 1, "tool": "add"}
     turn = TurnInput(message=f"#script {json.dumps(script)}\nAdd, please.")
     await eng.run_new("tests.support.agents:http_stream", turn, ["s1"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -24,7 +25,7 @@ IDS = [f"v{i}" for i in range(6)]
 
 
 async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, ...]:
-    await TurnEngine(client, keys, loop_settings=FAST).run_new(*scripted_turn(SC), IDS)
+    await TurnEngine(client, keys, EngineSettings(loop=FAST)).run_new(*scripted_turn(SC), IDS)
     return await reference_transcript(client, Work.scripted(SC), f"{keys.namespace}-ref")
 
 

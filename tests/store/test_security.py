@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -36,10 +37,10 @@ async def test_an_acl_user_runs_turns_in_its_namespace_and_nowhere_else(tmp_path
     with EmbeddedRedis(data_dir=tmp_path) as server:
         url = acl_user(server, "team_a", "s3cret-a", "team_a")
         client = connect(url, retry_s=0)
-        engine = TurnEngine(client, KeyLayout("team_a", shards=4), watchdog=None)
+        engine = TurnEngine(client, KeyLayout("team_a", shards=4), EngineSettings(watchdog=None))
         stats = await engine.run_new(*scripted_turn(SCENARIO), ["a1", "a2"])
         assert stats.outcomes == {"answered": 2} and stats.all_final
-        other = TurnEngine(client, KeyLayout("team_b", shards=4), watchdog=None)
+        other = TurnEngine(client, KeyLayout("team_b", shards=4), EngineSettings(watchdog=None))
         with pytest.raises(StoreError, match="No permissions to access a key"):
             await other.submit(
                 *scripted_turn(SCENARIO), "b1"
@@ -82,7 +83,7 @@ async def test_turns_over_tls_with_a_client_certificate(
         base = f"rediss://:{server.password}@127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path}/ca.pem"
         url = f"{base}&ssl_certfile={tmp_path}/client.pem&ssl_keyfile={tmp_path}/client.key"
         client = connect(url, retry_s=0)
-        engine = TurnEngine(client, KeyLayout("tls", shards=2), watchdog=None)
+        engine = TurnEngine(client, KeyLayout("tls", shards=2), EngineSettings(watchdog=None))
         stats = await engine.run_new(*scripted_turn(SCENARIO), ["over-tls"])
         assert stats.outcomes == {"answered": 1}
         await client.aclose()

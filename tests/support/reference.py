@@ -6,6 +6,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -21,7 +22,7 @@ async def reference(
 ) -> dict[str, CheckpointRecord]:
     """The fault-free run of the same scenario and turn ids, in its own namespace."""
     keys = KeyLayout(f"ref{uuid.uuid4().hex[:10]}", shards=4)
-    engine = TurnEngine(client, keys, loop_settings=FAST)
+    engine = TurnEngine(client, keys, EngineSettings(loop=FAST))
     fast = sc.model_copy(update={"llm_latency_ms": 0})  # tool latency is in the args
     await engine.run_new(*scripted_turn(fast), turn_ids)
     return {t: await engine.store.load(t) for t in turn_ids}

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.engine.agents import load_agent
+from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.submission import new_turns
@@ -46,8 +47,7 @@ async def durable_loop(
     engine = TurnEngine(
         client,
         KeyLayout(f"benchloop{time.time_ns()}"),
-        loop_settings=LoopSettings(checkpoint_min_interval_s=0),
-        watchdog=None,
+        EngineSettings(loop=LoopSettings(checkpoint_min_interval_s=0), watchdog=None),
     )
     agent, turn_input = scripted_turn(SCENARIO)
     registry = await engine.runner.registry(agent, load_agent(agent), turn_input)
