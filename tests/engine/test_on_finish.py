@@ -117,8 +117,8 @@ async def test_ray_hosts_load_the_hook_by_path_and_call_it_once_per_turn(
 async def read_when_written(turn_id: str) -> list[dict[str, Any]]:
     path = archived(turn_id)
 
-    async def written() -> bool:
-        return path.exists()
+    async def written() -> bool:  # a whole line: the hook creates the file, then writes it
+        return path.exists() and path.read_text(encoding="utf-8").endswith("\n")
 
     await eventually(written, timeout=30, what=f"the archive of {turn_id}")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
