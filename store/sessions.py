@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 import redis
 
@@ -137,11 +138,9 @@ class Sessions:
                             raise TurnExists(f"turn {new} already exists; session {session_id} "
                                              "cannot open its next turn")  # fmt: skip
                         if queued is not None:
-                            head = await pipe.lindex(queue, 0)
-                            if head is None:
+                            build = await _queue_head(pipe, queue, queued)
+                            if build is None:
                                 return None
-                            item = unpack_model(QueuedTurn, raw_bytes(head), key=f"{queue}[0]")
-                            build = queued(item)
                         assert build is not None
                         previous = None
                         if latest is not None:
@@ -164,14 +163,32 @@ class Sessions:
                         replies = await pipe.execute()
                 except redis.WatchError:
                     continue  # a rival opened a turn, the latest turn or the queue changed
-            answer = self.store.answer(encoded, replies[3 if queued is not None else 2])
-            if not isinstance(answer, SaveAck):
-                raise answer
-            problem = self.store.waiter.shortfall(replies[-1]) if wait else ""
-            if problem:
-                raise StoreError(f"turn {spec.turn_id} opened but not durable: {problem}")
+            # the save's reply follows HSET, PERSIST (and LPOP)
+            saved = replies[3 if queued is not None else 2]
+            self._check_saved(encoded, saved, replies[-1], bool(wait))
             return spec, record
         raise StoreError(f"session {session_id}: {OPEN_ATTEMPTS} opens raced; try again")
+
+    def _check_saved(
+        self, encoded: EncodedRecord, reply: object, wait_reply: object, waited: bool
+    ) -> None:
+        """Raise what the save of an opened turn answered, or its durability shortfall."""
+        answer = self.store.answer(encoded, reply)
+        if not isinstance(answer, SaveAck):
+            raise answer
+        problem = self.store.waiter.shortfall(wait_reply) if waited else ""
+        if problem:
+            raise StoreError(f"turn {encoded.turn_id} opened but not durable: {problem}")
+
+
+async def _queue_head(
+    pipe: Any, queue: str, queued: Callable[[QueuedTurn], Builder]
+) -> Builder | None:
+    """The builder of the queue's head turn (read under the open's WATCH); None if empty."""
+    head = await pipe.lindex(queue, 0)
+    if head is None:
+        return None
+    return queued(unpack_model(QueuedTurn, raw_bytes(head), key=f"{queue}[0]"))
 
 
 def _count(key: str, raw: str) -> int:

@@ -313,6 +313,24 @@ def run(
     _exit_unless_final(stats)
 
 
+async def _reopened(
+    store: RedisCheckpointStore, named: tuple[str, ...], namespace: str
+) -> list[str]:
+    """The named turns that are (now, a suspended one reopened) in progress; the others are
+    reported as they are."""
+    ids = []
+    for tid in dict.fromkeys(named):
+        try:
+            record = await reopen(store, tid)
+        except RecordNotFound:
+            raise BadInput(f"no turn {tid} in namespace {namespace!r}") from None
+        if record.in_progress:
+            ids.append(tid)
+        else:
+            console.print(f"turn {tid} is final already ({record.counters.outcome})")
+    return ids
+
+
 @main.command()
 @_common
 @click.argument("named", metavar="[TURN_ID]...", nargs=-1)
@@ -331,18 +349,7 @@ def resume(
         check_turn_id(tid)
 
     async def chosen(store: RedisCheckpointStore) -> list[str]:
-        """The named turns that are (now) in progress; the others are reported as they are."""
-        ids = []
-        for tid in dict.fromkeys(named):
-            try:
-                record = await reopen(store, tid)
-            except RecordNotFound:
-                raise BadInput(f"no turn {tid} in namespace {keys.namespace!r}") from None
-            if record.in_progress:
-                ids.append(tid)
-            else:
-                console.print(f"turn {tid} is final already ({record.counters.outcome})")
-        return ids
+        return await _reopened(store, named, keys.namespace)
 
     async def in_proc(client: StoreClient) -> RunStats:
         store = RedisCheckpointStore(client, keys)
@@ -355,8 +362,7 @@ def resume(
             with bar.progress:
                 if ids is None:
                     return await engine.resume_all()
-                await engine.probations.note_predecessor(died=True)
-                return await engine.resume_turns(ids)
+                return await engine.resume_turns(ids, after_death=True)
         finally:
             await engine.aclose()
 

@@ -208,6 +208,31 @@ async def _hand_to_deployment(settings: Settings, ray_address: str, sub: _Submis
         await rt.detach()
 
 
+async def _converse(rt: Runtime, sid: str, agent_path: str, current: list[str]) -> None:
+    """Read a line, run it as the session's next turn and show it live, until end of input;
+    ``current`` holds the turn running now (what Ctrl-C leaves behind). A turn of the session
+    still in progress is reattached first."""
+    lines = _Lines(asyncio.get_running_loop())
+    console.print(f"[dim]session {sid} with {agent_path}; Ctrl-D ends, Ctrl-C leaves")
+    latest = await rt.sessions.latest(sid)
+    if latest is not None and (await rt.store.load(latest)).in_progress:
+        console.print(f"[dim]reattaching to turn {latest}")
+        current[:] = [latest]
+        await _render(rt.watch(latest), LiveView(out))
+    while True:
+        current.clear()
+        if sys.stdin.isatty():
+            out.print("[bold]you> ", end="")
+        line = await lines.queue.get()
+        if line is None:
+            return
+        if not line.strip():
+            continue
+        (tid,) = await rt.submit(agent_path, line, session=sid)
+        current[:] = [tid]
+        await _render(rt.watch(tid), LiveView(out))
+
+
 @main.command()
 @_common
 @click.option("--agent", "agent_path", required=True,
@@ -239,27 +264,6 @@ def chat(
     )
     current: list[str] = []
 
-    async def converse(rt: Runtime) -> None:
-        lines = _Lines(asyncio.get_running_loop())
-        console.print(f"[dim]session {sid} with {agent_path}; Ctrl-D ends, Ctrl-C leaves")
-        latest = await rt.sessions.latest(sid)
-        if latest is not None and (await rt.store.load(latest)).in_progress:
-            console.print(f"[dim]reattaching to turn {latest}")
-            current[:] = [latest]
-            await _render(rt.watch(latest), LiveView(out))
-        while True:
-            current.clear()
-            if sys.stdin.isatty():
-                out.print("[bold]you> ", end="")
-            line = await lines.queue.get()
-            if line is None:
-                return
-            if not line.strip():
-                continue
-            (tid,) = await rt.submit(agent_path, line, session=sid)
-            current[:] = [tid]
-            await _render(rt.watch(tid), LiveView(out))
-
     async def go(_client: StoreClient, url: str) -> None:
         try:
             rt = await Runtime.attach(settings, ray_address=ray_address)
@@ -269,7 +273,7 @@ def chat(
             started = True
         left_running = False
         try:
-            await converse(rt)
+            await _converse(rt, sid, agent_path, current)
         except asyncio.CancelledError:  # Ctrl-C
             if current:
                 left_running = not rt.owns_ray

@@ -28,6 +28,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import StoreClient
 from store.keys import KeyLayout, check_turn_id
+from store.records import CheckpointRecord
 from store.watch import watch_turn
 
 
@@ -51,6 +52,14 @@ def inspect(
     if as_json:
         out.print_json(json.dumps(dump_model(record)))
         return
+    out.print(_fields_table(record))
+    out.print(_transcript_table(record))
+
+
+def _fields_table(record: CheckpointRecord) -> Table:
+    """A record's checkpoint fields, counters, outcome and, for a suspended turn, why and how
+    to run it again."""
+    turn_id = record.turn_id
     fields = Table(title=f"turn {turn_id}", show_header=False)
     for name in ("session_id", "epoch", "seq", "phase", "in_progress", "reason", "baseline",
                  "updated_at"):  # fmt: skip
@@ -81,7 +90,11 @@ def inspect(
             f"its agent could not be loaded ({c.agent_failures} tries; the last error says "
             f"where); after a fix, phaseline resume {turn_id} runs it again",
         )
-    out.print(fields)
+    return fields
+
+
+def _transcript_table(record: CheckpointRecord) -> Table:
+    """One row per message: role, source, id and its content cut at ``INSPECT_TEXT``."""
     transcript = Table(title="transcript")
     for col in ("#", "role", "source", "id", "content"):
         transcript.add_column(col)
@@ -97,7 +110,7 @@ def inspect(
             content = f"[{r.status}] {_shown(r.output, INSPECT_TEXT)}"
         src = meta.source + (" (injected)" if meta.system_injected else "")
         transcript.add_row(str(i), m.role, src, meta.message_id[:12], escape(content))
-    out.print(transcript)
+    return transcript
 
 
 #: Characters of a message's text and of a call's arguments ``inspect`` shows (``--json`` has all).

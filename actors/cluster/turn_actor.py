@@ -46,7 +46,7 @@ from actors.engine.turn_engine import TurnEngine
 from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import LiveEvent, Recovering, encode_event
-from bus.outcomes import Problem, SaveReason
+from bus.outcomes import Problem
 from bus.phase import TurnPhase
 from store.leases import HostLeases
 from store.pools import PoolSizes
@@ -175,15 +175,13 @@ class TurnActor:
                 self._probations = asyncio.ensure_future(self._run_probations())
             self._wake.set()
             return 0
-        for session_id in await self.engine.sessions.queued_sessions():
+        for session_id in await self.engine.queued_sessions():
             if self.dep.slot_of(session_id) == self.slot:  # one host per session tries
                 await self._open_queued(session_id)
-        ids = await self.engine.store.list_in_progress()
-        queued = await self.engine.isolation.members()
         mine = [
             t
-            for t in ids
-            if self.dep.slot_of(t) == self.slot and t not in self._tasks and t not in queued
+            for t in await self.engine.adoptable()
+            if self.dep.slot_of(t) == self.slot and t not in self._tasks
         ]
         if not mine:
             return 0
@@ -294,7 +292,7 @@ class TurnActor:
         if outcome.outcome is RunStop.RELEASED:  # counted once, by the host that ends it
             self._poke(self.directory.handle_for(turn_id))
         else:
-            self.engine.stats.add(outcome)
+            self.engine.count(outcome)
         if "/" in turn_id and not isinstance(outcome.outcome, RunStop):  # a session is free
             self._background(self._open_queued(turn_id.split("/")[0]))
 
@@ -322,15 +320,8 @@ class TurnActor:
         task.add_done_callback(self._pokes.discard)
 
     async def _run_submitted(self, turn_id: str) -> TurnOutcome:
-        store = self.engine.store
-        try:
-            record = await store.load(turn_id)
-        except PhaselineError as exc:  # not found, undecodable, or Redis away
-            log.error("turn %s cannot start: %s", turn_id, exc)
-            return TurnOutcome.stopped(turn_id, RunStop.UNUSABLE)
-        if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
-            return await self.engine.start(record, await store.load_spec(turn_id))
-        return await self._resume(turn_id)
+        started = await self.engine.start_submitted(turn_id)
+        return started if started is not None else await self._resume(turn_id)
 
     async def _resume(self, turn_id: str) -> TurnOutcome:
         (plan,) = await self._plan([turn_id])

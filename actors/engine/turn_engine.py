@@ -48,7 +48,7 @@ from actors.turn.loop import TurnLoop
 from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules
-from bus.errors import BudgetExhausted, ConfigError, StaleOwner, StoreError
+from bus.errors import BudgetExhausted, ConfigError, PhaselineError, StaleOwner, StoreError
 from bus.events import Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
 from bus.phase import Transition
@@ -185,7 +185,7 @@ class TurnEngine:
 
     async def open_all_queued(self) -> list[tuple[TurnSpec, CheckpointRecord]]:
         """The next queued turn of every free session with a queue, opened."""
-        opened = [await self.open_queued(s) for s in await self.sessions.queued_sessions()]
+        opened = [await self.open_queued(s) for s in await self.queued_sessions()]
         return [turn for turn in opened if turn is not None]
 
     async def run_in_session(
@@ -203,18 +203,21 @@ class TurnEngine:
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died): the shared ones
         together, then the isolated ones alone, one at a time (``actors.turn.poison``)."""
-        await self.probations.note_predecessor(died=True)
         await self.open_all_queued()  # sessions whose running turn ended: their next turns
         scan = await self.store.load_in_progress()
         self.stats.quarantined.extend(e.key for e in scan.errors)
-        stats = await self.resume_turns([r.turn_id for r in scan.records])
+        stats = await self.resume_turns([r.turn_id for r in scan.records], after_death=True)
         # what those turns ended freed their sessions: run the queued turns, in order
         while opened := await self.open_all_queued():
             stats = await self._run_all([self.start(record, spec) for spec, record in opened])
         return stats
 
-    async def resume_turns(self, turn_ids: Sequence[str]) -> RunStats:
-        """Resume these turns; those the policy isolates (now or before) run alone after."""
+    async def resume_turns(self, turn_ids: Sequence[str], *, after_death: bool = False) -> RunStats:
+        """Resume these turns; those the policy isolates (now or before) run alone after.
+        ``after_death``: the process that ran them died, so a probation marker it left is
+        evidence (``Probations.note_predecessor``)."""
+        if after_death:
+            await self.probations.note_predecessor(died=True)
         queued = await self.isolation.members()
         shared = [t for t in turn_ids if t not in queued]
         isolated = [t for t in turn_ids if t in queued]
@@ -226,6 +229,33 @@ class TurnEngine:
             return rest + await self.probations.run_queued(isolated)
 
         return await self._run_all_from(everything)
+
+    async def start_submitted(self, turn_id: str) -> TurnOutcome | None:
+        """Start a turn as it was submitted; None if it ran before (somewhere) and must be
+        resumed from a plan instead. A record that cannot be read is an ``unusable`` stop."""
+        try:
+            record = await self.store.load(turn_id)
+        except PhaselineError as exc:  # not found, undecodable, or Redis away
+            log.error("turn %s cannot start: %s", turn_id, exc)
+            return TurnOutcome.stopped(turn_id, RunStop.UNUSABLE)
+        if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
+            return await self.start(record, await self.store.load_spec(turn_id))
+        return None
+
+    async def adoptable(self) -> list[str]:
+        """The in-progress turns in the store that an ordinary host may adopt: all but those
+        queued for the isolation host."""
+        queued = await self.isolation.members()
+        return [t for t in await self.store.list_in_progress() if t not in queued]
+
+    async def queued_sessions(self) -> list[str]:
+        """The sessions with turns queued behind their running one (``submit --if-busy queue``)."""
+        return await self.sessions.queued_sessions()
+
+    def count(self, outcome: TurnOutcome) -> None:
+        """Count a turn this engine's host ran outside :meth:`run_new` and the resumes (a Ray
+        host's own tasks) in :attr:`stats`."""
+        self.stats.add(outcome)
 
     async def load(self, turn_id: str) -> CheckpointRecord:
         """The turn's stored record (:class:`RecordNotFound`, :class:`RecordError`)."""

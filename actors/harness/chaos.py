@@ -44,6 +44,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -55,7 +56,7 @@ from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos_report import ChaosReport, Fault
 from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after, read_moves
-from actors.harness.verdict import VerdictMode, expected_for, judge
+from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
 from actors.turn.run_result import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
@@ -406,6 +407,36 @@ def recoveries(
     return out
 
 
+async def _judged(rt: Runtime, ids: list[str], expected: Any, poisoned: frozenset[str]) -> Verdict:
+    """The verdict on the run's turns, side effects counted on the deployment's witness
+    server when it has one."""
+    witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
+    try:
+        return await judge(
+            rt.client, rt.dep.keys, ids, expected,
+            effects_client=witness, expect_suspended=poisoned,
+        )  # fmt: skip
+    finally:
+        if witness is not None:
+            await witness.aclose()
+
+
+def _config_of(rt: Runtime, cfg: ChaosSettings, *, cluster: bool) -> dict[str, Any]:
+    """What the report says the run was."""
+    return {
+        "work": cfg.work.label,
+        "turns": cfg.turns,
+        "duration_s": cfg.duration_s,
+        "kill_interval_s": cfg.kill_interval_s,
+        "targets": list(cfg.targets),
+        "seed": cfg.seed,
+        "poison": cfg.poison,
+        "hosts": rt.dep.hosts,
+        "redis": "cluster" if cluster else "one server",
+        "namespace": rt.dep.keys.namespace,
+    }
+
+
 async def run_chaos(
     rt: Runtime,
     server: EmbeddedRedis | None,
@@ -439,30 +470,11 @@ async def run_chaos(
     if rivals:
         log.info("rival resumes ended: %s", dict(rivals))
     wall = time.monotonic() - started
-    witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
-    try:
-        verdict = await judge(
-            rt.client, rt.dep.keys, ids, expected,
-            effects_client=witness, expect_suspended=poisoned,
-        )  # fmt: skip
-    finally:
-        if witness is not None:
-            await witness.aclose()
+    verdict = await _judged(rt, ids, expected, poisoned)
     moves = await read_moves(rt.client, rt.dep.keys)
     recovered = recoveries(moves, monkey.faults, t0_unix)
     return ChaosReport(
-        config={
-            "work": cfg.work.label,
-            "turns": cfg.turns,
-            "duration_s": cfg.duration_s,
-            "kill_interval_s": cfg.kill_interval_s,
-            "targets": list(cfg.targets),
-            "seed": cfg.seed,
-            "poison": cfg.poison,
-            "hosts": rt.dep.hosts,
-            "redis": "cluster" if cluster else "one server",
-            "namespace": rt.dep.keys.namespace,
-        },
+        config=_config_of(rt, cfg, cluster=cluster is not None),
         verdict=verdict,
         faults=monkey.faults,
         wall_s=wall,

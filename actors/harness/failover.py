@@ -144,6 +144,32 @@ class _Writers:
         return {t: self.acked[t] - survived[t] for t in self.ids if survived[t] < self.acked[t]}
 
 
+async def _fail_over_held(
+    cluster: EmbeddedCluster, client: RedisCluster, key: str, w: _Writers, *, lag_s: float
+) -> tuple[float, float, dict[str, int]]:
+    """SIGKILL the primary holding ``key`` under the writers, park them, wait for the
+    failover and the rejoin; the seconds each took and the acknowledged saves lost. The
+    writers go on after."""
+    node = client.get_node_from_key(key)
+    assert node is not None
+    loop = asyncio.get_running_loop()
+
+    def hold() -> None:  # called in fail_over's thread
+        loop.call_soon_threadsafe(w.running.clear)
+
+    # The writers park at the kill, so what the promoted replica holds is read before any
+    # newer save could cover a lost one (a save carries the whole record: seq n + 1 lands
+    # over a stored n - 5 and the loss no longer shows). Until the killed node is back as
+    # a replica, ``replicas:1`` saves could not be confirmed anyway.
+    failover_s, rejoined_s = await asyncio.to_thread(
+        cluster.fail_over, cluster.node_of_port(int(node.port)), lag_s=lag_s, on_kill=hold
+    )
+    await w.until(lambda: w.parked == len(w.ids))
+    lost = await w.losses()
+    w.running.set()
+    return failover_s, rejoined_s, lost
+
+
 async def failover_under_saves(
     cluster: EmbeddedCluster,
     *,
@@ -169,23 +195,9 @@ async def failover_under_saves(
     tasks = [asyncio.create_task(w.write(t)) for t in ids]
     try:
         await w.until(lambda: min(w.acked.values()) >= saves_before)
-        node = client.get_node_from_key(keys.turn(ids[0]))
-        assert node is not None
-        loop = asyncio.get_running_loop()
-
-        def hold() -> None:  # called in fail_over's thread
-            loop.call_soon_threadsafe(w.running.clear)
-
-        # The writers park at the kill, so what the promoted replica holds is read before any
-        # newer save could cover a lost one (a save carries the whole record: seq n + 1 lands
-        # over a stored n - 5 and the loss no longer shows). Until the killed node is back as
-        # a replica, ``replicas:1`` saves could not be confirmed anyway.
-        failover_s, rejoined_s = await asyncio.to_thread(
-            cluster.fail_over, cluster.node_of_port(int(node.port)), lag_s=lag_s, on_kill=hold
+        failover_s, rejoined_s, lost = await _fail_over_held(
+            cluster, client, keys.turn(ids[0]), w, lag_s=lag_s
         )
-        await w.until(lambda: w.parked == turns)
-        lost = await w.losses()
-        w.running.set()
         marks = dict(w.acked)
         await w.until(lambda: all(w.acked[t] >= marks[t] + saves_after for t in ids))
         w.stop.set()

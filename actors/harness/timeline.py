@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 
 from bus.phase import Transition, TurnPhase
@@ -48,6 +49,33 @@ def label_levels(times: list[float], gap: float) -> list[int]:
     return out
 
 
+def _draw_rows(
+    ax: Axes,
+    rows: list[str],
+    by_turn: dict[str, list[Transition]],
+    t0_unix: float,
+    highlight: Collection[str],
+) -> None:
+    """One row per turn: a bar per phase it was in (coloured by phase), red behind a
+    highlighted row."""
+    for y, tid in enumerate(rows):
+        if tid in highlight:
+            ax.axhspan(y - 0.5, y + 0.5, color="red", alpha=0.08, linewidth=0)
+        seq = by_turn[tid]
+        for a, b in zip(seq, [*seq[1:], None], strict=True):
+            start = a.at_ms / 1000 - t0_unix
+            end = (b.at_ms / 1000 - t0_unix) if b is not None else start + 0.2
+            if a.dst is not TurnPhase.DONE:
+                ax.barh(
+                    y,
+                    max(end - start, 0.01),
+                    left=start,
+                    color=COLOURS[a.dst],
+                    height=0.8,
+                    linewidth=0,
+                )
+
+
 def plot_timeline(
     moves: list[Transition],
     kills: list[tuple[float, str]],
@@ -74,22 +102,7 @@ def plot_timeline(
     key_lines = -(-len(kills) // KEY_PER_LINE)
     height = max(3.0, 0.22 * len(rows) + 2.0 + 0.16 * key_lines)
     fig, ax = plt.subplots(figsize=(14, height))
-    for y, tid in enumerate(rows):
-        if tid in highlight:
-            ax.axhspan(y - 0.5, y + 0.5, color="red", alpha=0.08, linewidth=0)
-        seq = by_turn[tid]
-        for a, b in zip(seq, [*seq[1:], None], strict=True):
-            start = a.at_ms / 1000 - t0_unix
-            end = (b.at_ms / 1000 - t0_unix) if b is not None else start + 0.2
-            if a.dst is not TurnPhase.DONE:
-                ax.barh(
-                    y,
-                    max(end - start, 0.01),
-                    left=start,
-                    color=COLOURS[a.dst],
-                    height=0.8,
-                    linewidth=0,
-                )
+    _draw_rows(ax, rows, by_turn, t0_unix, highlight)
     for n, ((at, _), level) in enumerate(zip(kills, levels, strict=True), 1):
         ax.axvline(at, color="red", linewidth=1, alpha=0.7)
         ax.text(at, len(rows) + 0.4 + 0.9 * level, str(n), fontsize=6, color="red",

@@ -51,10 +51,6 @@ async def durable_loop(
     )
     agent, turn_input = scripted_turn(SCENARIO)
     registry = await engine.runner.registry(agent, load_agent(agent), turn_input)
-    counter = iter(range(10**9))
-
-    def fresh(label: str) -> str:
-        return f"{label}-{next(counter)}"
 
     async def durable(turn_id: str) -> None:
         ((spec, record),) = await engine.submit_many(agent, turn_input, [turn_id])
@@ -74,25 +70,53 @@ async def durable_loop(
         )
         _check(await engine.drive(loop))
 
-    variants: dict[str, Turn] = {"durable": durable, "memory": memory}
     try:
-        for name, run in variants.items():
-            for _ in range(warmup):
-                await run(fresh(f"warm-{name}"))
-        ms: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(turns):
-            for name, run in variants.items():
-                t0 = time.perf_counter()
-                await run(fresh(name))
-                ms[name].append((time.perf_counter() - t0) * 1000)
-        tps: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(reps):
-            for name, run in variants.items():
-                t0 = time.perf_counter()
-                await asyncio.gather(*(run(fresh(f"c-{name}")) for _ in range(concurrent)))
-                tps[name].append(concurrent / (time.perf_counter() - t0))
+        ms, tps = await _timed(
+            {"durable": durable, "memory": memory},
+            turns=turns, concurrent=concurrent, reps=reps, warmup=warmup,
+        )  # fmt: skip
     finally:
         await client.aclose()
+    return _figure(ms, tps, turns=turns, concurrent=concurrent, reps=reps)
+
+
+async def _timed(
+    variants: dict[str, Turn], *, turns: int, concurrent: int, reps: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant: ms of each of ``turns`` sequential turns (the variants alternating, so
+    they share the machine's noise), and turns/s of each of ``reps`` rounds of ``concurrent``
+    turns at once; after ``warmup`` turns of each."""
+    counter = iter(range(10**9))
+
+    def fresh(label: str) -> str:
+        return f"{label}-{next(counter)}"
+
+    for name, run in variants.items():
+        for _ in range(warmup):
+            await run(fresh(f"warm-{name}"))
+    ms: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(turns):
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            await run(fresh(name))
+            ms[name].append((time.perf_counter() - t0) * 1000)
+    tps: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            await asyncio.gather(*(run(fresh(f"c-{name}")) for _ in range(concurrent)))
+            tps[name].append(concurrent / (time.perf_counter() - t0))
+    return ms, tps
+
+
+def _figure(
+    ms: dict[str, list[float]],
+    tps: dict[str, list[float]],
+    *,
+    turns: int,
+    concurrent: int,
+    reps: int,
+) -> dict[str, Any]:
     one = {name: round(statistics.mean(v), 3) for name, v in ms.items()}
     many = {name: round(statistics.median(v), 1) for name, v in tps.items()}
     return {

@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import RayError
 
 from actors.engine.config import Settings
-from actors.engine.scenario import load_scenario
+from actors.engine.scenario import Scenario, load_scenario
 from actors.engine.shipped import configs_dir
 from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.durable_loop import durable_loop
@@ -193,6 +193,30 @@ async def _probe_figures(
     return out
 
 
+async def _sizes(url: str, cfg: BenchConfig, namespace: str) -> Any:
+    """``bytes_per_checkpoint``: stored bytes per save as a transcript grows."""
+    client = connect(url)
+    try:
+        store = RedisCheckpointStore(client, KeyLayout(namespace))
+        return await checkpoint_sizes(
+            client, store, lengths=cfg.size_lengths, payload_bytes=cfg.payload_bytes
+        )
+    finally:
+        await client.aclose()
+
+
+async def _recovery(base: Settings, url: str, slow: Scenario, cfg: BenchConfig) -> Any:
+    """``recovery``: resume latency after a host is SIGKILLed, against Ray's own restart of
+    an actor measured in the same run."""
+    restarts = await ray_restart_ms(cfg.ray_restarts)
+    kill = await host_kill_recovery(base, url, slow, turns=cfg.recovery_turns)
+    baseline = statistics.median(restarts)
+    kill["baseline_ray_restart_ms"] = summarize(restarts)
+    kill["ratio_p50"] = _ratio(kill["latency_ms"]["p50"], baseline)
+    kill["ratio_p99"] = _ratio(kill["latency_ms"]["p99"], baseline)
+    return kill
+
+
 async def run_bench(
     base: Settings,
     url: str,
@@ -207,27 +231,8 @@ async def run_bench(
     fast = load_scenario(SCENARIOS / "bench.toml")
     slow = load_scenario(SCENARIOS / "bench_slow.toml")
 
-    async def sizes() -> Any:
-        client = connect(url)
-        try:
-            store = RedisCheckpointStore(client, KeyLayout(f"benchsize{int(started)}"))
-            return await checkpoint_sizes(
-                client, store, lengths=cfg.size_lengths, payload_bytes=cfg.payload_bytes
-            )
-        finally:
-            await client.aclose()
-
-    async def recovery() -> Any:
-        restarts = await ray_restart_ms(cfg.ray_restarts)
-        kill = await host_kill_recovery(base, url, slow, turns=cfg.recovery_turns)
-        baseline = statistics.median(restarts)
-        kill["baseline_ray_restart_ms"] = summarize(restarts)
-        kill["ratio_p50"] = _ratio(kill["latency_ms"]["p50"], baseline)
-        kill["ratio_p99"] = _ratio(kill["latency_ms"]["p99"], baseline)
-        return kill
-
     plan: list[tuple[str, str, Callable[[], Awaitable[Any]]]] = [
-        ("sizes", "bytes_per_checkpoint", sizes),
+        ("sizes", "bytes_per_checkpoint", lambda: _sizes(url, cfg, f"benchsize{int(started)}")),
         ("probe", "checkpoint_latency+checkpoint_throughput",
          lambda: _probe_figures(base, url, cfg, figures)),
         ("durability", "durability_overhead",
@@ -240,7 +245,7 @@ async def run_bench(
                               host_counts=cfg.host_counts)),
         ("capacity", "host_capacity",
          lambda: host_capacity(base, url, slow, ladder=cfg.capacity_ladder)),
-        ("recovery", "recovery", recovery),
+        ("recovery", "recovery", lambda: _recovery(base, url, slow, cfg)),
         ("tool_scaling", "tool_scaling",
          lambda: tool_scaling(base, url, turns=cfg.tool_turns, rounds=cfg.tool_rounds,
                               latency_ms=cfg.tool_latency_ms, worker_counts=cfg.worker_counts)),
