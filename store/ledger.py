@@ -2,7 +2,9 @@
 
 Each call is journaled under a stable key derived from (turn, batch, tool name, canonical args):
 ``prepared -> dispatched -> committed | failed | outcome_unknown``. ``prepared -> dispatched`` is
-a compare-and-set fenced on the owner's epoch; only its winner runs the call. On resume a
+fenced on the owner's epoch and taken once: a batch's new calls are claimed in one script
+(``ledger_claim.lua``: journal and fenced step together), a call already journaled by a
+compare-and-set on the bytes read (``ledger_cas.lua``); only the winner runs the call. On resume a
 ``committed`` (or ``failed``) entry is reused as is; a ``dispatched`` entry means the call was in
 flight when its host died, and is re-run only if the tool is idempotent, otherwise reported to
 the model as ``outcome_unknown``.
@@ -11,11 +13,10 @@ the model as ``outcome_unknown``.
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bus.errors import RecordError, StaleOwner, StoreError
+from bus.errors import StaleOwner, StoreError
 from bus.messages import canonical_json
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
@@ -49,6 +50,19 @@ class LedgerRead:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """One call of a batch as its owner claims it (:meth:`ToolLedger.claim`)."""
+
+    call_key: str
+    """The call's ledger key."""
+    prepared: bytes
+    """Its ``prepared`` entry: journaled even if the claim is fenced."""
+    decided: bytes
+    """The entry the owner decided for the call if the ledger does not hold it yet:
+    ``dispatched`` to run it, or its settled result (an unknown tool, a denied call)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Change:
     """One compare-and-set of a ledger entry: from the bytes read to a new entry."""
 
@@ -63,9 +77,9 @@ class Ledger(Protocol):
     Redis-free one the bench compares against)."""
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]: ...
-    async def prepare(
-        self, turn_id: str, calls: list[tuple[str, str]]
-    ) -> dict[str, LedgerRead]: ...
+    async def claim(
+        self, turn_id: str, epoch: int, claims: list[Claim]
+    ) -> dict[str, LedgerRead | None]: ...
     async def transition(
         self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
     ) -> dict[str, bool]: ...
@@ -84,6 +98,7 @@ class ToolLedger:
         self.client = client
         self.keys = keys
         self._cas = client.register_script(lua_script("ledger_cas.lua"))
+        self._claim = client.register_script(lua_script("ledger_claim.lua"))
 
     async def entries(self, turn_id: str) -> dict[str, LedgerEntry]:
         """Every journaled call of a turn (a bad entry raises RecordError: never guess)."""
@@ -100,31 +115,48 @@ class ToolLedger:
         with reading(key, f"read ledger {turn_id}"):
             raw = await self.client.hmget(key, call_keys)
         return {
-            k: LedgerRead(self._decode(key, k, raw_bytes(v)), raw_bytes(v))
+            k: self._read(key, k, raw_bytes(v))
             for k, v in zip(call_keys, raw, strict=True)
             if v is not None
         }
 
-    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
-        """Journal ``prepared`` for each (call key, tool name) not yet in the ledger and return
-        every call's entry (prior or just prepared), in one round trip (HSETNX + HMGET)."""
-        if not calls:
+    async def claim(
+        self, turn_id: str, epoch: int, claims: list[Claim]
+    ) -> dict[str, LedgerRead | None]:
+        """Claim a batch in one round trip (``store/lua/ledger_claim.lua``): each call the
+        ledger does not hold gets its decided entry (None in the answer: the caller won it);
+        each call it holds comes back as read, for the caller to decide from
+        (:meth:`transition`). :class:`StaleOwner` unless the record's stored epoch is
+        ``epoch``; then only ``prepared`` entries were journaled."""
+        if not claims:
             return {}
+        args: list[bytes | str | int] = [epoch]
+        for c in claims:
+            args += (c.call_key, c.prepared, c.decided)
         key = self.keys.tools(turn_id)
-        now = int(time.time() * 1000)
-        with reading(key, f"prepare ledger {turn_id}"):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for call_key_, name in calls:
-                    entry = LedgerEntry(state="prepared", name=name, updated_at=now)
-                    pipe.hsetnx(key, call_key_, pack_model(entry))
-                pipe.hmget(key, [k for k, _ in calls])
-                replies = await pipe.execute()
-        out: dict[str, LedgerRead] = {}
-        for (k, _), v in zip(calls, replies[-1], strict=True):
-            if v is None:  # deleted between the HSETNX and the HMGET: only by hand
-                raise RecordError(f"{key}#{k}", "ledger entry vanished while being prepared")
-            out[k] = LedgerRead(self._decode(key, k, raw_bytes(v)), raw_bytes(v))
-        return out
+        with reading(key, f"claim a batch of {turn_id}"):
+            reply = await self._claim(keys=[self.keys.turn(turn_id), key], args=args)
+        status = text(reply[0]) if isinstance(reply, list) and reply else ""
+        if status == "fenced":
+            raise self._fenced(turn_id, epoch, reply)
+        if status != "ok" or len(reply) != len(claims) + 1:
+            raise StoreError(f"ledger claim of {turn_id}: unexpected reply {reply!r:.80}")
+        return {
+            c.call_key: None if won == 1 else self._read(key, c.call_key, raw_bytes(won))
+            for c, won in zip(claims, reply[1:], strict=True)
+        }
+
+    @classmethod
+    def _read(cls, key: str, field: str, raw: bytes) -> LedgerRead:
+        return LedgerRead(cls._decode(key, field, raw), raw)
+
+    @staticmethod
+    def _fenced(turn_id: str, epoch: int | None, reply: list[Any]) -> StaleOwner:
+        stored = text(reply[1]) if len(reply) > 1 else ""
+        return StaleOwner(
+            f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
+            f"{stored or 'gone'}"
+        )
 
     @staticmethod
     def _decode(key: str, field: str, raw: bytes) -> LedgerEntry:
@@ -151,11 +183,7 @@ class ToolLedger:
             )
         status = text(reply[0]) if isinstance(reply, list) and reply else ""
         if status == "fenced":
-            stored = text(reply[1]) if len(reply) > 1 else ""
-            raise StaleOwner(
-                f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
-                f"{stored or 'gone'}"
-            )
+            raise self._fenced(turn_id, epoch, reply)
         if status != "ok" or len(reply) != len(changes) + 1:
             raise StoreError(f"ledger write of {turn_id}: unexpected reply {reply!r:.80}")
         return {k: int(won) == 1 for k, won in zip(changes, reply[1:], strict=True)}

@@ -8,11 +8,9 @@ does except talking to Redis. Nothing survives the process: never use them to ru
 
 from __future__ import annotations
 
-import time
-
 from bus.errors import StaleOwner
 from store.codec import pack_model, unpack_model
-from store.ledger import Change, LedgerRead
+from store.ledger import Change, Claim, LedgerRead
 from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck
 from store.save_script import REPLAYED, SaveStatus, fence
 
@@ -54,28 +52,39 @@ class MemoryLedger:
         held = self._turns.get(turn_id, {})
         return {k: self._read(turn_id, k, held[k]) for k in call_keys if k in held}
 
-    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
+    async def claim(
+        self, turn_id: str, epoch: int, claims: list[Claim]
+    ) -> dict[str, LedgerRead | None]:
         held = self._turns.setdefault(turn_id, {})
-        now = int(time.time() * 1000)
-        for key, name in calls:
-            held.setdefault(
-                key, pack_model(LedgerEntry(state="prepared", name=name, updated_at=now))
-            )
-        return {k: self._read(turn_id, k, held[k]) for k, _ in calls}
+        if not self._owns(turn_id, epoch):
+            for c in claims:
+                held.setdefault(c.call_key, c.prepared)
+            raise StaleOwner(f"turn {turn_id}: epoch {epoch} may not dispatch")
+        out: dict[str, LedgerRead | None] = {}
+        for c in claims:
+            if c.call_key in held:
+                out[c.call_key] = self._read(turn_id, c.call_key, held[c.call_key])
+            else:
+                held[c.call_key] = c.decided
+                out[c.call_key] = None
+        return out
+
+    def _owns(self, turn_id: str, epoch: int) -> bool:
+        record = self.checkpoints.records.get(turn_id)
+        return record is not None and record.epoch == epoch
 
     async def transition(
         self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
     ) -> dict[str, bool]:
-        if epoch is not None:
-            record = self.checkpoints.records.get(turn_id)
-            if record is None or record.epoch != epoch:
-                raise StaleOwner(f"turn {turn_id}: epoch {epoch} may not dispatch")
+        if epoch is not None and not self._owns(turn_id, epoch):
+            raise StaleOwner(f"turn {turn_id}: epoch {epoch} may not dispatch")
         held = self._turns.setdefault(turn_id, {})
         won: dict[str, bool] = {}
         for key, change in changes.items():
-            won[key] = held.get(key) == change.expected
+            new = pack_model(change.entry)
+            won[key] = held.get(key) in (change.expected, new)  # the new one: a replay
             if won[key]:
-                held[key] = pack_model(change.entry)
+                held[key] = new
         return won
 
     @staticmethod

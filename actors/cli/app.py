@@ -246,8 +246,23 @@ def raise_if_signalled() -> None:
     runs while the garbage collector is in an object's ``__del__`` (a Redis connection pool's,
     say) has its exception printed and dropped, and a command that waits for ever would go on
     waiting. Long waits call this between polls."""
+    if _signalled and _signalled[-1] == signal.SIGINT:
+        raise KeyboardInterrupt
     if _signalled:
         raise SystemExit(128 + _signalled[-1])
+
+
+def note_interrupts() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as ever, and is also recorded for
+    :func:`raise_if_signalled`, for a plain wait loop (not under asyncio, whose own SIGINT
+    handler this would replace)."""
+
+    def interrupted(signum: int, _frame: object) -> None:
+        _signalled.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupted)
 
 
 def whoami() -> str:

@@ -20,6 +20,7 @@ from actors.cli.app import (
     _settings,
     console,
     main,
+    note_interrupts,
     out,
     raise_if_signalled,
 )
@@ -165,6 +166,7 @@ def redis_cmd(
 ) -> None:
     """Start the embedded redis-server, print its URL, keep it until interrupted."""
     settings = _settings(config_path, redis_url, namespace)
+    note_interrupts()
     server = EmbeddedRedis(
         data_dir=data_dir or settings.redis.data_path(),
         appendfsync=_appendfsync(settings),

@@ -21,7 +21,7 @@ from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
 from bus.messages import ToolCall, ToolResult, ToolStatus
 from store.codec import pack_model
-from store.ledger import Change, Ledger, call_key
+from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
 from store.records import LedgerEntry, LedgerState, TurnInput
 
 log = logging.getLogger(__name__)
@@ -220,55 +220,43 @@ class BatchExecutor:
         """Journal, decide per call from the ledger, run what must run; results in order.
 
         The owner's decisions (``dispatched`` for what runs, the settled state of what does
-        not) are one compare-and-set fenced on ``epoch``: a fenced owner gets
-        :class:`~bus.errors.StaleOwner` and runs nothing; a call whose entry changed since it
-        was read (a racing owner dispatched or settled it) is decided again from what won.
-        Round trips: one to journal ``prepared`` and read prior entries, one for the fenced
-        step, then one per call as it finishes.
+        not) are fenced on ``epoch``: a fenced owner gets :class:`~bus.errors.StaleOwner` and
+        runs nothing. A batch's new calls are claimed in one script with the fence check
+        (:meth:`~store.ledger.ToolLedger.claim`); a call the ledger already holds (a resume, a
+        racing owner) is decided from its entry and moved by a compare-and-set, decided again
+        from what won if another owner changed it meanwhile. Round trips: one for the claim
+        (two when the ledger held some of the calls), then one per call as it finishes.
         """
         keys = self.keys_for(turn_id, batch, calls)
-        named = [(k, c.name) for k, c in zip(keys, calls, strict=True)]
-        reads = await refusals_waited(
-            f"journal batch {batch} of {turn_id}", partial(self.ledger.prepare, turn_id, named)
-        )
+        refused = denied or {}
         results: list[ToolResult | None] = [None] * len(calls)
         runnable: dict[int, tuple[ToolSpec, bytes]] = {}
-        pending = dict(enumerate(keys))
-        for _ in range(_DECIDE_ROUNDS):
-            changes: dict[str, Change] = {}
-            for i, key in pending.items():
-                decided = self._decide(calls[i], reads[key].entry, (denied or {}).get(i))
-                if isinstance(decided, ToolSpec):
-                    entry = LedgerEntry(
-                        state="dispatched", name=calls[i].name, updated_at=_now_ms(),
-                        epoch=epoch, writer=uuid.uuid4().hex,
-                    )  # fmt: skip
-                    changes[key] = Change(reads[key].raw, entry)
-                    runnable[i] = (decided, pack_model(entry))
-                    continue
-                state, res = decided
-                results[i] = res
-                if state is not None:
-                    entry = LedgerEntry(
-                        state=state, name=calls[i].name, result=res, updated_at=_now_ms(),
-                        epoch=epoch, writer=uuid.uuid4().hex,
-                    )  # fmt: skip
-                    changes[key] = Change(reads[key].raw, entry)
-            won = await refusals_waited(
-                f"dispatch batch {batch} of {turn_id}",
-                partial(self.ledger.transition, turn_id, changes, epoch=epoch),
-            )
-            lost = {i: k for i, k in pending.items() if k in won and not won[k]}
-            if not lost:
-                break
-            # Another owner changed these entries since we read them: decide again from theirs.
-            for i in lost:
-                runnable.pop(i, None)
-                results[i] = None
-            reads.update(await self.ledger.get_many(turn_id, list(lost.values())))
-            pending = lost
-        else:
-            raise StoreError(f"turn {turn_id}: ledger of batch {batch} kept changing under it")
+        claims = []
+        fresh: list[ToolSpec | ToolResult] = []  # what each call's claim means if it wins
+        for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
+            prepared = LedgerEntry(state="prepared", name=call.name, updated_at=_now_ms())
+            entry, outcome = self._step(call, None, refused.get(i), epoch)
+            assert entry is not None  # a new call always gets an entry
+            claims.append(Claim(key, pack_model(prepared), pack_model(entry)))
+            fresh.append(outcome)
+        held = await refusals_waited(
+            f"claim batch {batch} of {turn_id}",
+            partial(self.ledger.claim, turn_id, epoch, claims),
+        )
+        reads: dict[str, LedgerRead] = {}
+        for i, (key, claim) in enumerate(zip(keys, claims, strict=True)):
+            read = held[key]
+            if read is not None:
+                reads[key] = read
+                continue
+            outcome = fresh[i]
+            if isinstance(outcome, ToolSpec):
+                runnable[i] = (outcome, claim.decided)
+            else:
+                results[i] = outcome
+        if reads:
+            await self._decide_held(turn_id, epoch, batch, calls, keys, reads, refused,
+                                    results, runnable)  # fmt: skip
         for i, res in zip(
             runnable,
             await asyncio.gather(
@@ -282,19 +270,79 @@ class BatchExecutor:
             results[i] = res
         return [r for r in results if r is not None]
 
+    def _step(
+        self, call: ToolCall, entry: LedgerEntry | None, denied: str | None, epoch: int
+    ) -> tuple[LedgerEntry | None, ToolSpec | ToolResult]:
+        """The owner's step for one call given its entry (None: the ledger has none): the
+        entry to write (None: keep it) and what to do, run (its spec) or answer (a result)."""
+        decided = self._decide(call, entry, denied)
+        if isinstance(decided, ToolSpec):
+            return LedgerEntry(
+                state="dispatched", name=call.name, updated_at=_now_ms(), epoch=epoch,
+                writer=uuid.uuid4().hex,
+            ), decided  # fmt: skip
+        state, res = decided
+        if state is None:
+            return None, res
+        return LedgerEntry(
+            state=state, name=call.name, result=res, updated_at=_now_ms(), epoch=epoch,
+            writer=uuid.uuid4().hex,
+        ), res  # fmt: skip
+
+    async def _decide_held(
+        self,
+        turn_id: str,
+        epoch: int,
+        batch: int,
+        calls: Sequence[ToolCall],
+        keys: list[str],
+        reads: dict[str, LedgerRead],
+        denied: Mapping[int, str],
+        results: list[ToolResult | None],
+        runnable: dict[int, tuple[ToolSpec, bytes]],
+    ) -> None:
+        """The calls the ledger already held (``reads``): each decided from its entry, the
+        decisions one fenced compare-and-set, those that lost decided again from what won.
+        Fills ``results`` and ``runnable``."""
+        pending = {i: k for i, k in enumerate(keys) if k in reads}
+        for _ in range(_DECIDE_ROUNDS):
+            changes: dict[str, Change] = {}
+            for i, key in pending.items():
+                entry, outcome = self._step(calls[i], reads[key].entry, denied.get(i), epoch)
+                if entry is not None:
+                    changes[key] = Change(reads[key].raw, entry)
+                if isinstance(outcome, ToolSpec):
+                    assert entry is not None
+                    runnable[i] = (outcome, pack_model(entry))
+                else:
+                    results[i] = outcome
+            won = await refusals_waited(
+                f"dispatch batch {batch} of {turn_id}",
+                partial(self.ledger.transition, turn_id, changes, epoch=epoch),
+            )
+            lost = {i: k for i, k in pending.items() if k in won and not won[k]}
+            if not lost:
+                return
+            # Another owner changed these entries since we read them: decide again from theirs.
+            for i in lost:
+                runnable.pop(i, None)
+                results[i] = None
+            reads.update(await self.ledger.get_many(turn_id, list(lost.values())))
+            pending = lost
+        raise StoreError(f"turn {turn_id}: ledger of batch {batch} kept changing under it")
+
     def _decide(
-        self, call: ToolCall, entry: LedgerEntry, denied: str | None
+        self, call: ToolCall, entry: LedgerEntry | None, denied: str | None
     ) -> ToolSpec | tuple[LedgerState | None, ToolResult]:
         """Pure: run it (its spec), or its result and the ledger state to journal (None: keep).
         ``denied``: the decision that refused the call (None: it may run)."""
-
         try:
             spec = self.registry.get(call.name)
         except UnknownTool as exc:
             return "failed", tool_result(call, "error", str(exc))
         verdict = resume_verdict(entry, spec.idempotent)
         if verdict == "reuse":
-            assert entry.result is not None
+            assert entry is not None and entry.result is not None
             # The model-assigned call id may differ on replay; the outcome is what is reused.
             return None, entry.result.model_copy(update={"call_id": call.id})
         if verdict == "unknown":

@@ -15,9 +15,10 @@ from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
 from bus.messages import ToolCall
 from store.checkpoint import RedisCheckpointStore
+from store.codec import pack_model
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.ledger import Change, LedgerRead, ToolLedger, call_key
+from store.ledger import Change, Claim, LedgerRead, ToolLedger, call_key
 from store.records import LedgerEntry
 from tests.support.records import record
 
@@ -40,8 +41,12 @@ CALLS = [ToolCall(id=f"c{i}", name="counter_increment", args={"delay_ms": 30}) f
 async def test_a_fenced_epoch_dispatches_nothing(
     owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
-    (read,) = (await owned.prepare("t1", [("k", "echo")])).values()
     entry = LedgerEntry(state="dispatched", name="echo", epoch=1)
+    prepared = pack_model(LedgerEntry(state="prepared", name="echo"))
+    with pytest.raises(StaleOwner, match="epoch 1 may not dispatch"):
+        await owned.claim("t1", 1, [Claim("k", prepared, pack_model(entry))])
+    assert (await owned.entries("t1"))["k"].state == "prepared"
+    (read,) = (await owned.get_many("t1", ["k"])).values()
     with pytest.raises(StaleOwner, match="epoch 1 may not dispatch"):
         await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=1)
     assert (await owned.entries("t1"))["k"].state == "prepared"
@@ -67,15 +72,36 @@ async def test_an_incarnation_fenced_before_its_batch_runs_no_tool(
     assert states == {"prepared"}
 
 
+async def test_a_claim_takes_new_calls_and_hands_back_what_the_ledger_holds(
+    owned: ToolLedger,
+) -> None:
+    def claim(key: str, state: str) -> Claim:
+        prepared = pack_model(LedgerEntry(state="prepared", name="echo"))
+        return Claim(key, prepared, pack_model(LedgerEntry(state=state, name="echo", epoch=2)))
+
+    assert await owned.claim("t1", 2, [claim("a", "dispatched"), claim("b", "failed")]) == {
+        "a": None,
+        "b": None,
+    }
+    again = await owned.claim("t1", 2, [claim("a", "committed"), claim("c", "dispatched")])
+    held = again["a"]
+    assert held is not None and held.entry.state == "dispatched"  # left as it was
+    assert again["c"] is None
+    states = {k: e.state for k, e in (await owned.entries("t1")).items()}
+    assert states == {"a": "dispatched", "b": "failed", "c": "dispatched"}
+
+
 class GatedLedger(ToolLedger):
-    """A ledger whose ``prepare`` returns only once both racers have read the entries, so the
-    two dispatch attempts really race on the same ``prepared`` bytes."""
+    """A ledger whose ``claim`` returns only once both racers have claimed, so the loser
+    decides from the winner's entries while the winner's calls run."""
 
     arrived = 0
     both = asyncio.Event()
 
-    async def prepare(self, turn_id: str, calls: list[tuple[str, str]]) -> dict[str, LedgerRead]:
-        reads = await super().prepare(turn_id, calls)
+    async def claim(
+        self, turn_id: str, epoch: int, claims: list[Claim]
+    ) -> dict[str, LedgerRead | None]:
+        reads = await super().claim(turn_id, epoch, claims)
         GatedLedger.arrived += 1
         if GatedLedger.arrived == 2:
             GatedLedger.both.set()

@@ -1,0 +1,38 @@
+-- Claim a tool batch (store/ledger.py, ToolLedger.claim): journal its calls and take the
+-- fenced step of every new one, in one round trip.
+--
+-- KEYS[1]  the turn's checkpoint record hash   ({ns}:{sN}:turn:<id>)
+-- KEYS[2]  the turn's tool ledger hash          ({ns}:{sN}:tools:<id>)
+-- ARGV[1]  the caller's epoch
+-- ARGV[2..] triples: call key, its 'prepared' entry, the entry the owner decided for a call
+--           the ledger does not hold yet ('dispatched' to run it, or its settled result)
+--
+-- Fenced as a whole: when the record's stored epoch is not the caller's, each new call is
+-- only journaled 'prepared' (as an unfenced prepare would) and nothing else is written:
+--   -> {'fenced', stored epoch or ''}
+-- Otherwise, per triple in order:
+--   the call is new     -> its decided entry is set: the caller won it            -> 1
+--   the call is there   -> left as it is; its stored bytes come back, for the caller to
+--                          decide from them (ledger_cas.lua)                      -> bytes
+--   -> {'ok', r1, r2, ...}
+-- A new call's decided entry goes in with the fence check, so no other writer can come between
+-- them: exactly what 'prepared' then a compare-and-set to 'dispatched' gives, in one step.
+-- Both keys share the turn's hash tag, so this runs unchanged on Redis Cluster.
+local stored = redis.call('HGET', KEYS[1], 'epoch')
+if stored ~= ARGV[1] then
+  for i = 2, #ARGV, 3 do
+    redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+  return {'fenced', stored or ''}
+end
+local out = {'ok'}
+for i = 2, #ARGV, 3 do
+  local current = redis.call('HGET', KEYS[2], ARGV[i])
+  if current then
+    out[#out + 1] = current
+  else
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
+    out[#out + 1] = 1
+  end
+end
+return out
