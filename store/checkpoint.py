@@ -19,6 +19,7 @@ A load is one script too (``checkpoint_load.lua``): the record and every body it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -53,7 +54,7 @@ from store.failures import reading, translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip, slot_of
-from store.records import CheckpointRecord, SaveAck, TurnSpec
+from store.records import CheckpointRecord, SaveAck, Settle, TurnSpec
 from store.replies import raw as raw_bytes
 from store.replies import text
 from store.retention import Retention
@@ -128,10 +129,11 @@ class RedisCheckpointStore:
         ]
         return await self._commit(writes)
 
-    async def save(self, record: CheckpointRecord) -> SaveAck:
-        """Fenced, atomic save of the whole record (see module docstring). A save found
-        already stored (a client's resend of a request whose reply was lost) is acked."""
-        (result,) = await self.save_many([record])
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
+        """Fenced, atomic save of the whole record (see module docstring), journaling
+        ``settles`` with it. A save found already stored (a client's resend of a request
+        whose reply was lost) is acked."""
+        (result,) = await self.save_many([record], settles=[settles])
         if isinstance(result, AlreadySaved):
             return SaveAck(record.turn_id, record.epoch, record.seq, REPLAYED)
         if isinstance(result, Exception):
@@ -139,17 +141,24 @@ class RedisCheckpointStore:
         return result
 
     async def save_many(
-        self, records: Sequence[CheckpointRecord | EncodedRecord]
+        self,
+        records: Sequence[CheckpointRecord | EncodedRecord],
+        *,
+        settles: Sequence[Sequence[Settle]] | None = None,
     ) -> list[SaveAck | StoreError]:
         """Group commit: every save of the batch in one pipeline (one round trip), applied
         in order, each atomic and fenced on its own. Each record gets its own answer, in
         order: an ack, :class:`StaleOwner` (:class:`AlreadySaved` for a replay of a save
         that already landed), or another :class:`StoreError`. A refused record never holds
-        back the others."""
+        back the others. ``settles``: per record of this process's own (not encoded ones,
+        which carry theirs), the tool outcomes journaled with it."""
         writes = [
             _Write(r if isinstance(r, EncodedRecord) else EncodedRecord.of(r, self.known))
             for r in records
         ]
+        for i, carried in enumerate(settles or ()):
+            if carried:
+                writes[i] = _Write(dataclasses.replace(writes[i].record, settles=tuple(carried)))
         answers = await self._commit(writes)
         for r, w, a in zip(records, writes, answers, strict=True):
             if not isinstance(r, EncodedRecord):

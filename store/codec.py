@@ -14,7 +14,14 @@ from bus.messages import Message
 from bus.outcomes import SaveReason
 from bus.phase import TurnPhase
 from store.msgpack_wire import pack, unpack
-from store.records import MAX_FENCE, SCHEMA_VERSION, CheckpointRecord, Counters, MessageMeta
+from store.records import (
+    MAX_FENCE,
+    SCHEMA_VERSION,
+    CheckpointRecord,
+    Counters,
+    MessageMeta,
+    Settle,
+)
 from store.transcript import (
     DIGEST_BYTES,
     MESSAGES,
@@ -105,7 +112,7 @@ def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:
 _INT_FIELDS = ("schema", "epoch", "seq", "length", "baseline", "updated_at")
 _STR_FIELDS = ("turn_id", "session_id", "agent", "phase", "reason")
 _BLOB_FIELDS = ("chunks", "tail", "counters")
-_WIRE_PARTS = {"fields", "puts", "drops", "replace", "nbytes"}
+_WIRE_PARTS = {"fields", "puts", "drops", "replace", "nbytes", "settles"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,8 @@ class EncodedRecord:
     """Empty the bodies hash before the puts (then ``puts`` holds every body)."""
     nbytes: int
     """The whole record's size: its fields and every body it references (the size cap)."""
+    settles: tuple[Settle, ...] = ()
+    """Outcomes of tool calls journaled with this save (:class:`~store.records.Settle`)."""
 
     @classmethod
     def of(cls, record: CheckpointRecord, known: KnownBodies | None = None) -> EncodedRecord:
@@ -176,6 +185,7 @@ class EncodedRecord:
                 "drops": list(self.drops),
                 "replace": self.replace,
                 "nbytes": self.nbytes,
+                "settles": [[x.call_key, x.dispatched, x.settled] for x in self.settles],
             }
         )
 
@@ -230,8 +240,19 @@ class EncodedRecord:
             fields["turn_id"], fields["epoch"], fields["seq"], fields["phase"], fields["reason"],
             fields["in_progress"] == 1, fields, puts, tuple(drops), parts["replace"],
             # A host cannot make a save pass the size cap by under-reporting what it sends.
-            max(nbytes, sum(len(v) for v in puts.values())),
+            max(nbytes, sum(len(v) for v in puts.values())), _settles_of(parts["settles"]),
         )  # fmt: skip
+
+
+def _settles_of(raw: object) -> tuple[Settle, ...]:
+    """The wire form's settles: a list of [call key, dispatched entry, settled entry]."""
+    if not isinstance(raw, list) or not all(
+        isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
+        and isinstance(x[1], bytes) and isinstance(x[2], bytes)
+        for x in raw
+    ):  # fmt: skip
+        raise ValueError("settles must be a list of [call key, dispatched, settled]")
+    return tuple(Settle(k, d, s) for k, d, s in raw)
 
 
 def _field_bytes(fields: Mapping[str, bytes | str | int]) -> int:

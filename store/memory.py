@@ -8,10 +8,12 @@ does except talking to Redis. Nothing survives the process: never use them to ru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from bus.errors import StaleOwner
 from store.codec import pack_model, unpack_model
 from store.ledger import Change, Claim, LedgerRead
-from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck
+from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck, Settle
 from store.save_script import REPLAYED, SaveStatus, fence
 
 __all__ = ["MemoryCheckpoints", "MemoryInbox", "MemoryLedger"]
@@ -22,9 +24,17 @@ class MemoryCheckpoints:
 
     def __init__(self) -> None:
         self.records: dict[str, CheckpointRecord] = {}
+        self.ledger: MemoryLedger | None = None
+        """The ledger a save journals its settles in (the one made over these checkpoints)."""
         self._events = 0
 
-    async def save(self, record: CheckpointRecord) -> SaveAck:
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
+        if settles and self.ledger is not None:  # before the fence, as the script does
+            await self.ledger.transition(
+                record.turn_id,
+                {s.call_key: Change(s.dispatched, _entry(s.settled)) for s in settles},
+                epoch=None,
+            )
         stored = self.records.get(record.turn_id)
         if stored is not None:
             fences = [str(stored.epoch).encode(), str(stored.seq).encode()]
@@ -38,7 +48,7 @@ class MemoryCheckpoints:
                 )
         self.records[record.turn_id] = record
         self._events += 1
-        return SaveAck(record.turn_id, record.epoch, record.seq, f"{self._events}-0")
+        return SaveAck(record.turn_id, record.epoch, record.seq, f"{self._events}-0", 0)
 
 
 class MemoryLedger:
@@ -46,6 +56,7 @@ class MemoryLedger:
 
     def __init__(self, checkpoints: MemoryCheckpoints) -> None:
         self.checkpoints = checkpoints
+        checkpoints.ledger = self
         self._turns: dict[str, dict[str, bytes]] = {}
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]:
@@ -90,6 +101,10 @@ class MemoryLedger:
     @staticmethod
     def _read(turn_id: str, key: str, raw: bytes) -> LedgerRead:
         return LedgerRead(unpack_model(LedgerEntry, raw, key=f"memory:{turn_id}#{key}"), raw)
+
+
+def _entry(raw: bytes) -> LedgerEntry:
+    return unpack_model(LedgerEntry, raw, key="memory settle")
 
 
 class MemoryInbox:

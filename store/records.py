@@ -307,6 +307,22 @@ class LedgerEntry(FrozenModel):
 
 
 @dataclass(frozen=True, slots=True)
+class Settle:
+    """The outcome of a call this process dispatched, journaled with the save that follows
+    its batch (``checkpoint_save.lua``) instead of in a round trip of its own. Unfenced, like
+    every outcome of a dispatched call (it is true whoever owns the turn now): a
+    compare-and-set from the dispatch this process wrote, so it never overwrites what a
+    successor settled."""
+
+    call_key: str
+    """The call's ledger key."""
+    dispatched: bytes
+    """The ``dispatched`` entry this process wrote (the compare-and-set's expected bytes)."""
+    settled: bytes
+    """The packed entry with the call's outcome."""
+
+
+@dataclass(frozen=True, slots=True)
 class SaveAck:
     """Proof that a record is durable in Redis."""
 
@@ -318,6 +334,9 @@ class SaveAck:
     """Checkpoint number written."""
     event_id: str
     """Id of the checkpoint event in the shard's events stream."""
+    inbox_len: int | None = None
+    """Entries in the turn's inbox when the save landed (None: not told). A loop whose inbox
+    offset is there has nothing new to read at its next boundary."""
 
 
 class QueuedTurn(FrozenModel):

@@ -32,7 +32,8 @@ class SaveStatus(StrEnum):
     """The first element of the save script's answer."""
 
     OK = "ok"
-    """Saved; the answer's second element is the checkpoint event's id."""
+    """Saved; the answer's second element is the checkpoint event's id, its third the
+    length of the turn's inbox."""
     EXISTS = "exists"
     """A submission whose record or spec is already there (:class:`TurnExists`)."""
     UNREADABLE = "unreadable"
@@ -88,8 +89,10 @@ def save_call(
         record.epoch, record.seq, turn_id, record.phase, record.reason,
         int(record.in_progress), events_maxlen, b"" if spec is None else spec[1],
         int(record.replace), len(record.puts), len(record.drops), *tally_args(record),
-        retention.ttl_ms_of(record),
+        retention.ttl_ms_of(record), len(record.settles),
     ]  # fmt: skip
+    for settle in record.settles:
+        args += (settle.call_key, settle.dispatched, settle.settled)
     for address, body in record.puts.items():
         args += (address, body)
     args += record.drops
@@ -112,7 +115,8 @@ def save_answer(record: EncodedRecord, turn_key: str, reply: object) -> SaveAck 
     except ValueError:
         return StoreError(f"save of {turn}: unknown script answer {word!r}")
     if status is SaveStatus.OK:
-        return SaveAck(turn, record.epoch, record.seq, rest[0])
+        inbox = int(rest[1]) if len(rest) > 1 and rest[1].isdigit() else None
+        return SaveAck(turn, record.epoch, record.seq, rest[0], inbox)
     if status is SaveStatus.EXISTS:
         return TurnExists(f"turn {turn} already exists")
     stored = f"stored epoch {rest[0]!r} seq {rest[1]!r}" if len(rest) == 2 else "?"

@@ -30,6 +30,7 @@ from bus.errors import StoreError, StoreUnavailable
 from store.codec import EncodedRecord
 from store.connection import StoreClient
 from store.keys import KeyLayout
+from store.lua import lua_script
 from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip
 from store.replies import text
 from store.retention import Retention, retained_keys
@@ -37,6 +38,10 @@ from store.save_script import SaveStatus, fence
 from store.usage import TALLY_COUNTERS, tally_args
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
+
+#: The ledger's compare-and-set (sent by its text: this path's rare transactions need no
+#: ``SCRIPT LOAD``), which journals the settles a save carries.
+CAS_LUA = lua_script("ledger_cas.lua")
 
 #: Times one shard's batch is read and tried again after losing a WATCH race.
 WATCH_ATTEMPTS = 16
@@ -186,15 +191,27 @@ class ShardBatch:
 
     async def _attempt(self, conn: Any) -> tuple[list[object], object] | None:
         keys = self.keys
-        reads: list[tuple[Any, ...]] = [("WATCH", *(keys.turn(r.turn_id) for r in self.records))]
+        # The settles are unfenced and the script applies them whatever its fence says: here
+        # before the WATCH, by the ledger's own compare-and-set (a resend is a replay).
+        settles: list[tuple[Any, ...]] = [
+            ("EVAL", CAS_LUA, 2, keys.turn(r.turn_id), keys.tools(r.turn_id), "",
+             *(x for s in r.settles for x in (s.call_key, s.dispatched, s.settled)))
+            for r in self.records
+            if r.settles
+        ]  # fmt: skip
+        reads: list[tuple[Any, ...]] = [
+            *settles,
+            ("WATCH", *(keys.turn(r.turn_id) for r in self.records)),
+        ]
         for r, spec in zip(self.records, self.specs, strict=True):
             reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq", "in_progress", "phase"))
             reads.append(("HLEN", keys.bodies(r.turn_id)))
             if spec is not None:
                 reads.append(("EXISTS", keys.turn(r.turn_id), spec[0]))
         got = await roundtrip(conn, reads)
-        if is_redirect(got[0]):
+        if any(is_redirect(g) for g in got[: len(settles) + 1]):
             raise _Moved
+        got = got[len(settles) :]
         replays = await self._replays(conn, got)
         replies: list[object] = []
         writes: list[tuple[Any, ...]] = []
@@ -224,7 +241,7 @@ class ShardBatch:
             )  # fmt: skip
             xadd = len(writes) + next(i for i, c in enumerate(commands) if c[0] == "XADD")
             accepted.append((i, len(writes), xadd))
-            writes += commands
+            writes += [*commands, ("LLEN", keys.inbox(r.turn_id))]
             replies.append(None)
         if not writes:
             await roundtrip(conn, [("UNWATCH",)])
@@ -243,7 +260,9 @@ class ShardBatch:
         ends = [start for _, start, _ in accepted[1:]] + [len(writes)]
         for (i, start, xadd), end in zip(accepted, ends, strict=True):
             problem = next((x for x in result[start:end] if isinstance(x, Exception)), None)
-            replies[i] = problem if problem is not None else [SaveStatus.OK, result[xadd]]
+            # the save's last write is its LLEN of the turn's inbox
+            ok = [SaveStatus.OK, result[xadd], result[end - 1]]
+            replies[i] = problem if problem is not None else ok
         return replies, out[-1] if tail else None
 
 

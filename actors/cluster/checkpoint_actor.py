@@ -17,6 +17,7 @@ that had already landed comes back as ``AlreadySaved`` and counts as acked.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -33,7 +34,7 @@ from actors.cluster.refs import CheckpointRef
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
-from store.records import CheckpointRecord, SaveAck
+from store.records import CheckpointRecord, SaveAck, Settle
 from store.save_script import REPLAYED
 from store.transcript import KnownBodies
 
@@ -60,7 +61,7 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
             answers[i] = Answer(Verdict.ERROR, f"invalid record: {exc}")
     for i, result in zip(where, await store.save_many(records), strict=True):
         if isinstance(result, SaveAck):
-            answers[i] = Answer(Verdict.OK, result.event_id)
+            answers[i] = Answer(Verdict.OK, result.event_id, result.inbox_len)
         elif isinstance(result, AlreadySaved):
             answers[i] = Answer(Verdict.OK, REPLAYED)
         elif isinstance(result, StaleOwner):
@@ -95,7 +96,7 @@ class CheckpointActor:
         self._batches = 0
         self._saves = 0
 
-    async def save_batch(self, blobs: list[bytes]) -> list[tuple[str, str]]:
+    async def save_batch(self, blobs: list[bytes]) -> list[tuple[str, str, int]]:
         self._batches += 1
         self._saves += len(blobs)
         started = time.monotonic()
@@ -145,8 +146,8 @@ class ShardedCheckpoints:
         self.clients = dict(clients)
         self.route = route
 
-    async def save(self, record: CheckpointRecord) -> SaveAck:
-        return await self.clients[self.route(record.turn_id)].save(record)
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
+        return await self.clients[self.route(record.turn_id)].save(record, settles)
 
     @property
     def batches(self) -> int:
@@ -177,8 +178,10 @@ class CheckpointClient:
         self.batches = 0
         self.resends = 0
 
-    async def save(self, record: CheckpointRecord) -> SaveAck:
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
         encoded = EncodedRecord.of(record, self.known)
+        if settles:
+            encoded = dataclasses.replace(encoded, settles=tuple(settles))
         fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
         try:
             # Checked here too (the store's measure), so an oversized record never crosses Ray.

@@ -152,22 +152,31 @@ class Answer:
     """What became of the record."""
     detail: str
     """The event id for :attr:`Verdict.OK`, else why."""
+    inbox_len: int | None = None
+    """For :attr:`Verdict.OK`: the turn's inbox length the save saw (None: not told)."""
 
-    def wire(self) -> tuple[str, str]:
-        return (self.verdict.value, self.detail)
+    def wire(self) -> tuple[str, str, int]:
+        return (self.verdict.value, self.detail, -1 if self.inbox_len is None else self.inbox_len)
 
     @classmethod
     def of(cls, reply: object) -> Answer:
         """Read one answer off the wire; anything malformed is an error answer."""
-        if isinstance(reply, tuple | list) and len(reply) == 2 and isinstance(reply[1], str):
+        if (
+            isinstance(reply, tuple | list)
+            and len(reply) == 3
+            and isinstance(reply[1], str)
+            and isinstance(reply[2], int)
+        ):
             with contextlib.suppress(ValueError):
-                return cls(Verdict(reply[0]), reply[1])
+                return cls(Verdict(reply[0]), reply[1], None if reply[2] < 0 else reply[2])
         return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
 
     def settle(self, fut: asyncio.Future[SaveAck], record: CheckpointRecord) -> None:
         """Resolve the saving loop's future: an ack, or the typed refusal."""
         if self.verdict is Verdict.OK:
-            fut.set_result(SaveAck(record.turn_id, record.epoch, record.seq, self.detail))
+            fut.set_result(
+                SaveAck(record.turn_id, record.epoch, record.seq, self.detail, self.inbox_len)
+            )
         elif self.verdict is Verdict.STALE:
             fut.set_exception(StaleOwner(self.detail))
         elif self.verdict is Verdict.TOO_LARGE:

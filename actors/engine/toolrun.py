@@ -20,9 +20,9 @@ from actors.turn.agent import Agent
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
 from bus.messages import ToolCall, ToolResult, ToolStatus
-from store.codec import pack_model
+from store.codec import pack_model, unpack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
-from store.records import LedgerEntry, LedgerState, TurnInput
+from store.records import LedgerEntry, LedgerState, Settle, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class BatchExecutor:
         self.ledger = ledger
         self.effects = effects
         self.agent = agent
+        self._settles: list[Settle] = []
 
     def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
         return [call_key(turn_id, batch, c.name, c.args, i) for i, c in enumerate(calls)]
@@ -216,6 +217,8 @@ class BatchExecutor:
         batch: int,
         calls: Sequence[ToolCall],
         denied: Mapping[int, str] | None = None,
+        *,
+        defer: bool = False,
     ) -> list[ToolResult]:
         """Journal, decide per call from the ledger, run what must run; results in order.
 
@@ -225,7 +228,12 @@ class BatchExecutor:
         (:meth:`~store.ledger.ToolLedger.claim`); a call the ledger already holds (a resume, a
         racing owner) is decided from its entry and moved by a compare-and-set, decided again
         from what won if another owner changed it meanwhile. Round trips: one for the claim
-        (two when the ledger held some of the calls), then one per call as it finishes.
+        (two when the ledger held some of the calls), then one per call as it finishes while
+        others of the batch still run. The calls that finish last (none other still running)
+        journal their outcome the same way, unless ``defer``: then it is kept for
+        :meth:`take_settles`, and the checkpoint after the batch journals it (so a crash
+        before that checkpoint loses no more than the outcome's own write would: the batch's
+        results are not in any checkpoint yet either).
         """
         keys = self.keys_for(turn_id, batch, calls)
         refused = denied or {}
@@ -257,18 +265,54 @@ class BatchExecutor:
         if reads:
             await self._decide_held(turn_id, epoch, batch, calls, keys, reads, refused,
                                     results, runnable)  # fmt: skip
-        for i, res in zip(
-            runnable,
-            await asyncio.gather(
-                *(
-                    self._run(turn_id, keys[i], calls[i], spec, dispatched)
-                    for i, (spec, dispatched) in runnable.items()
-                )
-            ),
-            strict=True,
-        ):
+        running = [len(runnable)]  # calls of the batch still running
+
+        async def run(i: int, spec: ToolSpec, dispatched: bytes) -> ToolResult:
+            res, entry = await self._run(turn_id, keys[i], calls[i], spec)
+            running[0] -= 1
+            if defer and not running[0]:
+                self._settles.append(Settle(keys[i], dispatched, pack_model(entry)))
+            else:
+                await self._settle_now(turn_id, keys[i], Change(dispatched, entry))
+            return res
+
+        outcomes = await asyncio.gather(*(run(i, *r) for i, r in runnable.items()))
+        for i, res in zip(runnable, outcomes, strict=True):
             results[i] = res
         return [r for r in results if r is not None]
+
+    def take_settles(self) -> tuple[Settle, ...]:
+        """The outcomes a ``defer`` batch kept (see :meth:`run_batch`), handed over once."""
+        kept, self._settles = tuple(self._settles), []
+        return kept
+
+    async def settle(self, turn_id: str, settles: Sequence[Settle]) -> None:
+        """Journal outcomes no checkpoint carried: a compare-and-set from each dispatch."""
+        changes = {
+            s.call_key: Change(s.dispatched, unpack_model(LedgerEntry, s.settled, key=s.call_key))
+            for s in settles
+        }
+        await refusals_waited(
+            f"journal {len(changes)} outcomes of {turn_id}",
+            partial(self.ledger.transition, turn_id, changes, epoch=None),
+        )
+
+    async def _settle_now(self, turn_id: str, key: str, change: Change) -> None:
+        try:
+            won = await refusals_waited(
+                f"journal the outcome of {key}",
+                partial(self.ledger.transition, turn_id, {key: change}, epoch=None),
+            )
+        except StoreError as exc:
+            # The model still reads the result; the batch's checkpoint keeps it. Only a resume
+            # from before that checkpoint finds the call dispatched (and re-runs it if it is
+            # idempotent, else reports it outcome_unknown): true, as its result is lost then.
+            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, key, exc)
+            return
+        if not won[key]:
+            log.warning(
+                "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
+            )
 
     def _step(
         self, call: ToolCall, entry: LedgerEntry | None, denied: str | None, epoch: int
@@ -354,8 +398,11 @@ class BatchExecutor:
         return spec
 
     async def _run(
-        self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec, dispatched: bytes
-    ) -> ToolResult:
+        self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec
+    ) -> tuple[ToolResult, LedgerEntry]:
+        """Run a dispatched call: its result, and the journal entry of its outcome (not
+        fenced: the call ran, so its outcome is true whoever owns the turn now; compared with
+        our own dispatch, so it never overwrites what a successor settled meanwhile)."""
         res = capped(
             await self.runner.run(
                 spec, call, ToolContext(turn_id, key, self.effects, agent=self.agent)
@@ -365,26 +412,8 @@ class BatchExecutor:
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":
             state = "outcome_unknown"
-        # Not fenced: the call ran, so its outcome is true whoever owns the turn now. Compared
-        # with our own dispatch, so it never overwrites what a successor settled meanwhile.
         entry = LedgerEntry(
             state=state, name=call.name, result=res, updated_at=_now_ms(),
             writer=uuid.uuid4().hex,
         )  # fmt: skip
-        try:
-            settle = {key: Change(dispatched, entry)}
-            won = await refusals_waited(
-                f"journal the outcome of {key}",
-                partial(self.ledger.transition, turn_id, settle, epoch=None),
-            )
-        except StoreError as exc:
-            # The model still reads the result; the batch's checkpoint keeps it. Only a resume
-            # from before that checkpoint finds the call dispatched (and re-runs it if it is
-            # idempotent, else reports it outcome_unknown): true, as its result is lost then.
-            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, key, exc)
-            return res
-        if not won[key]:
-            log.warning(
-                "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
-            )
-        return res
+        return res, entry

@@ -13,11 +13,14 @@ from actors.turn.tools import ToolRegistry
 from bus.events import LiveEvent
 from bus.messages import ToolCall, ToolResult
 from bus.phase import Listener
-from store.records import Approval, CheckpointRecord, InboxItem, SaveAck
+from store.records import Approval, CheckpointRecord, InboxItem, SaveAck, Settle
 
 
 class Checkpointer(Protocol):
-    async def save(self, record: CheckpointRecord) -> SaveAck: ...
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
+        """Save ``record`` fenced and atomically, journaling ``settles`` (tool outcomes) with
+        it, before its fence and whatever the fence says."""
+        ...
 
 
 class InboxReader(Protocol):
@@ -43,8 +46,20 @@ class ToolBatches(Protocol):
         batch: int,
         calls: Sequence[ToolCall],
         denied: Mapping[int, str] | None = ...,
+        *,
+        defer: bool = ...,
     ) -> list[ToolResult]:
-        """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced."""
+        """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced.
+        ``defer``: the outcomes of the calls that end the batch are not journaled here but
+        kept for :meth:`take_settles` (the checkpoint after the batch carries them)."""
+        ...
+
+    def take_settles(self) -> tuple[Settle, ...]:
+        """The outcomes a ``defer`` batch kept, handed over once."""
+        ...
+
+    async def settle(self, turn_id: str, settles: Sequence[Settle]) -> None:
+        """Journal outcomes no checkpoint carried (:class:`StoreError` if Redis failed)."""
         ...
 
 

@@ -375,6 +375,9 @@ class TurnLoop(ToolSteps, ModelSteps):
 
     async def _drain_inbox(self) -> None:
         offset = self._counters.inbox_offset
+        told, self._inbox_len = self._inbox_len, None
+        if told is not None and told <= offset:
+            return  # the save just before this boundary saw nothing new in the inbox
         try:
             items = await self.deps.inbox.read_from(self.turn_id, offset)
         except StoreError as exc:

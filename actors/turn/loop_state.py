@@ -22,7 +22,7 @@ from bus.events import Checkpointed, LiveEvent
 from bus.messages import Message, Source, Usage
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import PhaseTracker, TurnPhase
-from store.records import Approval, CheckpointRecord, MessageMeta
+from store.records import Approval, CheckpointRecord, MessageMeta, Settle
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -83,6 +83,11 @@ class LoopState:
         """The last record known stored: what an oversized checkpoint falls back to."""
         self._dirty = False
         self._last_save: float | None = None
+        self._settles: tuple[Settle, ...] = ()
+        """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
+        carries them, or they are journaled on their own if it saves nothing."""
+        self._inbox_len: int | None = None
+        """The inbox's length as the last save saw it (None: read it at the next boundary)."""
         self.saves = 0
         self.failed_saves = 0
         self.tracker = PhaseTracker(
@@ -184,24 +189,30 @@ class LoopState:
         )
 
     async def _checkpoint(self, reason: SaveReason, *, final: bool = False) -> None:
+        settles, self._settles = self._settles, ()
         if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
+            await self._settle_alone(settles)
             return
         now = self._clock()
         interval = self.settings.checkpoint_min_interval_s
         if not final and self._last_save is not None and now - self._last_save < interval:
+            await self._settle_alone(settles)
             return  # debounced: stays dirty, the next site saves it
         record = self.snapshot(reason, in_progress=not final)
         try:
-            await self.deps.checkpoints.save(record)
-        except StaleOwner as exc:
+            ack = await self.deps.checkpoints.save(record, settles)
+        except StaleOwner as exc:  # the refusal journaled the settles all the same
             raise self._fenced(exc) from exc
         except RecordTooLarge as exc:
+            await self._settle_alone(settles)
             log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
             raise TooLarge(Outcome.ABORTED_RECORD_TOO_LARGE) from exc
         except UnstorableRecord as exc:
+            await self._settle_alone(settles)
             log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
             raise TooLarge(Outcome.ABORTED_UNSTORABLE) from exc
         except StoreError as exc:
+            await self._settle_alone(settles)  # it may have landed: a replay is a no-op
             self.failed_saves += 1
             if final:
                 raise
@@ -209,6 +220,7 @@ class LoopState:
                 "turn %s: %s save failed, retried at next site: %s", self.turn_id, reason, exc
             )
             return
+        self._inbox_len = ack.inbox_len
         self._dirty = False
         self._last_save = now
         self._saved = record
@@ -219,6 +231,18 @@ class LoopState:
             self._emit(record.finished_event())
         if self._probation is not None and self._probation.releases and not final:
             raise Released()
+
+    async def _settle_alone(self, settles: tuple[Settle, ...]) -> None:
+        """Journal a batch's outcomes that no save carried. A failure is logged, not raised:
+        the model still reads the results and the next checkpoint keeps them; only a resume
+        from before it finds those calls dispatched (and re-runs an idempotent one, reports
+        another ``outcome_unknown``): true, as their results are lost then."""
+        if not settles:
+            return
+        try:
+            await self.deps.tools.settle(self.turn_id, settles)
+        except StoreError as exc:
+            log.warning("turn %s: outcomes of a batch not journaled: %s", self.turn_id, exc)
 
     def _emit(self, event: LiveEvent) -> None:
         if self.deps.events is not None:

@@ -49,11 +49,15 @@ class ToolSteps(LoopState):
                 if decided.state != "approve":
                     denied[i] = decided.note()
         try:
+            # The outcomes of the calls that end the batch ride on the checkpoint after it
+            # (when there is one): one round trip less per tool round.
             results = await self.deps.tools.run_batch(
-                self.turn_id, self.epoch, batch, calls, denied
-            )
+                self.turn_id, self.epoch, batch, calls, denied,
+                defer=self.settings.checkpoint_mid_turn,
+            )  # fmt: skip
         except StaleOwner as exc:
             raise self._fenced(exc) from exc
+        self._settles = self.deps.tools.take_settles()
         for i, res in enumerate(results):
             self._append(Message(role="tool", tool_result=res), "tool", approval=decisions.get(i))
             self._returned(res)

@@ -10,14 +10,20 @@
 --       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS)
 --       and the outcome it ends with,
 --       ms the keys of a turn this save ends live on (0: for ever; store/retention.py),
+--       k, the number of settles,
+--       then k call key, dispatched entry, settled entry triples (store/records.py, Settle),
 --       then n digest, body pairs, then m digests to drop,
 --       then the record's hash fields as field, value, ...
 -- Answers: {'exists'} (a submission whose record or spec is already there),
 -- {'unreadable', epoch, seq}, {'stale_epoch', epoch, seq}, {'already', epoch, seq} (this very
 -- record is stored, every field equal: a replay), {'stale_seq', epoch, seq} (also a different
--- record at the same epoch and seq), or {'ok', event id}.
--- The fence is checked before anything is written, so a refused save changes nothing: no body
--- is written or dropped (store/transcript.py says why that keeps every needed body).
+-- record at the same epoch and seq), or {'ok', event id, length of the turn's inbox}.
+-- The settles come first and whatever the fence says: each is the outcome of a call the
+-- writer dispatched, true whoever owns the turn now, applied as ledger_cas.lua applies an
+-- unfenced change (set if the entry is still the writer's dispatch; a replay is a no-op;
+-- anything else, a successor's decision, is left). Then the fence is checked before anything
+-- else is written, so a refused save changes nothing more: no body is written or dropped
+-- (store/transcript.py says why that keeps every needed body).
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
 -- to the agent's totals in the shard's usage hash, and counts the outcome there
 -- ('outcome|<outcome>'): once per turn, with the record.
@@ -34,8 +40,14 @@ if submission and redis.call('EXISTS', record, KEYS[6]) > 0 then
 end
 local puts, drops = tonumber(ARGV[10]), tonumber(ARGV[11])
 local ttl = tonumber(ARGV[20])
-local head = 21  -- the first ARGV after the header, the tally and the time to live
+local settles = tonumber(ARGV[21])
+local head = 22 + 3 * settles  -- the first ARGV after the header, the tally, ttl and settles
 local fields = head + 2 * puts + drops  -- the first of the record's field, value pairs
+for i = 22, head - 1, 3 do
+  if redis.call('HGET', KEYS[7], ARGV[i]) == ARGV[i + 1] then
+    redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2])
+  end
+end
 -- A save at the stored (epoch, seq) is a replay only if it is this very record, field for
 -- field: two resumers that claimed the same epoch at once send the same (epoch, seq) with
 -- different content, and the second must be fenced, not told its save landed (its idea of
@@ -110,4 +122,4 @@ if ttl > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', '(' .. (now - ttl))
   redis.call('XTRIM', KEYS[3], 'MINID', '~', now - ttl)  -- the shard's checkpoint events too
 end
-return {'ok', id}
+return {'ok', id, redis.call('LLEN', KEYS[9])}

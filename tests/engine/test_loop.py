@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, SaveAck
+from store.records import CheckpointRecord, LedgerEntry, SaveAck, Settle
 from tests.support.polling import eventually
 from tests.support.records import put_ledger
 
@@ -57,11 +58,11 @@ class Recorder:
         self.saved: list[CheckpointRecord] = []
         self.fail = fail
 
-    async def save(self, record: CheckpointRecord) -> SaveAck:
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
         if self.fail:
             self.fail -= 1
             raise StoreError("injected failure")
-        ack = await self.store.save(record)
+        ack = await self.store.save(record, settles)
         self.saved.append(record)
         return ack
 

@@ -4,6 +4,7 @@ dies inside the same step twice is suspended; deaths it cannot have caused do no
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
-from store.records import CheckpointRecord, TurnInput, TurnSpec
+from store.records import CheckpointRecord, Settle, TurnInput, TurnSpec
 from tests.support.agents import BUGGY_CALLS
 from tests.support.polling import eventually
 from tests.support.records import record
@@ -305,7 +306,7 @@ async def _epoch_past(engine: TurnEngine, turn_id: str, epoch: int) -> Checkpoin
 class _Unreachable:
     """A checkpoint path whose Redis has gone away."""
 
-    async def save(self, record: CheckpointRecord) -> Any:
+    async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> Any:
         raise StoreError("connection refused")
 
 

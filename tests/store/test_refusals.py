@@ -24,7 +24,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.effects import EffectCounters
 from store.failures import translated
 from store.keys import KeyLayout
-from store.ledger import Change, ToolLedger, call_key
+from store.ledger import Claim, LedgerRead, ToolLedger, call_key
 from tests.support.records import record
 
 
@@ -110,18 +110,18 @@ async def test_an_effect_refused_every_time_is_reported_not_run(
 
 
 class RefusedDispatch(ToolLedger):
-    """The real ledger, run out of memory for its first fenced write (the dispatch)."""
+    """The real ledger, run out of memory for its first fenced write (the batch's claim)."""
 
     refused = 0
 
-    async def transition(
-        self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
-    ) -> dict[str, bool]:
-        if epoch is not None and not self.refused:
+    async def claim(
+        self, turn_id: str, epoch: int, claims: list[Claim]
+    ) -> dict[str, LedgerRead | None]:
+        if not self.refused:
             self.refused += 1
             async with out_of_memory(self.client):  # type: ignore[arg-type]
-                return await super().transition(turn_id, changes, epoch=epoch)
-        return await super().transition(turn_id, changes, epoch=epoch)
+                return await super().claim(turn_id, epoch, claims)
+        return await super().claim(turn_id, epoch, claims)
 
 
 async def test_a_refused_dispatch_runs_nothing_then_runs_each_call_once(
