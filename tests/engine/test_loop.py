@@ -56,6 +56,8 @@ class Recorder:
     def __init__(self, store: RedisCheckpointStore, fail: int = 0) -> None:
         self.store = store
         self.saved: list[CheckpointRecord] = []
+        self.carried: list[int] = []
+        """How many tool outcomes each save carried."""
         self.fail = fail
 
     async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
@@ -64,6 +66,7 @@ class Recorder:
             raise StoreError("injected failure")
         ack = await self.store.save(record, settles)
         self.saved.append(record)
+        self.carried.append(len(settles))
         return ack
 
 
@@ -229,6 +232,24 @@ async def test_a_failed_save_stays_dirty_and_is_retried_at_the_next_site(
     assert loop.failed_saves == 1
     assert [r.reason for r in rec.saved] == ["tool_batch", "tool_batch", "final"]
     assert len(rec.saved[0].messages) == 2 + 2 * 3  # the retry carried the first batch too
+
+
+async def test_every_tool_outcome_is_journaled_whether_a_save_carries_it_or_not(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    debounced = LoopSettings(strict=True, checkpoint_min_interval_s=3600)
+    runs = {
+        "carried": await run_with_recorder(engine, scenario(), "carried"),
+        "debounced": await run_with_recorder(engine, scenario(), "debounced", settings=debounced),
+        "failed": await run_with_recorder(engine, scenario(), "failed", fail=1),
+    }
+    for turn_id in runs:
+        entries = await engine.ledger.entries(turn_id)
+        assert len(entries) == 3 * 2 and {e.state for e in entries.values()} == {"committed"}
+    # Of each batch of two, the call that ended it rode on the batch's checkpoint.
+    assert runs["carried"][1].carried == [1, 1, 1, 0]
+    assert runs["debounced"][1].carried == [1, 0]  # the others were journaled alone
 
 
 async def test_min_interval_debounces_mid_turn_saves_only(

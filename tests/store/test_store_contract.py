@@ -27,10 +27,21 @@ from bus.outcomes import Outcome, SaveReason
 from bus.phase import TurnPhase
 from store import transaction
 from store.checkpoint import RedisCheckpointStore
-from store.codec import EncodedRecord
+from store.codec import EncodedRecord, pack_model
 from store.connection import connect
+from store.inbox import Inbox
 from store.keys import KeyLayout
-from store.records import SCHEMA_VERSION, CheckpointRecord, Counters, MessageMeta, SaveAck, TurnSpec
+from store.ledger import ToolLedger
+from store.records import (
+    SCHEMA_VERSION,
+    CheckpointRecord,
+    Counters,
+    LedgerEntry,
+    MessageMeta,
+    SaveAck,
+    Settle,
+    TurnSpec,
+)
 from store.retention import Retention, TurnPurger
 from store.save_script import REPLAYED
 from store.transaction import AtomicSave
@@ -785,3 +796,45 @@ async def test_purge_removes_a_finished_turn_whole_and_never_a_running_one(
     for key in (keys.turn("p1"), keys.bodies("p1"), keys.spec("p1"), keys.tools("p1")):
         assert not await any_client.exists(key)
     assert await store.list_turns() == []
+
+
+async def test_a_save_journals_the_outcomes_it_carries_even_when_it_is_fenced(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    await store.save(record("t1", epoch=2, seq=1))
+    entries = {k: LedgerEntry(state="dispatched", name="echo", epoch=2, writer=k) for k in "abc"}
+    dispatched = {k: pack_model(e) for k, e in entries.items()}
+    await any_client.hset(keys.tools("t1"), mapping=dispatched)  # type: ignore[arg-type]
+
+    def settle(k: str) -> Settle:
+        done = LedgerEntry(state="committed", name="echo", writer=f"{k}-done")
+        return Settle(k, dispatched[k], pack_model(done))
+
+    # A successor settled c meanwhile: the late outcome leaves its decision as it is.
+    successor = pack_model(LedgerEntry(state="outcome_unknown", name="echo", epoch=3))
+    await any_client.hset(keys.tools("t1"), "c", successor)
+    await store.save(record("t1", epoch=2, seq=2), [settle("a"), settle("c")])
+    ledger = ToolLedger(any_client, keys)
+    states = {k: e.state for k, e in (await ledger.entries("t1")).items()}
+    assert states == {"a": "committed", "b": "dispatched", "c": "outcome_unknown"}
+    # A save its fence refuses journals its outcomes all the same (they are true whoever owns
+    # the turn), and writes nothing else.
+    with pytest.raises(StaleOwner):
+        await store.save(record("t1", epoch=1, seq=9), [settle("b")])
+    assert (await ledger.entries("t1"))["b"].state == "committed"
+    assert (await store.load("t1")).seq == 2
+    # Sent again (a lost reply): a no-op.
+    await store.save(record("t1", epoch=2, seq=3), [settle("a"), settle("b")])
+    assert {k: e.state for k, e in (await ledger.entries("t1")).items()} == {
+        "a": "committed", "b": "committed", "c": "outcome_unknown"
+    }  # fmt: skip
+
+
+async def test_a_save_answers_how_long_the_turns_inbox_is(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    assert (await store.save(record("t1", seq=1))).inbox_len == 0
+    inbox = Inbox(any_client, keys)
+    await inbox.push("t1", "one")
+    await inbox.push("t1", "two")
+    assert (await store.save(record("t1", seq=2))).inbox_len == 2
