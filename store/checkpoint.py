@@ -134,11 +134,7 @@ class RedisCheckpointStore:
         ``settles`` with it. A save found already stored (a client's resend of a request
         whose reply was lost) is acked."""
         (result,) = await self.save_many([record], settles=[settles])
-        if isinstance(result, AlreadySaved):
-            return SaveAck(record.turn_id, record.epoch, record.seq, REPLAYED)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return acked(record, result)
 
     async def save_many(
         self,
@@ -464,6 +460,15 @@ async def _per_group(
     for group, replies in zip(groups.values(), results, strict=True):
         out.update(zip(group, replies, strict=True))
     return [out[i] for i in sent]
+
+
+def acked(record: CheckpointRecord, answer: SaveAck | Exception) -> SaveAck:
+    """A save's answer as its ack (a replay of a save that landed is one), else raised."""
+    if isinstance(answer, AlreadySaved):
+        return SaveAck(record.turn_id, record.epoch, record.seq, REPLAYED)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def landed(answer: SaveAck | StoreError) -> bool | None:

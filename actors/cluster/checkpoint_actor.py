@@ -34,14 +34,13 @@ from actors.cluster.refs import CheckpointRef
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
+from store.group_commit import Batcher
 from store.records import CheckpointRecord, SaveAck, Settle
 from store.save_script import REPLAYED
 from store.transcript import KnownBodies
 
 log = logging.getLogger(__name__)
 
-
-_Pending = tuple[bytes, "asyncio.Future[SaveAck]", CheckpointRecord]
 
 BatchSender = Callable[[list[bytes]], Awaitable[Sequence[Answer]]]
 """Saves a batch of wire records, one answer each. Raises :class:`ServiceRestarting` when the
@@ -168,29 +167,25 @@ class CheckpointClient:
     ) -> None:
         self._send_batch = send
         self.max_record_bytes = max_record_bytes
-        self.max_batch = max_batch
         self.retry_for_s = retry_for_s
-        self._queue: list[_Pending] = []
-        self._wake = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
+        self._batcher: Batcher[bytes, Answer] = Batcher(self._send, max_batch=max_batch)
         self.known = KnownBodies()
         """What this host's acknowledged saves left in Redis: a save ships only new bodies."""
-        self.batches = 0
         self.resends = 0
+
+    @property
+    def batches(self) -> int:
+        """Batches answered."""
+        return self._batcher.batches
 
     async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
         encoded = EncodedRecord.of(record, self.known)
         if settles:
             encoded = dataclasses.replace(encoded, settles=tuple(settles))
-        fut: asyncio.Future[SaveAck] = asyncio.get_running_loop().create_future()
         try:
             # Checked here too (the store's measure), so an oversized record never crosses Ray.
             check_record_size(record.turn_id, encoded.nbytes, self.max_record_bytes)
-            self._queue.append((encoded.to_wire(), fut, record))
-            self._wake.set()
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.ensure_future(self._flush_forever())
-            ack = await fut
+            ack = (await self._batcher.submit(encoded.to_wire())).ack(record)
         except (StaleOwner, RecordTooLarge):
             self.known.settle(record.turn_id, record.seq, landed=False, in_progress=True)
             raise
@@ -201,40 +196,18 @@ class CheckpointClient:
         self.known.settle(record.turn_id, record.seq, landed=True, in_progress=record.in_progress)
         return ack
 
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-                await self._send(batch)
-
-    async def _send(self, batch: list[_Pending]) -> None:
+    async def _send(self, blobs: list[bytes]) -> Sequence[Answer]:
+        """One batch, sent again while the actor restarts (for up to ``retry_for_s``): saves
+        that had landed come back as ``AlreadySaved`` on the resend, i.e. acked. A
+        :class:`StoreError` fails the batch, never hangs it: each loop retries its save at
+        the next site."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_for_s
-        blobs = [blob for blob, _, _ in batch]
         while True:
             try:
-                answers = await self._send_batch(blobs)
-                break
-            except StoreError as exc:
-                # Fail this batch, never hang it: each loop retries its save at the next site.
-                _fail(batch, exc)
-                return
+                return await self._send_batch(blobs)
             except ServiceRestarting as exc:
-                # Saves that had landed come back as AlreadySaved on the resend, i.e. acked.
                 self.resends += 1
                 if loop.time() > deadline:
-                    _fail(batch, StoreError(str(exc)))
-                    return
+                    raise StoreError(str(exc)) from exc
                 await asyncio.sleep(0.2)  # backoff while Ray restarts the actor
-        self.batches += 1
-        for (_, fut, record), answer in zip(batch, answers, strict=True):
-            if not fut.done():
-                answer.settle(fut, record)
-
-
-def _fail(batch: list[_Pending], exc: StoreError) -> None:
-    for _, fut, _ in batch:
-        if not fut.done():
-            fut.set_exception(exc)

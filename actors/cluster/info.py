@@ -8,7 +8,6 @@ with a ``(verdict, detail)`` pair) and its ref (``actors.cluster.refs``) reads t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from dataclasses import dataclass
@@ -171,18 +170,15 @@ class Answer:
                 return cls(Verdict(reply[0]), reply[1], None if reply[2] < 0 else reply[2])
         return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
 
-    def settle(self, fut: asyncio.Future[SaveAck], record: CheckpointRecord) -> None:
-        """Resolve the saving loop's future: an ack, or the typed refusal."""
+    def ack(self, record: CheckpointRecord) -> SaveAck:
+        """The save's ack, or its typed refusal raised."""
         if self.verdict is Verdict.OK:
-            fut.set_result(
-                SaveAck(record.turn_id, record.epoch, record.seq, self.detail, self.inbox_len)
-            )
-        elif self.verdict is Verdict.STALE:
-            fut.set_exception(StaleOwner(self.detail))
-        elif self.verdict is Verdict.TOO_LARGE:
-            fut.set_exception(RecordTooLarge(self.detail))
-        else:
-            fut.set_exception(StoreError(self.detail))
+            return SaveAck(record.turn_id, record.epoch, record.seq, self.detail, self.inbox_len)
+        if self.verdict is Verdict.STALE:
+            raise StaleOwner(self.detail)
+        if self.verdict is Verdict.TOO_LARGE:
+            raise RecordTooLarge(self.detail)
+        raise StoreError(self.detail)
 
 
 def this_node() -> str:

@@ -57,6 +57,7 @@ from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.effects import EffectCounters
+from store.group_commit import GroupCommit
 from store.inbox import Inbox
 from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
@@ -91,7 +92,7 @@ class TurnEngine:
         self.admission = RedisAdmission(client, keys)
         self.isolation = Isolation(client, keys)
         self.sessions = Sessions(self.store)
-        self.checkpoints: Checkpointer = hooks.checkpoints or self.store
+        self.checkpoints: Checkpointer = hooks.checkpoints or GroupCommit(self.store)
         self.runner: ToolRunner = hooks.runner or LocalToolRunner()
         self.rules = None if settings.watchdog is None else WatchdogRules(settings.watchdog)
         self.stats = RunStats()

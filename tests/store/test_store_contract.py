@@ -29,6 +29,7 @@ from store import transaction
 from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, pack_model
 from store.connection import connect
+from store.group_commit import GroupCommit
 from store.inbox import Inbox
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
@@ -838,3 +839,19 @@ async def test_a_save_answers_how_long_the_turns_inbox_is(
     await inbox.push("t1", "one")
     await inbox.push("t1", "two")
     assert (await store.save(record("t1", seq=2))).inbox_len == 2
+
+
+async def test_concurrent_saves_share_batches_and_each_gets_its_own_answer(
+    store: RedisCheckpointStore,
+) -> None:
+    group = GroupCommit(store)
+    await store.save(record("taken", epoch=5, seq=1))
+    answers = await asyncio.gather(
+        *(group.save(record(f"g{i}", seq=1)) for i in range(50)),
+        group.save(record("taken", epoch=1, seq=2)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(a, SaveAck) for a in answers[:50])
+    assert isinstance(answers[50], StaleOwner)  # refused alone; the others landed
+    assert group.batches < 10  # not one round trip and one durability wait per save
+    assert (await store.load("g49")).seq == 1
