@@ -338,20 +338,47 @@ class RedisCheckpointStore:
                 reply = await self._load_script(keys=[key, self.keys.bodies(turn_id)])
             if not reply:
                 raise RecordNotFound(f"no record for turn {turn_id}")
-            record = decode_record(key, *_pairs(key, reply))
-            if record.turn_id != turn_id:
-                raise RecordError(key, f"holds turn {record.turn_id!r}, not {turn_id!r}")
-            return record
+            return self._decoded(turn_id, key, reply)
         except RecordError as exc:
             await self.quarantine(turn_id, str(exc))
             raise
+
+    async def load_start(self, turn_id: str) -> tuple[CheckpointRecord, TurnSpec, int]:
+        """What starting a turn reads, in one round trip: its record (as :meth:`load`), its
+        spec (as :meth:`load_spec`) and its inbox's length."""
+        key = self.keys.turn(turn_id)
+        keys = [key, self.keys.bodies(turn_id), self.keys.spec(turn_id), self.keys.inbox(turn_id)]
+        try:
+            with reading(key, f"load {turn_id} to start it"):
+                reply = await self._load_script(keys=keys)
+            if not reply:
+                raise RecordNotFound(f"no record for turn {turn_id}")
+            if not isinstance(reply, list) or len(reply) != 4 or not isinstance(reply[3], int):
+                raise RecordError(key, f"load script answered {reply!r:.80}")
+            record = self._decoded(turn_id, key, reply[:2])
+        except RecordError as exc:
+            await self.quarantine(turn_id, str(exc))
+            raise
+        return record, self._spec(turn_id, reply[2]), reply[3]
+
+    def _decoded(self, turn_id: str, key: str, reply: object) -> CheckpointRecord:
+        record = decode_record(key, *_pairs(key, reply))
+        if record.turn_id != turn_id:
+            raise RecordError(key, f"holds turn {record.turn_id!r}, not {turn_id!r}")
+        return record
 
     async def load_spec(self, turn_id: str) -> TurnSpec:
         key = self.keys.spec(turn_id)
         with reading(key, f"load spec {turn_id}"):
             raw = await self.client.get(key)
+        return self._spec(turn_id, raw)
+
+    def _spec(self, turn_id: str, raw: object) -> TurnSpec:
+        key = self.keys.spec(turn_id)
         if raw is None:
             raise RecordNotFound(f"no spec for turn {turn_id}")
+        if not isinstance(raw, bytes | str):
+            raise RecordError(key, f"spec read as {type(raw).__name__}")
         spec = unpack_model(TurnSpec, raw_bytes(raw), key=key)
         if spec.turn_id != turn_id:
             raise RecordError(key, f"spec of turn {spec.turn_id!r}, not {turn_id!r}")

@@ -235,12 +235,12 @@ class TurnEngine:
         """Start a turn as it was submitted; None if it ran before (somewhere) and must be
         resumed from a plan instead. A record that cannot be read is an ``unusable`` stop."""
         try:
-            record = await self.store.load(turn_id)
+            record, spec, inbox_len = await self.store.load_start(turn_id)
         except PhaselineError as exc:  # not found, undecodable, or Redis away
             log.error("turn %s cannot start: %s", turn_id, exc)
             return TurnOutcome.stopped(turn_id, RunStop.UNUSABLE)
         if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
-            return await self.start(record, await self.store.load_spec(turn_id))
+            return await self.start(record, spec, inbox_len=inbox_len)
         return None
 
     async def adoptable(self) -> list[str]:
@@ -333,6 +333,7 @@ class TurnEngine:
         resume_from: SaveReason | None = None,
         settings: LoopSettings | None = None,
         probation: ProbationHooks | None = None,
+        inbox_len: int | None = None,
         **deps: Any,
     ) -> TurnLoop:
         """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
@@ -379,6 +380,7 @@ class TurnEngine:
             tuned,
             resume_from=resume_from,
             probation=probation,
+            inbox_len=inbox_len,
         )
 
     def _note_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:

@@ -61,10 +61,12 @@ class LoopState:
         clock: Callable[[], float] = time.time,
         resume_from: SaveReason | None = None,
         probation: ProbationHooks | None = None,
+        inbox_len: int | None = None,
     ) -> None:
         """``resume_from`` is the reason of the checkpoint a resumed turn restarts from;
         ``probation`` makes this a probation run: it notes each step before it begins and
-        stops (:attr:`RunStop.RELEASED`) right after its first mid-turn checkpoint."""
+        stops (:attr:`RunStop.RELEASED`) right after its first mid-turn checkpoint;
+        ``inbox_len``: the inbox's length as the caller just read it (None: not read)."""
         self.turn_id = record.turn_id
         self.session_id = record.session_id
         self.epoch = record.epoch
@@ -86,8 +88,9 @@ class LoopState:
         self._settles: tuple[Settle, ...] = ()
         """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
         carries them, or they are journaled on their own if it saves nothing."""
-        self._inbox_len: int | None = None
-        """The inbox's length as the last save saw it (None: read it at the next boundary)."""
+        self._inbox_len = inbox_len
+        """The inbox's length as the last save (or the start) saw it (None: read it at the
+        next boundary)."""
         self.saves = 0
         self.failed_saves = 0
         self.tracker = PhaseTracker(

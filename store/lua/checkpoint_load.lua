@@ -1,12 +1,14 @@
 -- Read one checkpoint record and every body it references, in one step
 -- (store/checkpoint.py, RedisCheckpointStore.load).
 --
--- KEYS: record hash, bodies hash
+-- KEYS: record hash, bodies hash; for a turn about to start (RedisCheckpointStore.load_start)
+--       also its spec key and inbox list
 -- ARGV: none
 -- Answers: {} when there is no record, else {record, bodies}: the record's fields as HGETALL
 -- gives them, and digest, body, ... for every chunk and entry it names (schema 2; a schema-1
 -- record has no chunks or tail and gets no bodies). A body that is not there is left out: the
--- reader finds it missing and quarantines the record.
+-- reader finds it missing and quarantines the record. With the two more keys, the answer
+-- goes on with the spec (false if there is none) and the inbox's length.
 local flat = redis.call('HGETALL', KEYS[1])
 if #flat == 0 then return {} end
 local chunks, tail
@@ -39,5 +41,8 @@ if chunks and tail then
   local entries = {}
   for _, chunk in ipairs(fetch(split(chunks, {}))) do split(chunk, entries) end
   fetch(split(tail, entries))
+end
+if #KEYS == 4 then
+  return {flat, found, redis.call('GET', KEYS[3]), redis.call('LLEN', KEYS[4])}
 end
 return {flat, found}

@@ -855,3 +855,18 @@ async def test_concurrent_saves_share_batches_and_each_gets_its_own_answer(
     assert isinstance(answers[50], StaleOwner)  # refused alone; the others landed
     assert group.batches < 10  # not one round trip and one durability wait per save
     assert (await store.load("g49")).seq == 1
+
+
+async def test_a_turn_about_to_start_is_read_in_one_step(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    spec = TurnSpec(turn_id="t1", session_id="s1", scenario={"name": "x"}, created_at=1)
+    rec = record(seq=0, n_turn_messages=2)
+    await store.submit(spec, rec)
+    await Inbox(any_client, keys).push("t1", "early")
+    assert await store.load_start("t1") == (rec, spec, 1)
+    await store.save(record("nospec", seq=1))
+    with pytest.raises(RecordNotFound, match="no spec"):
+        await store.load_start("nospec")
+    with pytest.raises(RecordNotFound, match="no record"):
+        await store.load_start("nope")
