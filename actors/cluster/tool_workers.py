@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 import zlib
 from collections import Counter
 from collections.abc import Mapping
@@ -58,6 +59,12 @@ from store.records import TurnInput
 log = logging.getLogger(__name__)
 
 RETRY_WAIT_S = 30.0
+
+#: Seconds a host reuses a worker's handle before looking its name up again. A worker is
+#: replaced under its name only when its pool shrank past it (retired 2.5 s after the resize,
+#: which hosts read within 1 s, so none has looked it up in the second before) and grew
+#: again; a worker Ray restarts in place keeps its handle.
+HANDLE_TTL_S = 1.0
 """How long a retry waits for a live worker of its pool (Ray restarting a killed one)."""
 
 
@@ -143,6 +150,8 @@ class RayToolRunner:
         self.inflight: Counter[str] = Counter()
         """Per pool: calls this host has running on the pool."""
         self._turns: Counter[str] = Counter()
+        self._handles: dict[str, tuple[ToolWorkerRef, float]] = {}
+        """Worker handles by name, with when each was looked up (``HANDLE_TTL_S``)."""
 
     async def size(self, pool: str) -> int:
         """The pool's current size (the Supervisor's, read at most once a second)."""
@@ -202,9 +211,15 @@ class RayToolRunner:
         """The pool's worker for ``key`` and ``offset``; ``ValueError`` if it is not registered
         (being started or restarted by the Supervisor)."""
         index = (zlib.crc32(key.encode()) + offset) % size
-        worker = ToolWorkerRef.named(self.dep.tool_worker_name(pool, index))
+        name = self.dep.tool_worker_name(pool, index)
+        now = time.monotonic()
+        cached = self._handles.get(name)
+        if cached is not None and now - cached[1] < HANDLE_TTL_S:
+            return cached[0]
+        worker = ToolWorkerRef.named(name)  # a lookup in Ray's GCS: once a second at most
         if worker is None:
             raise ValueError(f"tool worker {index} of pool {pool} is not registered")
+        self._handles[name] = (worker, now)
         return worker
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
@@ -273,6 +288,7 @@ class RayToolRunner:
                 return tool_result(call, "error", f"{call.name} was cancelled")
             except RayActorError as exc:
                 log.warning("tool worker died during %s (attempt %d): %s", call.name, attempt, exc)
+                self._handles.clear()  # look every worker up again
                 continue
             except RayError as exc:
                 cause = getattr(exc, "cause", None)
