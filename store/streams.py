@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 
@@ -40,6 +40,7 @@ from bus.phase import Transition
 from store.connection import StoreClient
 from store.failures import translated
 from store.keys import KeyLayout
+from store.lua import lua_script
 from store.replies import raw, text
 from store.stream_reads import read_streams
 
@@ -78,6 +79,17 @@ class Bus(Protocol):
     ) -> list[Delivery]: ...
 
 
+_PUBLISH_LUA = lua_script("events_publish.lua")
+
+
+def _by_shard(keys: KeyLayout, events: Sequence[WatchEvent]) -> list[tuple[int, list[WatchEvent]]]:
+    """Events grouped by their turn's shard, each group in publish order."""
+    groups: dict[int, list[WatchEvent]] = {}
+    for e in events:
+        groups.setdefault(keys.shard_of(e.turn_id), []).append(e)
+    return list(groups.items())
+
+
 class RedisBus:
     """The bus on Redis Streams. Malformed entries go to the dead-letter stream, acked."""
 
@@ -95,27 +107,50 @@ class RedisBus:
         self.live = live
         self.dead_letters = 0
         self._streams = [keys.bus(s) for s in keys.all_shards()]
+        self._publish = client.register_script(_PUBLISH_LUA)
 
     async def publish(self, events: Sequence[WatchEvent]) -> None:
-        """Bus events to their shard's bus, and every event to its turn's live stream."""
+        """Bus events to their shard's bus, and every event to its turn's live stream: one
+        script call per shard (``store/lua/events_publish.lua``), the shards in one pipeline."""
         if not events:
             return
+        calls = [self._shard_call(shard, batch) for shard, batch in _by_shard(self.keys, events)]
+        failed: list[Exception] = []
+        for _ in range(2):
+            with translated("publish to bus"):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for keys, args in calls:
+                        pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+                    replies = await pipe.execute(raise_on_error=False)
+            failed = [r for r in replies if isinstance(r, Exception)]
+            if not any(isinstance(r, redis.exceptions.NoScriptError) for r in failed):
+                break
+            # a server that lost its scripts (restart, failover): nothing ran, send again
+            calls = [c for c, r in zip(calls, replies, strict=True) if isinstance(r, Exception)]
+            with translated("load the publish script"):
+                await self.client.script_load(_PUBLISH_LUA)
+        if failed:
+            with translated("publish to bus"):
+                raise failed[0]
+
+    def _shard_call(
+        self, shard: int, events: list[WatchEvent]
+    ) -> tuple[list[str], list[str | int]]:
+        """KEYS and ARGV of the publish script for one shard's events."""
         live = self.live
-        with translated("publish to bus"):
-            async with self.client.pipeline(transaction=False) as pipe:
-                touched: set[str] = set()
-                for e in events:
-                    fields: Any = encode_event(e)
-                    if isinstance(e, Transition | StatusEvent):
-                        stream = self.keys.bus(self.keys.shard_of(e.turn_id))
-                        pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
-                    if live.maxlen:
-                        key = self.keys.live(e.turn_id)
-                        pipe.xadd(key, fields, maxlen=live.maxlen, approximate=True)
-                        touched.add(key)
-                for key in touched:
-                    pipe.expire(key, live.ttl_s)
-                await pipe.execute()
+        keys = [self.keys.bus(shard)]
+        index: dict[str, int] = {}
+        args: list[str | int] = [self.maxlen, live.maxlen, live.ttl_s]
+        for e in events:
+            key = self.keys.live(e.turn_id)
+            if key not in index:
+                keys.append(key)
+                index[key] = len(keys)  # Lua counts from 1
+            fields = encode_event(e)
+            args += (index[key], int(isinstance(e, Transition | StatusEvent)), len(fields))
+            for name, value in fields.items():
+                args += (name, value)
+        return keys, args
 
     async def ensure_group(self, group: str) -> None:
         """Create the group on every shard stream (new groups see only new entries)."""

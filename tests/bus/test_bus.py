@@ -1,4 +1,4 @@
-"""The bus contract, on the in-memory bus, fakeredis and a real redis-server."""
+"""The bus contract, on the in-memory bus, fakeredis, a real redis-server and Redis Cluster."""
 
 from __future__ import annotations
 
@@ -7,24 +7,28 @@ from collections.abc import AsyncIterator
 import fakeredis
 import pytest
 
-from bus.events import Status, StatusEvent
+from bus.events import Status, StatusEvent, decode_event
 from bus.phase import Transition, TurnPhase
-from store.connection import connect
+from store.connection import StoreClient, connect
 from store.keys import KeyLayout
-from store.streams import Bus, MemoryBus, RedisBus
+from store.streams import Bus, LiveStreams, MemoryBus, RedisBus
 
 P = TurnPhase
 
 
-@pytest.fixture(params=["memory", "fakeredis", "real"])
+@pytest.fixture(params=["memory", "fakeredis", "real", "cluster"])
 async def bus(
     request: pytest.FixtureRequest, redis_url: str, keys: KeyLayout
 ) -> AsyncIterator[Bus]:
     if request.param == "memory":
         yield MemoryBus(keys)
         return
-    client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
-    yield RedisBus(client, keys, maxlen=1000)
+    client: StoreClient
+    if request.param == "cluster":
+        client = connect(request.getfixturevalue("redis_cluster").url, cluster=True)
+    else:
+        client = fakeredis.FakeAsyncRedis() if request.param == "fakeredis" else connect(redis_url)
+    yield RedisBus(client, keys, maxlen=1000, live=LiveStreams(maxlen=100, ttl_s=60))
     await client.aclose()
 
 
@@ -97,3 +101,18 @@ async def test_streams_are_capped(redis_url: str, keys: KeyLayout) -> None:
         await bus.publish(moves("x", 100))
     assert await client.xlen(KeyLayout(keys.namespace, shards=1).bus(0)) < 300
     await client.aclose()
+
+
+@pytest.mark.parametrize("bus", ["fakeredis", "real", "cluster"], indirect=True)
+async def test_every_event_reaches_its_turns_live_stream_in_order(bus: Bus) -> None:
+    assert isinstance(bus, RedisBus)
+    sent: list[Transition | StatusEvent] = [
+        *moves("a", 3), StatusEvent("a", 1, Status.IDLE_SOFT, "still waiting", 5),
+        *moves("b", 2),  # another shard's turn, very likely: several scripts in one flush
+    ]  # fmt: skip
+    await bus.publish(sent)
+    for turn, want in (("a", 4), ("b", 2)):
+        key = bus.keys.live(turn)
+        got = [decode_event(f) for _, f in await bus.client.xrange(key)]
+        assert [repr(e) for e in got] == [repr(e) for e in sent if e.turn_id == turn][:want]
+        assert 0 < await bus.client.ttl(key) <= 60
