@@ -107,7 +107,6 @@ class RedisBus:
         self.live = live
         self.dead_letters = 0
         self._streams = [keys.bus(s) for s in keys.all_shards()]
-        self._publish = client.register_script(_PUBLISH_LUA)
 
     async def publish(self, events: Sequence[WatchEvent]) -> None:
         """Bus events to their shard's bus, and every event to its turn's live stream: one
@@ -115,23 +114,14 @@ class RedisBus:
         if not events:
             return
         calls = [self._shard_call(shard, batch) for shard, batch in _by_shard(self.keys, events)]
-        failed: list[Exception] = []
-        for _ in range(2):
-            with translated("publish to bus"):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for keys, args in calls:
-                        pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
-                    replies = await pipe.execute(raise_on_error=False)
-            failed = [r for r in replies if isinstance(r, Exception)]
-            if not any(isinstance(r, redis.exceptions.NoScriptError) for r in failed):
-                break
-            # a server that lost its scripts (restart, failover): nothing ran, send again
-            calls = [c for c, r in zip(calls, replies, strict=True) if isinstance(r, Exception)]
-            with translated("load the publish script"):
-                await self.client.script_load(_PUBLISH_LUA)
-        if failed:
-            with translated("publish to bus"):
-                raise failed[0]
+        # By the script's text, not its digest: a server that lost its scripts (a restart)
+        # would refuse an EVALSHA, and sending those events again after loading it would put
+        # them behind later ones (a watcher stops at a turn's last event).
+        with translated("publish to bus"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    pipe.eval(_PUBLISH_LUA, len(keys), *keys, *args)
+                await pipe.execute()
 
     def _shard_call(
         self, shard: int, events: list[WatchEvent]
@@ -330,6 +320,9 @@ class BufferedPublisher:
         self._open_text: dict[str, int] = {}
         """Turn -> index in the buffer of its text delta that later deltas join."""
         self._task: asyncio.Task[None] | None = None
+        self._flushing = asyncio.Lock()
+        """One flush at a time: a batch sent while an earlier one is still in flight (on
+        another connection) could land first, and a watcher stops at a turn's last event."""
 
     def add(self, event: WatchEvent) -> None:
         at = self._open_text.get(event.turn_id)
@@ -355,10 +348,11 @@ class BufferedPublisher:
             await self.flush()
 
     async def flush(self) -> None:
-        batch, self._buffer = self._buffer, []
-        self._open_text.clear()
-        try:
-            await self.bus.publish(batch)
-            self.published += len(batch)
-        except PhaselineError:
-            self.dropped += len(batch)
+        async with self._flushing:
+            batch, self._buffer = self._buffer, []
+            self._open_text.clear()
+            try:
+                await self.bus.publish(batch)
+                self.published += len(batch)
+            except PhaselineError:
+                self.dropped += len(batch)

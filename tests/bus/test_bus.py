@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
 import fakeredis
 import pytest
@@ -11,7 +12,7 @@ from bus.events import Status, StatusEvent, decode_event
 from bus.phase import Transition, TurnPhase
 from store.connection import StoreClient, connect
 from store.keys import KeyLayout
-from store.streams import Bus, LiveStreams, MemoryBus, RedisBus
+from store.streams import BufferedPublisher, Bus, LiveStreams, MemoryBus, RedisBus
 
 P = TurnPhase
 
@@ -116,3 +117,42 @@ async def test_every_event_reaches_its_turns_live_stream_in_order(bus: Bus) -> N
         got = [decode_event(f) for _, f in await bus.client.xrange(key)]
         assert [repr(e) for e in got] == [repr(e) for e in sent if e.turn_id == turn][:want]
         assert 0 < await bus.client.ttl(key) <= 60
+
+
+@pytest.mark.parametrize("bus", ["real"], indirect=True)
+async def test_events_stay_in_order_after_the_server_lost_its_scripts(bus: Bus) -> None:
+    assert isinstance(bus, RedisBus)
+    first, second = moves("o", 4)[:2], moves("o", 4)[2:]
+    await bus.publish(first)
+    await bus.client.script_flush()  # as a restarted server has no scripts
+    await bus.publish(second)
+    got = [decode_event(f) for _, f in await bus.client.xrange(bus.keys.live("o"))]
+    assert [repr(e) for e in got] == [repr(e) for e in first + second]
+
+
+async def test_a_publisher_never_lets_a_later_batch_overtake_an_earlier_one() -> None:
+    class SlowFirst:
+        """A bus whose first publish is slow to land (a new connection, say)."""
+
+        def __init__(self) -> None:
+            self.landed: list[Transition] = []
+            self.first = True
+
+        async def publish(self, events: Sequence[Transition]) -> None:
+            if self.first:
+                self.first = False
+                await asyncio.sleep(0.05)
+            self.landed.extend(events)
+
+    bus = SlowFirst()
+    publisher = BufferedPublisher(bus, interval_s=0.001)  # type: ignore[arg-type]
+    early, late = moves("p", 4)[:2], moves("p", 4)[2:]
+    for e in early:
+        publisher.add(e)
+    periodic = asyncio.ensure_future(publisher.flush())  # the period's flush, in flight
+    await asyncio.sleep(0)
+    for e in late:
+        publisher.add(e)
+    await publisher.flush()  # the end of a run flushes what is left
+    await periodic
+    assert [e.seq for e in bus.landed] == [1, 2, 3, 4]
