@@ -131,6 +131,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         while True:
             if self._cancel.is_set():
                 raise CancelNow
+            self._inbox_len = None  # stale once a model call runs (a compaction saved before)
             try:
                 answer = await self._call_llm(tools_enabled=tools_enabled, more_room=more_room)
             except LLMError as exc:

@@ -89,8 +89,8 @@ class LoopState:
         """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
         carries them, or they are journaled on their own if it saves nothing."""
         self._inbox_len = inbox_len
-        """The inbox's length as the last save (or the start) saw it (None: read it at the
-        next boundary)."""
+        """The inbox's length as the last save (or the start) saw it, until a model call
+        makes it stale (None: read the inbox at the next boundary)."""
         self.saves = 0
         self.failed_saves = 0
         self.tracker = PhaseTracker(

@@ -34,7 +34,7 @@ from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.ledger import call_key
-from store.records import CheckpointRecord, LedgerEntry, SaveAck, Settle
+from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck, Settle
 from tests.support.polling import eventually
 from tests.support.records import put_ledger
 
@@ -250,6 +250,30 @@ async def test_every_tool_outcome_is_journaled_whether_a_save_carries_it_or_not(
     # Of each batch of two, the call that ended it rode on the batch's checkpoint.
     assert runs["carried"][1].carried == [1, 1, 1, 0]
     assert runs["debounced"][1].carried == [1, 0]  # the others were journaled alone
+
+
+async def test_the_inbox_is_skipped_only_where_a_save_just_said_it_is_empty(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    engine = make_engine(real_client, keys)
+    reads: list[int] = []
+
+    class CountingInbox:
+        async def read_from(self, turn_id: str, offset: int) -> list[InboxItem]:
+            reads.append(offset)
+            return await engine.inbox.read_from(turn_id, offset)
+
+    # Saved batches (the boundary after each is told the inbox is empty), then batches skipped
+    # as a loop (no save: the boundary after each reads it).
+    sc = scenario(rounds=20, tools_per_round=1, faults=[{"at_call": 2, "kind": "loop"}])
+    record = await engine.submit(*scripted_turn(sc), "stale")
+    loop = await engine.build_loop(
+        record, await engine.store.load_spec("stale"), settings=FAST, inbox=CountingInbox()
+    )
+    await engine.drive(loop)
+    final = await engine.store.load("stale")
+    assert final.counters.nudges == 3
+    assert len(reads) == 1 + 3  # the start (nothing said yet), and after each skipped batch
 
 
 async def test_min_interval_debounces_mid_turn_saves_only(
