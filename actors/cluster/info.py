@@ -1,8 +1,8 @@
 """What the actors answer, as frozen, validated types.
 
 An actor answers with builtins (a ``hello`` with the model's plain ``model_dump()``, a save
-with a ``(verdict, detail)`` pair) and its ref (``actors.cluster.refs``) reads them back with
-``of``, so a reply of another build or a wrong actor is a clear
+with a ``(verdict, detail, inbox length)`` triple) and its ref (``actors.cluster.refs``) reads
+them back with ``of``, so a reply of another build or a wrong actor is a clear
 :class:`~bus.errors.PhaselineError` or an error answer, not a ``KeyError`` three calls later.
 """
 
