@@ -343,9 +343,9 @@ class RedisCheckpointStore:
             await self.quarantine(turn_id, str(exc))
             raise
 
-    async def load_start(self, turn_id: str) -> tuple[CheckpointRecord, TurnSpec, int]:
+    async def load_start(self, turn_id: str) -> tuple[CheckpointRecord, TurnSpec | None, int]:
         """What starting a turn reads, in one round trip: its record (as :meth:`load`), its
-        spec (as :meth:`load_spec`) and its inbox's length."""
+        spec (as :meth:`load_spec`; None if there is none) and its inbox's length."""
         key = self.keys.turn(turn_id)
         keys = [key, self.keys.bodies(turn_id), self.keys.spec(turn_id), self.keys.inbox(turn_id)]
         try:
@@ -359,7 +359,8 @@ class RedisCheckpointStore:
         except RecordError as exc:
             await self.quarantine(turn_id, str(exc))
             raise
-        return record, self._spec(turn_id, reply[2]), reply[3]
+        spec = None if reply[2] is None else self._spec(turn_id, reply[2])
+        return record, spec, reply[3]
 
     def _decoded(self, turn_id: str, key: str, reply: object) -> CheckpointRecord:
         record = decode_record(key, *_pairs(key, reply))

@@ -232,16 +232,17 @@ class TurnEngine:
         return await self._run_all_from(everything)
 
     async def start_submitted(self, turn_id: str) -> TurnOutcome | None:
-        """Start a turn as it was submitted; None if it ran before (somewhere) and must be
-        resumed from a plan instead. A record that cannot be read is an ``unusable`` stop."""
+        """Start a turn as it was submitted; None if it ran before (somewhere), or its spec is
+        gone, and a plan must decide. A record that cannot be read is an ``unusable`` stop."""
         try:
             record, spec, inbox_len = await self.store.load_start(turn_id)
         except PhaselineError as exc:  # not found, undecodable, or Redis away
             log.error("turn %s cannot start: %s", turn_id, exc)
             return TurnOutcome.stopped(turn_id, RunStop.UNUSABLE)
-        if record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress:
+        fresh = record.reason is SaveReason.SUBMITTED and record.epoch == 1 and record.in_progress
+        if fresh and spec is not None:
             return await self.start(record, spec, inbox_len=inbox_len)
-        return None
+        return None  # a record without its spec too: the plan quarantines it
 
     async def adoptable(self) -> list[str]:
         """The in-progress turns in the store that an ordinary host may adopt: all but those
