@@ -132,16 +132,19 @@ async def test_events_stay_in_order_after_the_server_lost_its_scripts(bus: Bus) 
 
 async def test_a_publisher_never_lets_a_later_batch_overtake_an_earlier_one() -> None:
     class SlowFirst:
-        """A bus whose first publish is slow to land (a new connection, say)."""
+        """A bus whose first publish lands only when released (a new connection, say)."""
 
         def __init__(self) -> None:
             self.landed: list[Transition] = []
             self.first = True
+            self.entered = asyncio.Event()
+            self.release = asyncio.Event()
 
         async def publish(self, events: Sequence[Transition]) -> None:
             if self.first:
                 self.first = False
-                await asyncio.sleep(0.05)
+                self.entered.set()
+                await self.release.wait()
             self.landed.extend(events)
 
     bus = SlowFirst()
@@ -150,9 +153,11 @@ async def test_a_publisher_never_lets_a_later_batch_overtake_an_earlier_one() ->
     for e in early:
         publisher.add(e)
     periodic = asyncio.ensure_future(publisher.flush())  # the period's flush, in flight
-    await asyncio.sleep(0)
+    await bus.entered.wait()
     for e in late:
         publisher.add(e)
-    await publisher.flush()  # the end of a run flushes what is left
-    await periodic
+    final = asyncio.ensure_future(publisher.flush())  # the end of a run flushes what is left
+    # released only after the final flush's first step has run (callbacks run in order)
+    asyncio.get_running_loop().call_soon(bus.release.set)
+    await asyncio.gather(periodic, final)
     assert [e.seq for e in bus.landed] == [1, 2, 3, 4]
