@@ -161,11 +161,36 @@ class TurnEngine:
     ) -> list[tuple[TurnSpec, CheckpointRecord]]:
         """Create turns of ``agent`` in Redis (spec + first record, atomically, grouped per
         shard); a duplicate id raises TurnExists."""
+        return [
+            (spec, record)
+            for spec, record, _ in await self._submit(
+                agent, turn_input, turn_ids, session_id=session_id
+            )
+        ]
+
+    async def _submit(
+        self,
+        agent: str,
+        turn_input: TurnInput,
+        turn_ids: Iterable[str],
+        *,
+        session_id: str | None = None,
+    ) -> list[tuple[TurnSpec, CheckpointRecord, int | None]]:
+        """:meth:`submit_many`, with the turn's inbox length each submission answered: a turn
+        started here at once needs no inbox read before its first model call."""
         turns = new_turns(agent, turn_input, turn_ids, session_id=session_id)
-        for result in await self.store.submit_many(turns):
+        out = []
+        for (spec, record), result in zip(turns, await self.store.submit_many(turns), strict=True):
             if isinstance(result, Exception):
                 raise result
-        return turns
+            out.append((spec, record, result.inbox_len))
+        return out
+
+    async def run_one(self, agent: str, turn_input: TurnInput, turn_id: str) -> TurnOutcome:
+        """Submit one turn and run it here to its end, with nothing around it (no watchdog
+        ticker, no :attr:`stats`): two round trips to Redis per tool round and two more."""
+        ((spec, record, inbox_len),) = await self._submit(agent, turn_input, [turn_id])
+        return await self.start(record, spec, inbox_len=inbox_len)
 
     async def open_in_session(
         self, agent: str, turn_input: TurnInput, session_id: str
@@ -198,8 +223,10 @@ class TurnEngine:
 
     async def run_new(self, agent: str, turn_input: TurnInput, turn_ids: Iterable[str]) -> RunStats:
         """Submit and run turns concurrently; returns the stats of this batch."""
-        turns = await self.submit_many(agent, turn_input, turn_ids)
-        return await self._run_all([self.start(record, spec) for spec, record in turns])
+        turns = await self._submit(agent, turn_input, turn_ids)
+        return await self._run_all(
+            [self.start(record, spec, inbox_len=n) for spec, record, n in turns]
+        )
 
     async def resume_all(self) -> RunStats:
         """Resume every in-progress turn in the store (after its process died): the shared ones

@@ -20,11 +20,10 @@ import statistics
 import time
 from typing import Any
 
-import psutil
-
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.scenario import Scenario
+from actors.harness.bench.cpu import machine_busy_s, processes_cpu_s, redis_cpu_s
 from actors.harness.bench.scaling_model import (
     Hardware,
     UnitCosts,
@@ -64,28 +63,11 @@ async def _pids(rt: Runtime) -> dict[str, list[int]]:
     return out
 
 
-def _cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
-
-
-def _machine_busy_s() -> float:
-    t = psutil.cpu_times()
-    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
-
-
 async def _redis(rt: Runtime) -> tuple[float, int]:
     """redis-server's CPU seconds and used memory."""
-    with translated("read redis INFO"):
-        cpu = await rt.client.info("cpu")
+    with translated("read redis INFO memory"):
         mem = await rt.client.info("memory")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(mem["used_memory"])
+    return await redis_cpu_s(rt.client), int(mem["used_memory"])
 
 
 async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any]:
@@ -94,9 +76,9 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
     pids = await _pids(rt)
     hosts = await rt.host_info()
     idle = hosts[0] if len(hosts) == 1 else None  # memory per turn: on one host only
-    cpu0 = {role: _cpu_s(p) for role, p in pids.items()}
-    each0 = [_cpu_s([pid]) for pid in pids["checkpoint"]]
-    busy0, (redis0, mem0) = _machine_busy_s(), await _redis(rt)
+    cpu0 = {role: processes_cpu_s(p) for role, p in pids.items()}
+    each0 = [processes_cpu_s([pid]) for pid in pids["checkpoint"]]
+    busy0, (redis0, mem0) = machine_busy_s(), await _redis(rt)
     done = asyncio.Event()
     sampler = asyncio.ensure_future(peak_rss(rt, done, idle.rss_bytes)) if idle else None
     try:
@@ -104,11 +86,11 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
     finally:
         done.set()
         peak = await sampler if sampler else None
-    cpu = {role: _cpu_s(p) - cpu0[role] for role, p in pids.items()}
-    each = [_cpu_s([pid]) - c for pid, c in zip(pids["checkpoint"], each0, strict=True)]
+    cpu = {role: processes_cpu_s(p) - cpu0[role] for role, p in pids.items()}
+    each = [processes_cpu_s([pid]) - c for pid, c in zip(pids["checkpoint"], each0, strict=True)]
     redis1, mem1 = await _redis(rt)
     cpu["redis"] = redis1 - redis0
-    cpu["other"] = max(0.0, _machine_busy_s() - busy0 - sum(cpu.values()))
+    cpu["other"] = max(0.0, machine_busy_s() - busy0 - sum(cpu.values()))
     rounds = turns * (scenario.rounds + 1)
     saves = sum(r.seq for r in finals.values())
     calls = turns * scenario.rounds * scenario.tools_per_round
