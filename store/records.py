@@ -122,7 +122,7 @@ class Counters(FrozenModel):
     cut_retries: int = 0
     """Retries of the current model call whose reply with tool calls was cut by the caller's
     ``max_tokens`` cap (reset when a call succeeds)."""
-    tokens: Usage = Field(default_factory=lambda: Usage())
+    tokens: Usage = Usage()  # frozen, so shared: a factory ran at every exclude_defaults dump
     """Tokens of the turn's model calls, summed from each reply's usage as the reply arrives,
     also of replies the loop threw away (an empty one, one whose tool call was cut) since they
     were paid for. A call whose reply was lost with its host is not counted (see
@@ -131,7 +131,7 @@ class Counters(FrozenModel):
     """Model calls whose tokens are not in ``tokens``: the endpoint reported no usage. Calls
     lost with a host are not counted here: each of ``resume_attempts`` stands for the calls its
     lost incarnation made after its last checkpoint (usually one), whose usage is unknown."""
-    session_prior: Usage = Field(default_factory=lambda: Usage())
+    session_prior: Usage = Usage()
     """Tokens of the session's earlier turns, fixed when this turn opened (so the session's
     total is this plus ``tokens``, and its budget holds across turns and crashes)."""
     rate_limit_waits: int = 0

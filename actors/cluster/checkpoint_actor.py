@@ -34,7 +34,7 @@ from actors.cluster.refs import CheckpointRef
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
-from store.group_commit import Batcher
+from store.batcher import Batcher
 from store.records import CheckpointRecord, SaveAck, Settle
 from store.save_script import REPLAYED
 from store.transcript import KnownBodies

@@ -91,6 +91,34 @@ async def test_a_claim_takes_new_calls_and_hands_back_what_the_ledger_holds(
     assert states == {"a": "dispatched", "b": "failed", "c": "dispatched"}
 
 
+async def test_claims_of_concurrent_turns_share_a_round_trip_and_each_gets_its_answer(
+    any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    store = RedisCheckpointStore(any_client, keys)
+    for turn in ("a", "b", "c"):
+        await store.save(record(turn, epoch=2, seq=3))
+    ledger = ToolLedger(any_client, keys)
+    prepared = pack_model(LedgerEntry(state="prepared", name="echo"))
+    decided = pack_model(LedgerEntry(state="dispatched", name="echo", epoch=2))
+    await any_client.script_flush()  # the first batch meets NOSCRIPT and loads the script
+
+    async def claim(turn: str, epoch: int) -> dict[str, LedgerRead | None]:
+        return await ledger.claim(turn, epoch, [Claim(f"{turn}-k", prepared, decided)])
+
+    got = await asyncio.gather(
+        claim("a", 2), claim("b", 2), claim("c", 1), claim("b", 2), return_exceptions=True
+    )
+    assert got[0] == {"a-k": None}
+    assert isinstance(got[2], StaleOwner)  # fenced: its own answer, the others unharmed
+    # Two claims of one call: one wins it, the other gets the winner's entry back.
+    both = [got[1], got[3]]
+    assert all(isinstance(b, dict) for b in both)
+    assert sorted(b["b-k"] is None for b in both if isinstance(b, dict)) == [False, True]
+    assert (await ledger.entries("c"))["c-k"].state == "prepared"
+    if not isinstance(any_client, aioredis.RedisCluster):  # the four in fewer round trips
+        assert 0 < ledger.batches < 4
+
+
 class GatedLedger(ToolLedger):
     """A ledger whose ``claim`` returns only once both racers have claimed, so the loser
     decides from the winner's entries while the winner's calls run."""
