@@ -32,9 +32,9 @@ from actors.cluster.info import Answer, ServiceInfo, Verdict
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
+from store.batcher import Batcher
 from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
-from store.batcher import Batcher
 from store.records import CheckpointRecord, SaveAck, Settle
 from store.save_script import REPLAYED
 from store.transcript import KnownBodies

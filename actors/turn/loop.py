@@ -110,7 +110,9 @@ class TurnLoop(ToolSteps, ModelSteps):
             if limit is not None and self._counters.tool_batches >= limit:
                 self._skip_batch(reply.tool_calls, f"the agent's limit of {limit} tool rounds")
                 return await self._force_stop(checkpoint_first=True)
-            found = detect_loop(self._turn, reply.tool_calls, self.settings.loop_thresholds)
+            found = detect_loop(
+                self._turn, reply.tool_calls, self.settings.loop_thresholds, self._calls
+            )
             if found.verdict is not LoopVerdict.OK:
                 self._skip_batch(reply.tool_calls, found.reason())
                 decision = self._decide(Problem.LOOP, loop_stop=found.verdict is LoopVerdict.STOP)

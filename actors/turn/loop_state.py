@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from actors.turn.deps import ProbationHooks, TurnDeps
 from actors.turn.llm import LLMReply
+from actors.turn.loopdetect import CallHistory
 from actors.turn.poison import step_name
 from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
@@ -91,6 +92,8 @@ class LoopState:
         self._inbox_len = inbox_len
         """The inbox's length as the last save (or the start) saw it, until a model call
         makes it stale (None: read the inbox at the next boundary)."""
+        self._calls = CallHistory()
+        """The turn's tool calls and results, read once each for the loop detector."""
         self.saves = 0
         self.failed_saves = 0
         self.tracker = PhaseTracker(

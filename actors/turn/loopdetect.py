@@ -70,16 +70,31 @@ def _key(call: ToolCall) -> str:
     return f"{call.name}({canonical_json(call.args)})"
 
 
-def _history(turn: Sequence[Message]) -> dict[str, list[ToolResult]]:
-    """Every earlier run of each call (by name and arguments), in order, with its result."""
-    runs: dict[str, list[ToolResult]] = {}
-    pending: dict[str, str] = {}  # call id -> key, for the batch being answered
-    for m in turn:
-        if m.role == "assistant":
-            pending = {c.id: _key(c) for c in m.tool_calls}
-        elif m.tool_result is not None and m.tool_result.call_id in pending:
-            runs.setdefault(pending.pop(m.tool_result.call_id), []).append(m.tool_result)
-    return runs
+class CallHistory:
+    """Every earlier run of each call of a turn (by name and arguments), in order, with its
+    result; kept up to date as the turn grows, so each message is read once rather than at
+    every batch (a turn of N rounds read O(N²) messages, each call's arguments serialised
+    again). A turn whose messages so far are not the ones read (a compaction rewrote them) is
+    read again from its start."""
+
+    def __init__(self) -> None:
+        self._read: list[Message] = []
+        self._runs: dict[str, list[ToolResult]] = {}
+        self._pending: dict[str, str] = {}  # call id -> key, for the batch being answered
+
+    def runs(self, turn: Sequence[Message]) -> dict[str, list[ToolResult]]:
+        """The runs in ``turn`` (which must not be changed while the answer is in use)."""
+        read = len(self._read)
+        if len(turn) < read or any(a is not b for a, b in zip(turn, self._read, strict=False)):
+            self._read, self._runs, self._pending, read = [], {}, {}, 0
+        for m in turn[read:]:
+            if m.role == "assistant":
+                self._pending = {c.id: _key(c) for c in m.tool_calls}
+            elif m.tool_result is not None and m.tool_result.call_id in self._pending:
+                key = self._pending.pop(m.tool_result.call_id)
+                self._runs.setdefault(key, []).append(m.tool_result)
+            self._read.append(m)
+        return self._runs
 
 
 def _same_in_a_row(results: Sequence[ToolResult]) -> int:
@@ -97,11 +112,15 @@ def _same_in_a_row(results: Sequence[ToolResult]) -> int:
 
 
 def detect_loop(
-    turn: Sequence[Message], batch: Sequence[ToolCall], t: LoopThresholds = LoopThresholds()
+    turn: Sequence[Message],
+    batch: Sequence[ToolCall],
+    t: LoopThresholds = LoopThresholds(),
+    history: CallHistory | None = None,
 ) -> LoopFinding:
     """Verdict on running ``batch`` next, given the turn's messages so far (``batch``'s own
-    assistant message may be among them: its calls have no results yet)."""
-    runs = _history(turn)
+    assistant message may be among them: its calls have no results yet). ``history``: what
+    an earlier call read of the same turn (a loop keeps one), else the turn is read whole."""
+    runs = (history or CallHistory()).runs(turn)
     worst = LoopFinding(LoopVerdict.OK)
     for call in batch:
         key = _key(call)

@@ -10,7 +10,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import ScriptedLLM
 from actors.turn.compaction import compact, progress, read_summary
 from actors.turn.llm import LLMRequest
-from actors.turn.loopdetect import LoopThresholds, LoopVerdict, detect_loop
+from actors.turn.loopdetect import CallHistory, LoopThresholds, LoopVerdict, detect_loop
 from bus.errors import ContextLengthError, RetryableLLMError
 from bus.messages import Message, ToolCall, ToolResult
 from store.records import MessageMeta
@@ -95,6 +95,21 @@ def test_skipped_asks_extend_the_run_and_other_calls_do_not_break_it() -> None:
     turn += ran(same, "not run: looping", status="skipped") * 3
     assert detect_loop(turn, [same]).verdict is LoopVerdict.STOP
     assert detect_loop(turn, [call(text="fresh")]).verdict is LoopVerdict.OK
+
+
+def test_a_kept_history_reads_each_message_once_and_agrees_with_a_fresh_read() -> None:
+    same, poll = call(text="same"), ToolCall(id="p", name="job_status", args={"job": 7})
+    history, turn = CallHistory(), list[Message]()
+    for i in range(8):
+        for batch in ([same], [poll]):
+            kept = detect_loop(turn, batch, history=history)
+            assert kept == detect_loop(turn, batch)
+        turn += ran(same, "always this") + ran(poll, f"progress {i}")
+    assert history.runs(turn) is history.runs(turn)  # nothing new: nothing read again
+    # A compaction rewrites the turn: its new messages are read from the start.
+    compacted = [Message(role="user", text="summary")] + ran(same, "always this")
+    assert detect_loop(compacted, [same], history=history).repeats == 1
+    assert detect_loop(compacted, [same], history=history) == detect_loop(compacted, [same])
 
 
 def test_loop_thresholds_are_per_agent_and_checked() -> None:
