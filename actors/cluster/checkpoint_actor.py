@@ -31,6 +31,7 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.info import Answer, ServiceInfo, Verdict
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
+from actors.engine.gc_tuning import tune_gc
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.batcher import Batcher
 from store.checkpoint import RedisCheckpointStore
@@ -83,6 +84,7 @@ class CheckpointActor:
 
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
+        tune_gc(dep.settings.host.gc_threshold)
         self._client = dep.connect(max_connections=64)
         self._store = RedisCheckpointStore(
             self._client,

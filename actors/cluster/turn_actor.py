@@ -41,6 +41,7 @@ from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
 from actors.engine.engine_settings import EngineHooks
+from actors.engine.gc_tuning import tune_gc
 from actors.engine.resume import ResumePlan
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.run_result import RunStop, TurnOutcome
@@ -67,6 +68,7 @@ class TurnActor:
 
     def __init__(self, deployment_json: str, slot: int, generation: int) -> None:
         self.dep = Deployment.from_wire(deployment_json)
+        tune_gc(self.dep.settings.host.gc_threshold)
         self.slot = slot
         self.generation = generation
         self.incarnation = uuid.uuid4().hex

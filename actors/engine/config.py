@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.engine.agents import AgentChange
+from actors.engine.gc_tuning import DEFAULT_GC_THRESHOLD
 from actors.engine.tomlfile import describe, read_toml
 from actors.engine.toolrun import DEFAULT_MAX_TOOL_RESULT_BYTES
 from actors.turn.settings import LoopSettings
@@ -238,6 +239,15 @@ class LoopSectionSettings(_Section):
     ``continue`` (noted in the turn and published) or ``suspend`` (for a person to decide)."""
 
 
+class HostSettings(_Section):
+    """The ``[host]`` section: the processes that run turns (hosts, CheckpointActors)."""
+
+    gc_threshold: int = Field(default=DEFAULT_GC_THRESHOLD, ge=0, le=10_000_000)
+    """Python's first-generation garbage-collection threshold in those processes (0: Python's
+    own, 700): a round allocates thousands of short-lived objects, and at 700 the collector
+    runs several times a round (``actors.engine.gc_tuning`` has the measurement)."""
+
+
 class RetentionSettings(_Section):
     finished_ttl_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     """Seconds a finished turn's data (record, transcript, spec, ledger, effects, inbox,
@@ -289,6 +299,7 @@ class Settings(_Section):
     tools: ToolSettings = ToolSettings()
     events: EventSettings = EventSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    host: HostSettings = HostSettings()
 
     @model_validator(mode="after")
     def _check_checkpoint_actors(self) -> Settings:

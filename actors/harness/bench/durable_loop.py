@@ -29,6 +29,7 @@ from typing import Any
 
 from actors.engine.agents import load_agent
 from actors.engine.engine_settings import EngineSettings
+from actors.engine.gc_tuning import DEFAULT_GC_THRESHOLD, gc_tuned
 from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.submission import new_turns
@@ -51,10 +52,17 @@ Turn = Callable[[str], Awaitable[None]]
 
 
 async def durable_loop(
-    url: str, *, turns: int, concurrent: int, reps: int, warmup: int = 20
+    url: str,
+    *,
+    turns: int,
+    concurrent: int,
+    reps: int,
+    warmup: int = 20,
+    gc_threshold: int = DEFAULT_GC_THRESHOLD,
 ) -> dict[str, Any]:
     """The figure: ``turns`` sequential turns per variant, then ``reps`` rounds of
-    ``concurrent`` turns at once per variant."""
+    ``concurrent`` turns at once per variant; both variants under a host's garbage-collector
+    setting (``[host] gc_threshold``)."""
     client = connect(url, max_connections=256)
     round_trips = _count_round_trips(client)
     settings = EngineSettings(loop=LoopSettings(checkpoint_min_interval_s=0), watchdog=None)
@@ -82,11 +90,12 @@ async def durable_loop(
 
     write = _cheapest_write(client, DurabilityWait(client, settings.durability), keys)
     try:
-        timed = await _timed(
-            {"durable": durable, "memory": memory},
-            turns=turns, concurrent=concurrent, reps=reps, warmup=warmup,
-            round_trips=round_trips, write=write,
-        )  # fmt: skip
+        with gc_tuned(gc_threshold):  # as a host runs its turns
+            timed = await _timed(
+                {"durable": durable, "memory": memory},
+                turns=turns, concurrent=concurrent, reps=reps, warmup=warmup,
+                round_trips=round_trips, write=write,
+            )  # fmt: skip
     finally:
         await client.aclose()
     return _figure(timed, turns=turns, concurrent=concurrent, reps=reps)

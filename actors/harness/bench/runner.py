@@ -277,7 +277,7 @@ async def run_bench(
                               latency_ms=cfg.tool_latency_ms, worker_counts=cfg.worker_counts)),
         ("durable_loop", "durable_loop",
          lambda: durable_loop(url, turns=cfg.loop_turns, concurrent=cfg.loop_concurrent,
-                              reps=cfg.loop_reps)),
+                              reps=cfg.loop_reps, gc_threshold=base.host.gc_threshold)),
         ("unit_costs", "unit_costs",
          lambda: unit_costs(base, url, fast, turns=cfg.unit_turns)),
     ]  # fmt: skip
