@@ -1,19 +1,26 @@
 """Batching: what many concurrent callers submit while one batch is in flight goes out together
 in the next, so they share one round trip (and, for saves, one durability wait).
 
-Used by the group commit of saves (:mod:`store.group_commit`, and the CheckpointActor's
-client) and by the ledger's claims (:class:`~store.ledger.ToolLedger`): redis-py spends about
-100 µs of client CPU on a command sent alone and about 15 in a pipeline (``phaseline bench``'s
-``durable_loop`` at 200 turns at once).
+:class:`Batcher` is the mechanism, used by the group commit of saves (:mod:`store.group_commit`,
+and the CheckpointActor's client); :class:`ScriptCalls` puts the script calls of concurrent
+turns (the ledger's claims and compare-and-sets, a turn's start) in shared pipelines. redis-py
+spends about 100 µs of client CPU on a command sent alone and about 15 on one in a pipeline
+(200 concurrent ``EVALSHA`` against 200 in one pipeline, docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Batcher"]
+import redis
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from store.connection import StoreClient
+
+__all__ = ["Batcher", "ScriptCalls"]
 
 _Item = TypeVar("_Item")
 _Reply = TypeVar("_Reply")
@@ -58,3 +65,54 @@ class Batcher(Generic[_Item, _Reply]):
             for (_, fut), reply in zip(batch, replies, strict=True):
                 if not fut.done():
                     fut.set_result(reply)
+
+
+#: One script call: the script, its KEYS and its ARGV.
+_ScriptCall = tuple[AsyncScript, list[str], list[bytes | str | int]]
+
+
+class ScriptCalls:
+    """Script calls of concurrent callers in shared pipelines, each still its own atomic step
+    with its own answer. On a Redis Cluster each call goes alone to its slot's node."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+        self._batcher: Batcher[_ScriptCall, object] | None = (
+            None if isinstance(client, aioredis.RedisCluster) else Batcher(self._send)
+        )
+
+    @property
+    def batches(self) -> int:
+        """Pipelines sent so far (0 on a Redis Cluster)."""
+        return 0 if self._batcher is None else self._batcher.batches
+
+    async def call(
+        self, script: AsyncScript, keys: list[str], args: list[bytes | str | int] | None = None
+    ) -> Any:
+        """The script's reply; raises what Redis answered this call (the caller translates)."""
+        if self._batcher is None:
+            return await script(keys=keys, args=args or [])
+        reply = await self._batcher.submit((script, keys, args or []))
+        if isinstance(reply, Exception):  # Redis's answer to this call alone
+            raise reply
+        return reply
+
+    async def _send(self, calls: list[_ScriptCall]) -> list[object]:
+        """The calls in one pipeline: each one's reply, or the error Redis answered for it.
+        Sent by ``EVALSHA`` alone; a server that lost its scripts (a restart, a failover)
+        answers NOSCRIPT, such a call did nothing and goes again after ``SCRIPT LOAD``."""
+        out: dict[int, object] = {}
+        todo = list(range(len(calls)))
+        for _ in range(2):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    script, keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                replies: list[object] = await pipe.execute(raise_on_error=False)
+            out.update(zip(todo, replies, strict=True))
+            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)]
+            if not todo:
+                break
+            for script in {calls[i][0].sha: calls[i][0] for i in todo}.values():
+                await self.client.script_load(script.script)
+        return [out[i] for i in range(len(calls))]

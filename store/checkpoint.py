@@ -40,6 +40,7 @@ from bus.errors import (
     StoreUnavailable,
     TurnExists,
 )
+from store.batcher import ScriptCalls
 from store.codec import (
     DEFAULT_MAX_RECORD_BYTES,
     EncodedRecord,
@@ -108,6 +109,7 @@ class RedisCheckpointStore:
         self.waiter = DurabilityWait(client, durability)
         self._save_script = client.register_script(SAVE_LUA)
         self._load_script = client.register_script(_LOAD_LUA)
+        self._starts = ScriptCalls(client)  # a burst of starting turns shares pipelines
         self.known = KnownBodies()
         """What this store's own saves (of :class:`CheckpointRecord`) left in Redis, so the
         next save of a turn sends only new bodies. Saves handed in encoded carry their own."""
@@ -350,7 +352,7 @@ class RedisCheckpointStore:
         keys = [key, self.keys.bodies(turn_id), self.keys.spec(turn_id), self.keys.inbox(turn_id)]
         try:
             with reading(key, f"load {turn_id} to start it"):
-                reply = await self._load_script(keys=keys)
+                reply = await self._starts.call(self._load_script, keys)
             if not reply:
                 raise RecordNotFound(f"no record for turn {turn_id}")
             if not isinstance(reply, list) or len(reply) != 4 or not isinstance(reply[3], int):

@@ -16,13 +16,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import redis
-import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-
 from bus.errors import StaleOwner, StoreError
 from bus.messages import canonical_json
-from store.batcher import Batcher
+from store.batcher import ScriptCalls
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
 from store.failures import reading, translated
@@ -31,9 +27,6 @@ from store.lua import lua_script
 from store.records import LedgerEntry
 from store.replies import raw as raw_bytes
 from store.replies import text
-
-#: One script call: the script, its KEYS and its ARGV.
-_ScriptCall = tuple[AsyncScript, list[str], list[bytes | str | int]]
 
 
 def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:
@@ -107,17 +100,9 @@ class ToolLedger:
         self.keys = keys
         self._cas = client.register_script(lua_script("ledger_cas.lua"))
         self._claim = client.register_script(lua_script("ledger_claim.lua"))
-        # The scripts of this process's concurrent turns share a pipeline (on one server; a
-        # Redis Cluster client sends each to its slot's node alone).
-        self._batcher: Batcher[_ScriptCall, object] | None = (
-            None if isinstance(client, aioredis.RedisCluster) else Batcher(self._send)
-        )
-
-    @property
-    def batches(self) -> int:
-        """Pipelines of claims and compare-and-sets sent so far (0 on a Redis Cluster: there
-        each goes alone)."""
-        return 0 if self._batcher is None else self._batcher.batches
+        self.scripts = ScriptCalls(client)
+        """Where the claims and compare-and-sets of this process's concurrent turns share
+        pipelines."""
 
     async def entries(self, turn_id: str) -> dict[str, LedgerEntry]:
         """Every journaled call of a turn (a bad entry raises RecordError: never guess)."""
@@ -155,7 +140,7 @@ class ToolLedger:
         key = self.keys.tools(turn_id)
         keys = [self.keys.turn(turn_id), key]
         with reading(key, f"claim a batch of {turn_id}"):
-            reply = await self._run(self._claim, keys, args)
+            reply = await self.scripts.call(self._claim, keys, args)
         status = text(reply[0]) if isinstance(reply, list) and reply else ""
         if status == "fenced":
             raise self._fenced(turn_id, epoch, reply)
@@ -165,38 +150,6 @@ class ToolLedger:
             c.call_key: None if won == 1 else self._read(key, c.call_key, raw_bytes(won))
             for c, won in zip(claims, reply[1:], strict=True)
         }
-
-    async def _run(
-        self, script: AsyncScript, keys: list[str], args: list[bytes | str | int]
-    ) -> Any:
-        """One script's reply; raises what Redis answered it (the caller translates)."""
-        if self._batcher is None:
-            return await script(keys=keys, args=args)
-        reply = await self._batcher.submit((script, keys, args))
-        if isinstance(reply, Exception):  # Redis's answer to this call alone
-            raise reply
-        return reply
-
-    async def _send(self, calls: list[_ScriptCall]) -> list[object]:
-        """Script calls of concurrent turns in one pipeline: each one's reply, or the error
-        Redis answered for it. Sent by ``EVALSHA`` alone; a server that lost its scripts (a
-        restart, a failover) answers NOSCRIPT, such a call did nothing and goes again after
-        ``SCRIPT LOAD``."""
-        out: dict[int, object] = {}
-        todo = list(range(len(calls)))
-        for _ in range(2):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    script, keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                replies: list[object] = await pipe.execute(raise_on_error=False)
-            out.update(zip(todo, replies, strict=True))
-            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)]
-            if not todo:
-                break
-            for script in {calls[i][0].sha: calls[i][0] for i in todo}.values():
-                await self.client.script_load(script.script)
-        return [out[i] for i in range(len(calls))]
 
     @classmethod
     def _read(cls, key: str, field: str, raw: bytes) -> LedgerRead:
@@ -230,7 +183,7 @@ class ToolLedger:
         for call_key_, change in changes.items():
             args += (call_key_, change.expected, pack_model(change.entry))
         with translated(f"write ledger {turn_id}"):
-            reply = await self._run(
+            reply = await self.scripts.call(
                 self._cas, [self.keys.turn(turn_id), self.keys.tools(turn_id)], args
             )
         status = text(reply[0]) if isinstance(reply, list) and reply else ""

@@ -218,6 +218,7 @@ class BatchExecutor:
         calls: Sequence[ToolCall],
         denied: Mapping[int, str] | None = None,
         *,
+        keys: Sequence[str] | None = None,
         defer: bool = False,
     ) -> list[ToolResult]:
         """Journal, decide per call from the ledger, run what must run; results in order.
@@ -233,9 +234,10 @@ class BatchExecutor:
         journal their outcome the same way, unless ``defer``: then it is kept for
         :meth:`take_settles`, and the checkpoint after the batch journals it (so a crash
         before that checkpoint loses no more than the outcome's own write would: the batch's
-        results are not in any checkpoint yet either).
+        results are not in any checkpoint yet either). ``keys``: the calls' keys if the caller
+        has them already (:meth:`keys_for`).
         """
-        keys = self.keys_for(turn_id, batch, calls)
+        keys = list(keys) if keys is not None else self.keys_for(turn_id, batch, calls)
         refused = denied or {}
         results: list[ToolResult | None] = [None] * len(calls)
         runnable: dict[int, tuple[ToolSpec, bytes]] = {}

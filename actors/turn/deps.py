@@ -47,6 +47,7 @@ class ToolBatches(Protocol):
         calls: Sequence[ToolCall],
         denied: Mapping[int, str] | None = ...,
         *,
+        keys: Sequence[str] | None = ...,
         defer: bool = ...,
     ) -> list[ToolResult]:
         """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced.

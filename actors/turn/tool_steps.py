@@ -52,7 +52,7 @@ class ToolSteps(LoopState):
             # The outcomes of the calls that end the batch ride on the checkpoint after it
             # (when there is one): one round trip less per tool round.
             results = await self.deps.tools.run_batch(
-                self.turn_id, self.epoch, batch, calls, denied,
+                self.turn_id, self.epoch, batch, calls, denied, keys=keys,
                 defer=self.settings.checkpoint_mid_turn,
             )  # fmt: skip
         except StaleOwner as exc:

@@ -116,7 +116,7 @@ async def test_claims_of_concurrent_turns_share_a_round_trip_and_each_gets_its_a
     assert sorted(b["b-k"] is None for b in both if isinstance(b, dict)) == [False, True]
     assert (await ledger.entries("c"))["c-k"].state == "prepared"
     if not isinstance(any_client, aioredis.RedisCluster):  # the four in fewer round trips
-        assert 0 < ledger.batches < 4
+        assert 0 < ledger.scripts.batches < 4
 
 
 class GatedLedger(ToolLedger):

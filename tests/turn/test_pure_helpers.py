@@ -107,7 +107,7 @@ def test_a_kept_history_reads_each_message_once_and_agrees_with_a_fresh_read() -
         turn += ran(same, "always this") + ran(poll, f"progress {i}")
     assert history.runs(turn) is history.runs(turn)  # nothing new: nothing read again
     # A compaction rewrites the turn: its new messages are read from the start.
-    compacted = [Message(role="user", text="summary")] + ran(same, "always this")
+    compacted = [Message(role="user", text="summary"), *ran(same, "always this")]
     assert detect_loop(compacted, [same], history=history).repeats == 1
     assert detect_loop(compacted, [same], history=history) == detect_loop(compacted, [same])
 
