@@ -21,6 +21,7 @@ client of this kind could beat on this machine. Many at once, the process's CPU 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -97,12 +98,19 @@ async def durable_loop(
                 round_trips=round_trips, write=write,
             )  # fmt: skip
     finally:
+        with contextlib.suppress(Exception):  # best effort: the probe's key is not a record
+            await client.delete(_floor_key(keys))
         await client.aclose()
     return _figure(timed, turns=turns, concurrent=concurrent, reps=reps)
 
 
 #: Cheapest durable writes timed after each pair of sequential turns (``write_round_trip_ms``).
 WRITES_PER_TURN = 2
+
+
+def _floor_key(keys: KeyLayout) -> str:
+    """Where the cheapest write goes (deleted when the figure ends)."""
+    return keys.turn("bench-floor")
 
 
 def _count_round_trips(client: StoreClient) -> list[int]:
@@ -128,7 +136,7 @@ def _cheapest_write(
 ) -> Callable[[], Awaitable[float]]:
     """One durable write as cheap as this client makes them (a 500-byte ``SET`` and the
     durability wait, one round trip, as a save sends them); each call answers its ms."""
-    key = keys.turn("bench-floor")
+    key = _floor_key(keys)
     value = b"x" * SCENARIO.payload_bytes
 
     async def write() -> float:

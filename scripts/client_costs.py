@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""What the Redis client costs a host's CPU, the two measurements behind the batching of script
+calls (store/batcher.py) and ``[host] gc_threshold`` (actors/engine/gc_tuning.py):
+
+    .venv/bin/python scripts/client_costs.py [--redis-url URL] [--turns N]
+
+1. client CPU per ``EVALSHA``: 200 sent at once each on its own, against 200 in one pipeline;
+2. the ``durable_loop`` figure (one turn at a time, then 200 at once) under several
+   young-generation GC thresholds, 700 being Python's own.
+
+Without ``--redis-url``: an embedded server under ``appendfsync always`` (what the default
+``fsync`` durability runs on). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.harness.bench.durable_loop import durable_loop
+from store.connection import connect
+from store.embedded import EmbeddedRedis
+
+THRESHOLDS = (700, 5_000, 20_000, 100_000)
+
+
+async def per_command_cpu(url: str, rounds: int = 40, width: int = 200) -> dict[str, float]:
+    """Client CPU µs per ``EVALSHA`` of a small script, alone and in a pipeline."""
+    client = connect(url, max_connections=256)
+    try:
+        sha = await client.script_load("redis.call('HSET', KEYS[1], 'f', ARGV[1]) return 1")
+        value = b"x" * 120
+
+        async def alone(i: int) -> None:
+            await client.evalsha(sha, 1, f"client-costs:{{s{i % 64}}}:{i}", value)
+
+        async def piped() -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                for i in range(width):
+                    pipe.evalsha(sha, 1, f"client-costs:{{s{i % 64}}}:{i}", value)
+                await pipe.execute()
+
+        out: dict[str, float] = {}
+        for name in ("alone", "pipeline", "alone", "pipeline"):  # twice each, the last kept
+            c0 = time.process_time()
+            for _ in range(rounds):
+                if name == "alone":
+                    await asyncio.gather(*(alone(i) for i in range(width)))
+                else:
+                    await piped()
+            out[f"{name}_cpu_us"] = round(1e6 * (time.process_time() - c0) / (rounds * width), 1)
+        return out
+    finally:
+        await client.aclose()
+
+
+async def measure(url: str, turns: int) -> dict[str, Any]:
+    loops = {}
+    for threshold in THRESHOLDS:
+        fig = await durable_loop(
+            url, turns=turns, concurrent=200, reps=5, warmup=10, gc_threshold=threshold
+        )
+        loops[str(threshold)] = {
+            "sequential_ratio": fig["sequential"]["ratio"],
+            "concurrent_ratio": fig["concurrent"]["ratio"],
+            "durable_turns_per_s": fig["concurrent"]["durable_turns_per_s"],
+            "durable_cpu_ms_per_turn": fig["concurrent"]["durable_cpu_ms_per_turn"],
+        }
+    return {"per_command": await per_command_cpu(url), "durable_loop_by_gc_threshold": loops}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--turns", type=int, default=50, help="sequential turns per threshold")
+    args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url
+        if url is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            url = stack.enter_context(EmbeddedRedis(data_dir=tmp, appendfsync="always")).url
+        print(json.dumps(asyncio.run(measure(url, args.turns)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
