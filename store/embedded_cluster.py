@@ -168,8 +168,11 @@ class EmbeddedCluster:
         with self._client(self.nodes[0]) as first:
             for node in self.nodes[1:]:
                 first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        # By id, not by count: a node still in the MEET handshake is listed under a temporary
+        # id, and CLUSTER REPLICATE of the real one answers "Unknown node" until it is done.
+        own = {self._own_id(n) for n in self.nodes}
         self._until(
-            lambda: all(len(self.topology(n)) == len(self.nodes) for n in self.nodes),
+            lambda: all({i.node_id for i in self.topology(n)} == own for n in self.nodes),
             "every node to know every other",
         )
         ids = [self._own_id(n) for n in primaries]
