@@ -245,6 +245,13 @@ class ToolWorkerRef(ServiceRef):
         """Start a tool call; the caller awaits (or cancels) the returned ref (its output)."""
         return self._call("call", agent, name, args_json, turn_id, call_key)
 
+    def call_group(
+        self, agent: str, turn_id: str, calls: list[tuple[str, str, str, float]]
+    ) -> ray.ObjectRef[Any]:
+        """Start several calls of one batch, each ``(name, args_json, call_key, timeout_s)``;
+        the returned ref is their ends, ``(how, text)`` each, in order."""
+        return self._call("call_group", agent, turn_id, calls)
+
     async def list_mcp(self, agent: str, server: str, timeout: float) -> list[MCPToolInfo]:
         """The tools of ``agent``'s MCP server as this worker's session lists them."""
         raw = await self._ask("list_mcp", agent, server, timeout=timeout)

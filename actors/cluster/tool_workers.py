@@ -25,7 +25,8 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from typing import Any, ClassVar
 
 import ray
@@ -39,6 +40,7 @@ from actors.engine.agents import load_agent
 from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
+    ToolJob,
     lost_call,
     lost_why,
     not_run,
@@ -59,13 +61,32 @@ from store.records import TurnInput
 log = logging.getLogger(__name__)
 
 RETRY_WAIT_S = 30.0
+"""How long a retry waits for a live worker of its pool (Ray restarting a killed one)."""
 
 #: Seconds a host reuses a worker's handle before looking its name up again. A worker is
 #: replaced under its name only when its pool shrank past it (retired 2.5 s after the resize,
 #: which hosts read within 1 s, so none has looked it up in the second before) and grew
 #: again; a worker Ray restarts in place keeps its handle.
 HANDLE_TTL_S = 1.0
-"""How long a retry waits for a live worker of its pool (Ray restarting a killed one)."""
+
+#: Seconds a host waits for a group past its longest timeout (the worker enforces each call's
+#: own) before it takes the worker for hung and reports the group's calls timed out.
+GROUP_GRACE_S = 10.0
+
+
+class CallEnd(StrEnum):
+    """How one call of a group ended on its worker (:meth:`ToolWorker.call_group`)."""
+
+    OK = "ok"
+    """It returned; the text is its output."""
+    ERROR = "error"
+    """It raised: the tool's own failure, the text says which."""
+    TIMEOUT = "timeout"
+    """It ran past its tool's timeout and was cancelled."""
+    LOST = "lost"
+    """Its store or MCP server failed under it: it may be run again (it is idempotent)."""
+    REFUSED = "refused"
+    """Redis refused its effect's write: it did not happen, so it may be tried again."""
 
 
 class ToolWorker:
@@ -117,6 +138,36 @@ class ToolWorker:
                 return await hub().call(agent, target[0], target[1], args, call_key)
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
             return await loaded.tools.get(name).fn(args, ctx)
+
+    async def call_group(
+        self, agent: str, turn_id: str, calls: list[tuple[str, str, str, float]]
+    ) -> list[tuple[str, str]]:
+        """Several calls of one batch of ``agent``'s turn ``turn_id``, each ``(name,
+        args_json, call_key, timeout_s)``, run at once here: each ends as ``(how, text)``
+        (:class:`CallEnd`; a call past its timeout is cancelled here, as the host cancels a
+        lone call). Never raises for one call: the others' results still come back."""
+        return list(await asyncio.gather(*(self._ended(agent, turn_id, *c) for c in calls)))
+
+    async def _ended(
+        self, agent: str, turn_id: str, name: str, args_json: str, call_key: str, timeout_s: float
+    ) -> tuple[str, str]:
+        self.calls += 1
+        self.active += 1
+        try:
+            async with asyncio.timeout(timeout_s) as bound:
+                return CallEnd.OK, str(await self._call(agent, name, args_json, turn_id, call_key))
+        except TimeoutError as exc:
+            if bound.expired():
+                return CallEnd.TIMEOUT, ""
+            return CallEnd.ERROR, f"{type(exc).__name__}: {exc}"
+        except StoreRefused as exc:
+            return CallEnd.REFUSED, str(exc)
+        except (StoreError, ToolExecutorLost) as exc:
+            return CallEnd.LOST, lost_why(exc)
+        except Exception as exc:  # the tool's own failure (an agent that does not load too)
+            return CallEnd.ERROR, f"{type(exc).__name__}: {exc}"
+        finally:
+            self.active -= 1
 
     async def list_mcp(self, agent: str, server: str) -> list[dict[str, Any]]:
         """The tools of ``agent``'s MCP server ``server`` as this worker's session lists them
@@ -223,54 +274,145 @@ class RayToolRunner:
         return worker
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        pool = pool_name(spec.resources)
-        await self._admit(spec, pool)
-        try:
-            result = await self._send(spec, pool, call, ctx)
-            metrics().tool_calls.inc(1, tags={"status": result.status})
-            return result
-        finally:
-            self._running[spec.name] -= 1
-            self.inflight[pool] -= 1
-            metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
-            freed = self._freed[spec.name]
-            async with freed:
-                freed.notify()
+        (result,) = await self._admitted(pool_name(spec.resources), [ToolJob(spec, call, ctx)])
+        return result
 
-    async def _admit(self, spec: ToolSpec, pool: str) -> None:
-        """Wait until fewer than the tool's limit x pool size of its calls run from here (the
-        bound is re-read while waiting: a pool that grows admits more)."""
+    async def run_group(self, jobs: Sequence[ToolJob]) -> list[ToolResult]:
+        """The calls of idempotent tools go to one worker of their pool in one Ray call
+        (:meth:`ToolWorker.call_group`), a group per pool; any other call goes alone."""
+        results: list[ToolResult | None] = [None] * len(jobs)
+        groups: dict[str, list[int]] = {}
+        for i, job in enumerate(jobs):
+            key = pool_name(job.spec.resources) if job.spec.idempotent else f"alone {i}"
+            groups.setdefault(key, []).append(i)
+
+        async def run(indices: list[int]) -> None:
+            group = [jobs[i] for i in indices]
+            ended = await self._admitted(pool_name(group[0].spec.resources), group)
+            for i, res in zip(indices, ended, strict=True):
+                results[i] = res
+
+        await asyncio.gather(*(run(indices) for indices in groups.values()))
+        return [r for r in results if r is not None]
+
+    async def _admitted(self, pool: str, group: list[ToolJob]) -> list[ToolResult]:
+        """``group``'s results, run once admitted (:meth:`_admit`), its slots freed after."""
+        counts = Counter(job.spec.name for job in group)
+        specs = {job.spec.name: job.spec for job in group}
+        admitted: list[str] = []
+        try:
+            for name in sorted(counts):  # one order for every group: none waits in a cycle
+                await self._admit(specs[name], pool, counts[name])
+                admitted.append(name)
+            if len(group) == 1:
+                job = group[0]
+                ended = [await self._send(job.spec, pool, job.call, job.ctx)]
+            else:
+                ended = await self._send_group(pool, group)
+            for res in ended:
+                metrics().tool_calls.inc(1, tags={"status": res.status})
+            return ended
+        finally:
+            for name in admitted:
+                await self._free(name, pool, counts[name])
+
+    async def _admit(self, spec: ToolSpec, pool: str, n: int) -> None:
+        """Wait until ``n`` more of the tool's calls fit under its limit x pool size of calls
+        running from here, or none runs (a group larger than the limit then runs alone). The
+        ``n`` are taken at once, never one by one: two groups each holding part of what they
+        need could wait for each other forever. The bound is re-read while waiting: a pool
+        that grows admits more."""
         freed = self._freed.setdefault(spec.name, asyncio.Condition())
-        self.waiting[pool] += 1
+        self.waiting[pool] += n
         try:
             async with freed:  # checked and waited under its lock: no release is missed
-                while self._running[spec.name] >= spec.max_concurrency * await self.size(pool):
+                while (running := self._running[spec.name]) and (
+                    running + n > spec.max_concurrency * await self.size(pool)
+                ):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(freed.wait(), 1.0)  # or the pool grew: re-read
         finally:
-            self.waiting[pool] -= 1
-        self._running[spec.name] += 1
-        self.inflight[pool] += 1
+            self.waiting[pool] -= n
+        self._running[spec.name] += n
+        self.inflight[pool] += n
         metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
 
+    async def _free(self, name: str, pool: str, n: int) -> None:
+        self._running[name] -= n
+        self.inflight[pool] -= n
+        metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
+        freed = self._freed[name]
+        async with freed:
+            freed.notify_all()
+
     async def _send(
-        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext
+        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext, first_attempt: int = 0
     ) -> ToolResult:
         """The call's result from a worker of ``pool``; a write of its effect that Redis refused
-        did not happen, so any tool is tried again, and reported not run if it stays refused."""
+        did not happen, so any tool is tried again, and reported not run if it stays refused.
+        ``first_attempt``: 1 for a call whose first attempt went with a group."""
         try:
             return await refusals_waited(
-                f"write {call.name}'s effect", lambda: self._attempts(spec, pool, call, ctx)
+                f"write {call.name}'s effect",
+                lambda: self._attempts(spec, pool, call, ctx, first_attempt),
             )
         except StoreRefused as exc:
             return not_run(call, exc)
 
+    async def _send_group(self, pool: str, group: list[ToolJob]) -> list[ToolResult]:
+        """The group's results from one worker of ``pool``: its first attempt in one Ray call
+        for all. A call that must be tried again (its worker died, its store failed under
+        it, Redis refused its write) goes on alone from there, by :meth:`_send`'s rules."""
+        first = await self._group_attempt(pool, group)
+        again = [
+            self._send(job.spec, pool, job.call, job.ctx, first_attempt=1)
+            for job, res in zip(group, first, strict=True)
+            if res is None
+        ]
+        retried = iter(await asyncio.gather(*again))
+        return [res if res is not None else next(retried) for res in first]
+
+    async def _group_attempt(self, pool: str, group: list[ToolJob]) -> list[ToolResult | None]:
+        """Each call's result, or None where it is to be tried again alone."""
+        worker = await self._worker(pool, 0)
+        if worker is None:  # never sent: nothing can have happened
+            return [
+                tool_result(j.call, "error", f"{j.call.name}: no worker of pool {pool} is up")
+                for j in group
+            ]
+        ctx = group[0].ctx
+        wire = [(j.call.name, json.dumps(j.call.args), j.ctx.call_key, j.spec.timeout_s)
+                for j in group]  # fmt: skip
+        ref = worker.call_group(ctx.agent, ctx.turn_id, wire)
+        try:
+            # each call's timeout is kept on the worker; this bounds a worker that hangs
+            ends = await ask(ref, max(j.spec.timeout_s for j in group) + GROUP_GRACE_S)
+        except TimeoutError:
+            ray.cancel(ref)
+            return [timed_out(j.call, j.spec) for j in group]
+        except asyncio.CancelledError:
+            ray.cancel(ref)
+            raise
+        except TaskCancelledError:
+            return [tool_result(j.call, "error", f"{j.call.name} was cancelled") for j in group]
+        except RayActorError as exc:
+            log.warning("tool worker died during a group of %d calls: %s", len(group), exc)
+            self._handles.clear()  # look every worker up again
+            return [None] * len(group)
+        except RayError as exc:  # the group call itself failed (a malformed message)
+            return [tool_result(j.call, "error", _last_line(exc)) for j in group]
+        if not isinstance(ends, list) or len(ends) != len(group):
+            # What ran cannot be told from it; each call is idempotent: it goes again alone.
+            log.error("a tool worker answered a group of %d with %.200r", len(group), ends)
+            return [None] * len(group)
+        return [_group_result(j, end) for j, end in zip(group, ends, strict=True)]
+
     async def _attempts(
-        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext
+        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext, first_attempt: int
     ) -> ToolResult:
         args = json.dumps(call.args)
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
-        for attempt in range(attempts):
+        for attempt in range(first_attempt, max(attempts, first_attempt + 1)):
             worker = await self._worker(pool, attempt)
             if worker is None:  # never sent: nothing can have happened
                 return tool_result(call, "error", f"{call.name}: no worker of pool {pool} is up")
@@ -306,6 +448,23 @@ class RayToolRunner:
                 call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
             )
         return lost_call(call, "had its worker die mid-call")
+
+
+def _group_result(job: ToolJob, end: Any) -> ToolResult | None:
+    """A call's result from its ``(how, text)`` in a group's reply; None: try it again alone."""
+    try:
+        how, text = CallEnd(end[0]), str(end[1])
+    except (TypeError, ValueError, IndexError, KeyError):
+        log.error("a tool worker answered %.200r for %s", end, job.call.name)
+        return None
+    if how is CallEnd.OK:
+        return tool_result(job.call, "ok", text)
+    if how is CallEnd.TIMEOUT:
+        return timed_out(job.call, job.spec)
+    if how is CallEnd.ERROR:
+        return tool_result(job.call, "error", text)
+    log.warning("tool %s of a group to be tried again alone (%s): %s", job.call.name, how, text)
+    return None  # LOST, REFUSED: nothing the model should see; the call goes again
 
 
 def _last_line(exc: BaseException) -> str:

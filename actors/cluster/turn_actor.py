@@ -26,7 +26,6 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import Coroutine, Mapping
 from typing import Any, ClassVar
 
@@ -197,7 +196,7 @@ class TurnActor:
         meanwhile, but a host that still answers its ping is kept (``store.leases``)."""
         host = self.dep.host_label(self.slot)
         while True:
-            by_phase = Counter(t.dst for t in self.engine.phases())
+            by_phase = self.engine.phase_counts()
             for phase in TurnPhase:
                 metrics().turns.set(by_phase[phase], tags={"phase": phase.value, "host": host})
             try:

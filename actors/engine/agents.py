@@ -66,10 +66,30 @@ def noted_agent(
     return record.model_copy(update={"counters": counters}), change
 
 
+#: The last fingerprints by the identity of (agent, registry), with both kept alive so an id
+#: is not reused: a turn whose agent has no per-turn tools gets the agent's own registry, so
+#: every start of it would hash the same JSON again.
+_FINGERPRINTS: dict[tuple[int, int], tuple[Agent, ToolRegistry, str]] = {}
+_FINGERPRINTS_KEPT = 64
+
+
 def agent_fingerprint(agent: Agent, tools: ToolRegistry) -> str:
     """A short hash of what the model sees of an agent: its model's name, system prompt, and
     each tool's name, description, argument schema and flags. Two turns with one fingerprint
-    ran the same agent as far as the transcript can tell."""
+    ran the same agent as far as the transcript can tell. Both are immutable, so the hash of
+    one pair is computed once."""
+    key = (id(agent), id(tools))
+    kept = _FINGERPRINTS.get(key)
+    if kept is not None and kept[0] is agent and kept[1] is tools:
+        return kept[2]
+    if len(_FINGERPRINTS) >= _FINGERPRINTS_KEPT:
+        _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
+    fingerprint = _fingerprint(agent, tools)
+    _FINGERPRINTS[key] = (agent, tools, fingerprint)
+    return fingerprint
+
+
+def _fingerprint(agent: Agent, tools: ToolRegistry) -> str:
     shape = {
         "model": agent.model_name,
         "system": agent.system_prompt,

@@ -299,7 +299,10 @@ def mcp_target(servers: tuple[MCPServer, ...], name: str) -> tuple[MCPServer, st
 
 
 def merged(agent: str, base: ToolRegistry, specs: list[ToolSpec]) -> ToolRegistry:
-    """The agent's Python tools and its MCP tools; a name clash is a :class:`ConfigError`."""
+    """The agent's Python tools and its MCP tools; a name clash is a :class:`ConfigError`.
+    Without MCP tools, ``base`` itself."""
+    if not specs:
+        return base
     names = [s.name for s in base] + [s.name for s in specs]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:

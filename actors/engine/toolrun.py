@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
@@ -27,9 +28,28 @@ from store.records import LedgerEntry, LedgerState, Settle, TurnInput
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolJob:
+    """One dispatched call handed to a :class:`ToolRunner`."""
+
+    spec: ToolSpec
+    """The tool, as the turn's registry has it (timeout, flags, resources)."""
+    call: ToolCall
+    """The model's call."""
+    ctx: ToolContext
+    """What the tool is given: its turn, its call key, the effect sink."""
+
+
 class ToolRunner(Protocol):
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         """Execute one call; never raise for a tool's own failure, return its result instead."""
+        ...
+
+    async def run_group(self, jobs: Sequence[ToolJob]) -> list[ToolResult]:
+        """Execute several calls of one batch; their results in order, once all have ended.
+        A runner may send them together (one message instead of one each), so the batch
+        executor hands it only calls whose early result it need not journal at once: calls of
+        idempotent tools, which a resume runs again anyway if their outcome was not kept."""
         ...
 
     async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
@@ -118,6 +138,11 @@ class LocalToolRunner:
                 )
             except StoreRefused as exc:
                 return not_run(call, exc)
+
+    async def run_group(self, jobs: Sequence[ToolJob]) -> list[ToolResult]:
+        """Each call as :meth:`run` runs it, all at once: in one process there is no message
+        to save."""
+        return list(await asyncio.gather(*(self.run(j.spec, j.call, j.ctx) for j in jobs)))
 
     async def _attempts(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
         """Run the call, again if it is idempotent and its executor failed under it; a
@@ -228,10 +253,12 @@ class BatchExecutor:
         runs nothing. A batch's new calls are claimed in one script with the fence check
         (:meth:`~store.ledger.ToolLedger.claim`); a call the ledger already holds (a resume, a
         racing owner) is decided from its entry and moved by a compare-and-set, decided again
-        from what won if another owner changed it meanwhile. Round trips: one for the claim
-        (two when the ledger held some of the calls), then one per call as it finishes while
-        others of the batch still run. The calls that finish last (none other still running)
-        journal their outcome the same way, unless ``defer``: then it is kept for
+        from what won if another owner changed it meanwhile. The calls of idempotent tools
+        run as one group (:meth:`ToolRunner.run_group`), the others each alone. Round trips:
+        one for the claim (two when the ledger held some of the calls), then one per call
+        (or group) as it finishes while others of the batch still run. The calls that finish
+        last (none other still running) journal their outcome the same way, unless
+        ``defer``: then it is kept for
         :meth:`take_settles`, and the checkpoint after the batch journals it (so a crash
         before that checkpoint loses no more than the outcome's own write would: the batch's
         results are not in any checkpoint yet either). ``keys``: the calls' keys if the caller
@@ -269,18 +296,38 @@ class BatchExecutor:
                                     results, runnable)  # fmt: skip
         running = [len(runnable)]  # calls of the batch still running
 
-        async def run(i: int, spec: ToolSpec, dispatched: bytes) -> ToolResult:
-            res, entry = await self._run(turn_id, keys[i], calls[i], spec)
-            running[0] -= 1
+        async def ended(indices: list[int], raw: Sequence[ToolResult]) -> None:
+            """Calls that ended together: their results, their outcomes journaled in one
+            compare-and-set (or kept for the save if no other call of the batch runs)."""
+            running[0] -= len(indices)
+            changes: dict[str, Change] = {}
+            for i, out in zip(indices, raw, strict=True):
+                results[i], entry = self._outcome(calls[i], out)
+                changes[keys[i]] = Change(runnable[i][1], entry)
             if defer and not running[0]:
-                self._settles.append(Settle(keys[i], dispatched, pack_model(entry)))
+                self._settles.extend(
+                    Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items()
+                )
             else:
-                await self._settle_now(turn_id, keys[i], Change(dispatched, entry))
-            return res
+                await self._settle_now(turn_id, changes)
 
-        outcomes = await asyncio.gather(*(run(i, *r) for i, r in runnable.items()))
-        for i, res in zip(runnable, outcomes, strict=True):
-            results[i] = res
+        def job(i: int) -> ToolJob:
+            return ToolJob(runnable[i][0], calls[i], self._context(turn_id, keys[i]))
+
+        async def run_one(i: int) -> None:
+            one = job(i)
+            await ended([i], [await self.runner.run(one.spec, one.call, one.ctx)])
+
+        async def run_group(indices: list[int]) -> None:
+            await ended(indices, await self.runner.run_group([job(i) for i in indices]))
+
+        # Calls of idempotent tools go to the runner together: a resume re-runs them anyway if
+        # their outcomes were not kept, so journaling the first to end at once would only
+        # save a re-run, and one message for the group halves the cost of a two-call batch.
+        group = [i for i, (spec, _) in runnable.items() if spec.idempotent]
+        group = group if len(group) > 1 else []
+        singles = [i for i in runnable if i not in group]
+        await asyncio.gather(*(run_one(i) for i in singles), *([run_group(group)] if group else []))
         return [r for r in results if r is not None]
 
     def take_settles(self) -> tuple[Settle, ...]:
@@ -299,22 +346,24 @@ class BatchExecutor:
             partial(self.ledger.transition, turn_id, changes, epoch=None),
         )
 
-    async def _settle_now(self, turn_id: str, key: str, change: Change) -> None:
+    async def _settle_now(self, turn_id: str, changes: dict[str, Change]) -> None:
         try:
             won = await refusals_waited(
-                f"journal the outcome of {key}",
-                partial(self.ledger.transition, turn_id, {key: change}, epoch=None),
+                f"journal the outcome of {', '.join(changes)}",
+                partial(self.ledger.transition, turn_id, changes, epoch=None),
             )
         except StoreError as exc:
-            # The model still reads the result; the batch's checkpoint keeps it. Only a resume
-            # from before that checkpoint finds the call dispatched (and re-runs it if it is
-            # idempotent, else reports it outcome_unknown): true, as its result is lost then.
-            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, key, exc)
+            # The model still reads the results; the batch's checkpoint keeps them. Only a
+            # resume from before that checkpoint finds the calls dispatched (and re-runs those
+            # that are idempotent, else reports them outcome_unknown): true, as their results
+            # are lost then.
+            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, list(changes), exc)
             return
-        if not won[key]:
-            log.warning(
-                "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
-            )
+        for key in changes:
+            if not won[key]:
+                log.warning(
+                    "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
+                )
 
     def _step(
         self, call: ToolCall, entry: LedgerEntry | None, denied: str | None, epoch: int
@@ -399,18 +448,15 @@ class BatchExecutor:
             )
         return spec
 
-    async def _run(
-        self, turn_id: str, key: str, call: ToolCall, spec: ToolSpec
-    ) -> tuple[ToolResult, LedgerEntry]:
-        """Run a dispatched call: its result, and the journal entry of its outcome (not
-        fenced: the call ran, so its outcome is true whoever owns the turn now; compared with
-        our own dispatch, so it never overwrites what a successor settled meanwhile)."""
-        res = capped(
-            await self.runner.run(
-                spec, call, ToolContext(turn_id, key, self.effects, agent=self.agent)
-            ),
-            self.max_result_bytes,
-        )
+    def _context(self, turn_id: str, key: str) -> ToolContext:
+        return ToolContext(turn_id, key, self.effects, agent=self.agent)
+
+    def _outcome(self, call: ToolCall, raw: ToolResult) -> tuple[ToolResult, LedgerEntry]:
+        """A dispatched call's result as the model reads it, and the journal entry of its
+        outcome (not fenced: the call ran, so its outcome is true whoever owns the turn now;
+        compared with our own dispatch, so it never overwrites what a successor settled
+        meanwhile)."""
+        res = capped(raw, self.max_result_bytes)
         state: LedgerState = "committed" if res.status == "ok" else "failed"
         if res.status == "outcome_unknown":
             state = "outcome_unknown"

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules
 from bus.errors import BudgetExhausted, ConfigError, PhaselineError, StaleOwner, StoreError
 from bus.events import Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
-from bus.phase import Transition
+from bus.phase import Transition, TurnPhase
 from store.approvals import Approvals
 from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
@@ -513,6 +514,11 @@ class TurnEngine:
                 Transition(t.turn_id, t.epoch, t.seq, t.phase, t.phase, int(t.entered_at * 1000))
             )
         return out
+
+    def phase_counts(self) -> Counter[TurnPhase]:
+        """How many running turns are in each phase (a host's gauge, read every heartbeat:
+        counted without building a transition per turn)."""
+        return Counter(loop.tracker.phase for loop in self._loops.values())
 
     def cancel_llm(self, turn_id: str, epoch: int) -> bool:
         """Cancel a running turn's model call, if it is still that epoch's."""

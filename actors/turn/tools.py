@@ -114,7 +114,11 @@ class ToolRegistry:
             raise ConfigError(f"unknown tools {missing}; registered: {self.names()}")
 
     def with_approval(self, names: Iterable[str]) -> ToolRegistry:
+        """This registry with ``names`` requiring approval (itself when none is named: a
+        turn's registry is built at every start, so the common case builds nothing)."""
         wanted = set(names)
+        if not wanted:
+            return self
         self.require(wanted)
         return ToolRegistry(
             replace(s, requires_approval=True) if s.name in wanted else s

@@ -23,7 +23,7 @@ from actors.cluster.info import Verdict
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.supervisor import Supervisor
-from actors.cluster.tool_workers import ToolWorker
+from actors.cluster.tool_workers import CallEnd, ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
 from actors.engine.config import Settings
@@ -146,3 +146,31 @@ async def test_malformed_replies_are_typed_errors_at_the_seam() -> None:
     status = encode_event(StatusEvent("t", 1, Status.IDLE_SOFT, "idle", 1))
     with pytest.raises(PhaselineError, match="StatusEvent"):
         await HostRef(answering([status])).phases()
+
+
+async def test_a_tool_worker_ends_each_call_of_a_group_on_its_own(
+    redis_url: str, namespace: str
+) -> None:
+    """One Ray call carries several calls of a batch: each comes back with how it ended, a
+    call past its timeout is cut there, and no call's failure costs the others their result."""
+    worker = ToolWorker(deployment(redis_url, namespace).to_wire())
+    calls = [
+        ("add", '{"a": 2, "b": 3}', "k1", 5.0),
+        ("add", '{"a": "two"}', "k2", 5.0),
+        ("explode", '{"reason": "on purpose"}', "k3", 5.0),
+        ("nap", '{"seconds": 30}', "k4", 0.2),
+        ("lose_store", "{}", "k5", 5.0),
+        ("refuse_write", "{}", "k6", 5.0),
+        ("nosuch", "{}", "k7", 5.0),
+    ]
+    ends = await worker.call_group("tests.support.agents:group_ends", "t1", calls)
+    assert [how for how, _ in ends] == [
+        CallEnd.OK, CallEnd.ERROR, CallEnd.ERROR, CallEnd.TIMEOUT, CallEnd.LOST,
+        CallEnd.REFUSED, CallEnd.ERROR,
+    ]  # fmt: skip
+    assert ends[0][1] == "5"
+    assert "a: Input should be a valid integer" in ends[1][1]
+    assert ends[2][1] == "RuntimeError: on purpose"
+    assert ends[4][1] == "lost its store mid-call" and "maxmemory" in ends[5][1]
+    assert "nosuch" in ends[6][1]
+    assert (await worker.hello())["counts"] == {"calls": 7, "active": 0}

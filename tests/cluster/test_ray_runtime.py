@@ -184,30 +184,38 @@ async def test_wait_reports_a_record_corrupted_mid_run_and_returns_the_others(
 async def test_sigkill_of_tool_workers_mid_call(
     start_runtime: StartRuntime, real_client: aioredis.Redis
 ) -> None:
+    """Each turn's batch: a non-idempotent call alone, and two echo calls sent together as one
+    group (``ToolWorker.call_group``); the group's worker dies, so each echo goes again alone."""
     rt = await start_runtime(hosts=1)
     sc = scenario(
-        rounds=1, tools=["counter_increment", "echo"], tool_latency_ms=3000, llm_latency_ms=10
-    )
+        rounds=1, tools=["counter_increment", "echo", "echo"], tools_per_round=3,
+        tool_latency_ms=3000, llm_latency_ms=10,
+    )  # fmt: skip
     ids = ["tool0", "tool1"]
     await rt.submit(*scripted_turn(sc), ids)
 
     async def in_flight() -> bool:
         states = [e.state for t in ids for e in (await ledger(rt).entries(t)).values()]
-        return states.count("dispatched") == 4
+        return states.count("dispatched") == 6
 
-    await eventually(in_flight, timeout=60, what="4 tool calls in flight")
-    pids = [p.pid for p in await tool_worker_info(rt)]
-    for pid in pids:
+    async def on_workers() -> bool:
+        return sum(w.counts["active"] for w in await tool_worker_info(rt)) == 6
+
+    await eventually(in_flight, timeout=60, what="6 tool calls dispatched")
+    await eventually(on_workers, timeout=60, what="6 tool calls running on the workers")
+    for pid in [w.pid for w in await tool_worker_info(rt)]:
         os.kill(pid, signal.SIGKILL)
     finals = await rt.wait(ids, timeout=120)
     for tid in ids:
         results = [m.tool_result for m in finals[tid].messages if m.tool_result]
-        by_name = {r.name: r.status for r in results}
-        assert by_name == {"counter_increment": "outcome_unknown", "echo": "ok"}, results
+        ends = sorted((r.name, r.status) for r in results)
+        assert ends == [("counter_increment", "outcome_unknown"), ("echo", "ok"), ("echo", "ok")]
         effects = await rt_effects(rt, tid)
         assert all(n <= 1 for n in effects.values())  # never ran twice
-        states = {e.name: e.state for e in (await ledger(rt).entries(tid)).values()}
-        assert states == {"counter_increment": "outcome_unknown", "echo": "committed"}
+        states = sorted((e.name, e.state) for e in (await ledger(rt).entries(tid)).values())
+        assert states == [
+            ("counter_increment", "outcome_unknown"), ("echo", "committed"), ("echo", "committed")
+        ]  # fmt: skip
 
 
 def ledger(rt: Runtime) -> Any:
@@ -528,3 +536,13 @@ async def test_a_turn_failing_on_a_live_host_is_suspended_not_spun(
     assert len(reruns) == 2 and bug.epoch in (3, 4)
     error = bug.counters.last_error
     assert error is not None and "KeyError: 'choices'" in error.message
+    # The calculator's batch on Ray: its three calls of the idempotent ``add`` went to a
+    # worker together, each with its own end, as they do in one process
+    # (tests/engine/test_agents.py::test_bad_calls_become_error_results_the_model_reads).
+    ends = {m.tool_result.call_id: m.tool_result for m in finals["fine"].messages if m.tool_result}
+    assert (ends["c1"].status, ends["c1"].output) == ("ok", "5")
+    assert ends["c2"].status == "error" and "a: Input should be a valid integer" in (
+        ends["c2"].output
+    )
+    assert ends["c4"].status == "error" and "nosuch" in ends["c4"].output
+    assert ends["c5"].status == "error" and "RuntimeError: on purpose" in ends["c5"].output

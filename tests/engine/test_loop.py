@@ -239,17 +239,25 @@ async def test_every_tool_outcome_is_journaled_whether_a_save_carries_it_or_not(
 ) -> None:
     engine = make_engine(real_client, keys)
     debounced = LoopSettings(strict=True, checkpoint_min_interval_s=3600)
+    alone = scenario(tools=["counter_increment"])  # not idempotent: each call runs alone
     runs = {
         "carried": await run_with_recorder(engine, scenario(), "carried"),
         "debounced": await run_with_recorder(engine, scenario(), "debounced", settings=debounced),
         "failed": await run_with_recorder(engine, scenario(), "failed", fail=1),
+        "alone": await run_with_recorder(engine, alone, "alone"),
+        "alone-debounced": await run_with_recorder(
+            engine, alone, "alone-debounced", settings=debounced
+        ),
     }
     for turn_id in runs:
         entries = await engine.ledger.entries(turn_id)
         assert len(entries) == 3 * 2 and {e.state for e in entries.values()} == {"committed"}
-    # Of each batch of two, the call that ended it rode on the batch's checkpoint.
-    assert runs["carried"][1].carried == [1, 1, 1, 0]
-    assert runs["debounced"][1].carried == [1, 0]  # the others were journaled alone
+    # A batch of two echo calls runs as one group: both outcomes ride on its checkpoint.
+    assert runs["carried"][1].carried == [2, 2, 2, 0]
+    assert runs["debounced"][1].carried == [2, 0]  # the others were journaled alone
+    # Two calls that run each alone: the one that ended the batch rode on its checkpoint.
+    assert runs["alone"][1].carried == [1, 1, 1, 0]
+    assert runs["alone-debounced"][1].carried == [1, 0]
 
 
 async def test_the_inbox_is_skipped_only_where_a_save_just_said_it_is_empty(

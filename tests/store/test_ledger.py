@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.builtin_tools import BUILTIN_TOOLS
-from actors.engine.toolrun import BatchExecutor, LocalToolRunner
+from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolJob
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
-from bus.messages import ToolCall
+from bus.messages import ToolCall, ToolResult
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.effects import EffectCounters
@@ -180,3 +180,42 @@ async def test_a_late_outcome_never_overwrites_what_a_successor_settled(
     assert (await zombie)[0].output == "late"
     (entry,) = (await owned.entries("t1")).values()
     assert (entry.state, entry.epoch) == ("outcome_unknown", 3)
+
+
+async def test_a_batchs_idempotent_calls_reach_the_runner_as_one_group(
+    owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Calls of idempotent tools go to the runner together (one message on a cluster), the
+    others each alone; every outcome is journaled either way, a deferred group's with the
+    save that follows."""
+    sent: list[tuple[str, ...]] = []
+
+    class Recording(LocalToolRunner):
+        async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
+            sent.append(("alone", call.id))
+            return await super().run(spec, call, ctx)
+
+        async def run_group(self, jobs: Sequence[ToolJob]) -> list[ToolResult]:
+            sent.append(("group", *(j.call.id for j in jobs)))
+            return [await LocalToolRunner.run(self, j.spec, j.call, j.ctx) for j in jobs]
+
+    effects = EffectCounters(any_client, keys)
+    ex = BatchExecutor(BUILTIN_TOOLS, Recording(), owned, effects)
+    calls = [
+        ToolCall(id="e1", name="echo", args={"text": "a"}),
+        ToolCall(id="n1", name="counter_increment", args={}),
+        ToolCall(id="e2", name="echo", args={"text": "b"}),
+    ]
+    results = await ex.run_batch("t1", 2, 0, calls)
+    assert [(r.call_id, r.status) for r in results] == [("e1", "ok"), ("n1", "ok"), ("e2", "ok")]
+    assert sorted(sent) == [("alone", "n1"), ("group", "e1", "e2")]
+    states = {e.state for e in (await owned.entries("t1")).values()}
+    assert states == {"committed"}
+    # Deferred: the group that ends the batch leaves both its outcomes to the save.
+    sent.clear()
+    await ex.run_batch("t1", 2, 1, [calls[0], calls[2]], defer=True)
+    assert sent == [("group", "e1", "e2")] and len(ex.take_settles()) == 2
+    # A lone idempotent call is not a group.
+    sent.clear()
+    await ex.run_batch("t1", 2, 2, [calls[0]])
+    assert sent == [("alone", "e1")]

@@ -18,6 +18,7 @@ from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
+from bus.errors import StoreError, StoreRefused
 from bus.messages import Message, ToolCall
 from store.archive import FinishedTurn
 from store.records import TurnInput
@@ -356,3 +357,32 @@ buggy = Agent(
     model=lambda ctx: BuggyModel(ctx.turn_id), tools=ToolRegistry([add]),
     system_prompt="You add numbers.",
 )  # fmt: skip
+
+
+@tool(idempotent=True)
+async def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return f"slept {seconds:g} s"
+
+
+@tool(idempotent=True)
+async def lose_store() -> str:
+    """Fail as a tool whose store dropped under it."""
+    raise StoreError("the effects store went away")
+
+
+@tool(idempotent=True)
+async def refuse_write() -> str:
+    """Fail as a tool whose effect's write Redis refused."""
+    raise StoreRefused("OOM command not allowed when used memory > 'maxmemory'")
+
+
+#: A ToolWorker's group of calls ending every way a call can end.
+group_ends = dataclasses.replace(
+    calculator, tools=ToolRegistry([add, explode, nap, lose_store, refuse_write])
+)
