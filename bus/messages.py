@@ -94,8 +94,14 @@ class ToolCall(TextModel):
     """JSON-like arguments; canonicalised (sorted keys) when hashed into the call key."""
 
     def arguments_json(self) -> str:
-        """The arguments as canonical JSON (what the call key hashes)."""
-        return canonical_json(self.args)
+        """The arguments as canonical JSON (what the call key hashes): serialised once, though
+        the key, the reply's size, the loop detector and the live events each ask. Kept
+        beside the fields with the arguments it spells (pydantic compares, dumps and
+        validates fields only), so a copy with other arguments spells those."""
+        memo = self.__dict__.get("_canonical")
+        if memo is None or memo[0] is not self.args:
+            memo = self.__dict__["_canonical"] = (self.args, canonical_json(self.args))
+        return memo[1]
 
 
 def canonical_json(value: Any) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bus.errors import StaleOwner, StoreError
-from bus.messages import canonical_json
+from bus.messages import ToolCall
 from store.batcher import ScriptCalls
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
@@ -29,12 +29,12 @@ from store.replies import raw as raw_bytes
 from store.replies import text
 
 
-def call_key(turn_id: str, batch: int, name: str, args: dict[str, Any], index: int) -> str:
+def call_key(turn_id: str, batch: int, call: ToolCall, index: int) -> str:
     """Stable idempotency key of one call; tools get it to deduplicate downstream effects.
 
     ``index`` (position in the batch) keeps two identical calls in one batch distinct.
     """
-    canonical = canonical_json(args)
+    name, canonical = call.name, call.arguments_json()
     digest = hashlib.sha256(f"{turn_id}\x1f{batch}\x1f{index}\x1f{name}\x1f{canonical}".encode())
     return f"{batch}.{index}.{digest.hexdigest()[:24]}"
 

@@ -330,7 +330,8 @@ class RayToolRunner:
                     running + n > spec.max_concurrency * await self.size(pool)
                 ):
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(freed.wait(), 1.0)  # or the pool grew: re-read
+                        async with asyncio.timeout(1.0):  # or the pool grew: re-read
+                            await freed.wait()
         finally:
             self.waiting[pool] -= n
         self._running[spec.name] += n
@@ -343,7 +344,9 @@ class RayToolRunner:
         metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})
         freed = self._freed[name]
         async with freed:
-            freed.notify_all()
+            # as many waiters as slots came free, not all: each woken one re-checks under the
+            # lock, and a host with a thousand waiting calls woke them all at every free
+            freed.notify(n)
 
     async def _send(
         self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext, first_attempt: int = 0

@@ -233,7 +233,7 @@ class BatchExecutor:
         self._settles: list[Settle] = []
 
     def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
-        return [call_key(turn_id, batch, c.name, c.args, i) for i, c in enumerate(calls)]
+        return [call_key(turn_id, batch, c, i) for i, c in enumerate(calls)]
 
     async def run_batch(
         self,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from bus.messages import Message, ToolCall, ToolResult, canonical_json
+from bus.messages import Message, ToolCall, ToolResult
 
 
 class LoopVerdict(StrEnum):
@@ -67,7 +67,7 @@ class LoopFinding:
 
 
 def _key(call: ToolCall) -> str:
-    return f"{call.name}({canonical_json(call.args)})"
+    return f"{call.name}({call.arguments_json()})"
 
 
 class CallHistory:

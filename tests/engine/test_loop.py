@@ -380,7 +380,7 @@ async def test_ledger_reuses_committed_and_reports_in_flight_non_idempotent_call
     first = (await model.complete(LLMRequest("ledger", record.messages, True, 0))).message
     names = [c.name for c in first.tool_calls]
     assert names == ["counter_increment", "echo", "counter_increment"]
-    k = [call_key("ledger", 0, c.name, c.args, i) for i, c in enumerate(first.tool_calls)]
+    k = [call_key("ledger", 0, c, i) for i, c in enumerate(first.tool_calls)]
     # as left by a host that died mid-batch: call 0 in flight, 1 in flight, 2 committed
     done = ToolResult(call_id="old", name=names[2], status="ok", output="count=1")
     await put_ledger(real_client, keys, "ledger", {

@@ -148,9 +148,7 @@ async def test_two_owners_racing_on_one_batch_run_each_call_once(
     )
     ra, rb = await asyncio.gather(a.run_batch("t1", 2, 0, CALLS), b.run_batch("t1", 2, 0, CALLS))
     counts = await effects.counts("t1")
-    assert sorted(counts) == sorted(
-        call_key("t1", 0, c.name, c.args, i) for i, c in enumerate(CALLS)
-    )
+    assert sorted(counts) == sorted(call_key("t1", 0, c, i) for i, c in enumerate(CALLS))
     assert set(counts.values()) == {1}  # nobody ran a call twice
     # Each call: one racer ran it, the other lost the dispatch and reports it in flight.
     for x, y in zip(ra, rb, strict=True):

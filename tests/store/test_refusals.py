@@ -89,7 +89,7 @@ async def test_a_refused_effect_did_not_happen_and_is_tried_again(
     call = ToolCall(id="c0", name="counter_increment", args={})
     (res,) = await executor.run_batch("t1", 2, 0, [call])
     assert res.status == "ok" and res.output == "1"  # not outcome_unknown: it had not run
-    key = call_key("t1", 0, call.name, call.args, 0)
+    key = call_key("t1", 0, call, 0)
     assert await effects.counts("t1") == {key: 1}  # and ran once when tried again
     assert (await ToolLedger(real_client, keys).entries("t1"))[key].state == "committed"
 
