@@ -13,6 +13,7 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
 
 from bus.errors import StoreError
+from store.lane import Lane, LaneRedis
 from store.urls import redact_url, seed_urls
 
 StoreClient: TypeAlias = aioredis.Redis | aioredis.RedisCluster
@@ -110,6 +111,14 @@ def connect(
             retry=retry_policy(retry_s),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionError],
         )
-        return aioredis.Redis(connection_pool=pool, decode_responses=False)
+        if "connection_class" not in own:
+            return aioredis.Redis(connection_pool=pool, decode_responses=False)
+        kw = pool.connection_kwargs
+        lane = Lane(
+            host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)),
+            username=kw.get("username"), password=kw.get("password"), db=int(kw.get("db", 0)),
+            retry_s=retry_s, connect_timeout_s=5, reply_timeout_s=30,
+        )  # fmt: skip
+        return LaneRedis(connection_pool=pool, decode_responses=False, lane=lane)
     except ValueError as exc:
         raise StoreError(f"invalid Redis URL {redact_url(url)}: {exc}") from None

@@ -58,6 +58,7 @@ def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
         "durability_overhead": {"overhead_pct": 8.0, "turns": 1000, "scenario": "bench"},
         "recovery": {"error": "PhaselineError: boom"},
         "host_capacity": {"max_turns_held": 5000, "bytes_per_turn_at_max": 60 * 1024, "rows": []},
+        "unit_costs": {"costs": {"host_cpu_ms": 1.6, "calls_per_round": 1.5}},
     }
     got = {t.name: t for t in targets(fig)}
     assert got["checkpoint_saves_per_s_at_1000_turns"].met is True
@@ -76,6 +77,10 @@ def test_targets_say_met_or_not_and_carry_a_figure_error() -> None:
     assert got["concurrent_turns_per_host"].met is True
     assert got["memory_kib_per_turn_beyond_transcript"].value == 60.0
     assert got["memory_kib_per_turn_beyond_transcript"].met is False
+    assert got["host_cpu_ms_per_round"].as_dict()["target"] == "<= 1.54"
+    assert got["host_cpu_ms_per_round"].met is False and "1.5 tool calls" in (
+        got["host_cpu_ms_per_round"].note
+    )
     assert set(t.name for t in targets({})) == set()
 
 

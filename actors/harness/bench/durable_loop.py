@@ -43,6 +43,7 @@ from store.connection import StoreClient, connect
 from store.durability import DurabilityWait
 from store.failures import translated
 from store.keys import KeyLayout
+from store.lane import lane_of
 from store.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
 
 SCENARIO = Scenario(
@@ -114,13 +115,14 @@ def _floor_key(keys: KeyLayout) -> str:
     return keys.turn("bench-floor")
 
 
-def _count_round_trips(client: StoreClient) -> list[int]:
+def _count_round_trips(client: StoreClient) -> Callable[[], int]:
     """A counter of ``client``'s round trips (one per send of packed commands: a pipeline
-    is one), counted by the connections it opens from now on."""
+    is one), counted by the connections it opens from now on and by its lane."""
     count = [0]
+    lane = lane_of(client)
     pool = getattr(client, "connection_pool", None)
     if pool is None:  # a cluster client: not counted (the figure runs on one server)
-        return count
+        return lambda: count[0]
     base: type[Any] = pool.connection_class
 
     class Counted(base):  # type: ignore[misc]
@@ -129,26 +131,31 @@ def _count_round_trips(client: StoreClient) -> list[int]:
             await super().send_packed_command(command, check_health)
 
     pool.connection_class = Counted
-    return count
+    return lambda: count[0] + (lane.round_trips if lane is not None else 0)
 
 
 def _cheapest_write(
     client: StoreClient, wait: DurabilityWait, keys: KeyLayout
 ) -> Callable[[], Awaitable[float]]:
     """One durable write as cheap as this client makes them (a 500-byte ``SET`` and the
-    durability wait, one round trip, as a save sends them); each call answers its ms."""
+    durability wait, one round trip, the way a save is sent: on the client's lane if it has
+    one); each call answers its ms."""
     key = _floor_key(keys)
     value = b"x" * SCENARIO.payload_bytes
+    lane = lane_of(client)
 
     async def write() -> float:
         command = await wait.command()
         t0 = time.perf_counter()
         with translated("bench write"):
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.set(key, value)
-                if command:
-                    pipe.execute_command(*command)
-                await pipe.execute()
+            if lane is not None:  # where the saves go
+                await lane.calls([("SET", key, value), *([command] if command else [])])
+            else:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.set(key, value)
+                    if command:
+                        pipe.execute_command(*command)
+                    await pipe.execute()
         return (time.perf_counter() - t0) * 1000
 
     return write
@@ -179,7 +186,7 @@ async def _timed(
     concurrent: int,
     reps: int,
     warmup: int,
-    round_trips: list[int],
+    round_trips: Callable[[], int],
     write: Callable[[], Awaitable[float]],
 ) -> _Timed:
     """Per variant: ms of each of ``turns`` sequential turns (the variants alternating, so
@@ -200,13 +207,13 @@ async def _timed(
     trips, write_ms = 0, []
     for _ in range(turns):
         for name, run in variants.items():
-            before = round_trips[0]
+            before = round_trips()
             c0, t0 = time.process_time(), time.perf_counter()
             await run(fresh(name))
             ms[name].append((time.perf_counter() - t0) * 1000)
             cpu[name] += time.process_time() - c0
             if name == "durable":
-                trips += round_trips[0] - before
+                trips += round_trips() - before
         write_ms += [await write() for _ in range(WRITES_PER_TURN)]
     tps: dict[str, list[float]] = {name: [] for name in variants}
     cpu_many: dict[str, float] = dict.fromkeys(variants, 0.0)

@@ -345,8 +345,8 @@ class Target:
 
 
 def targets(fig: dict[str, Any]) -> list[Target]:
-    """The four bench targets (docs/BENCHMARKS.md; the first and the last have two parts), for the
-    figures measured; a figure that failed gives its targets no value, and its error."""
+    """The bench targets (docs/BENCHMARKS.md), for the figures measured; a figure that failed
+    gives its targets no value, and its error."""
     return [
         *_size_targets(fig.get("bytes_per_checkpoint")),
         *_throughput_targets(fig.get("checkpoint_throughput")),
@@ -354,6 +354,7 @@ def targets(fig: dict[str, Any]) -> list[Target]:
         *_recovery_targets(fig.get("recovery")),
         *_capacity_targets(fig.get("host_capacity")),
         *_loop_targets(fig.get("durable_loop")),
+        *_unit_cost_targets(fig.get("unit_costs")),
     ]
 
 
@@ -445,6 +446,20 @@ def _loop_targets(loop: dict[str, Any] | None) -> list[Target]:
                 LOOP_TARGETS[1], f"CPU ms per turn {many.get('durable_cpu_ms_per_turn')} "
                 f"against {many.get('memory_cpu_ms_per_turn')} in memory", loop),
     ]  # fmt: skip
+
+
+#: A host's CPU per round that the scaling model may size deployments with: half of the
+#: 3.08 ms measured when issue 32 was filed (docs/SCALING.md).
+HOST_CPU_MS_PER_ROUND = 1.54
+
+
+def _unit_cost_targets(costs: dict[str, Any] | None) -> list[Target]:
+    if costs is None:
+        return []
+    per = costs.get("costs", {})
+    return [_target("host_cpu_ms_per_round", per.get("host_cpu_ms"), Bound.AT_MOST,
+                    HOST_CPU_MS_PER_ROUND, f"one host; {per.get('calls_per_round')} tool calls "
+                    f"and {per.get('saves_per_round')} saves a round", costs)]  # fmt: skip
 
 
 async def machine(url: str) -> dict[str, Any]:
