@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,22 @@ class _ErrorReply(Exception):
     """What hiredis hands back for an error reply; turned into redis-py's class for it."""
 
 
+#: Commands that wait for what the connection wrote before them to be durable.
+_WAITS = frozenset({"WAITAOF", "WAIT"})
+
+
+def _answer_all(askers: list[asyncio.Future[object]], sent: asyncio.Future[object]) -> None:
+    """Give the reply of a durability wait sent once to every caller that asked for it."""
+    error = sent.exception()
+    for fut in askers:
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(sent.result())
+
+
 def _error(reply: _ErrorReply) -> redis.RedisError:
     """redis-py's exception for an error reply (``NOSCRIPT`` is a ``NoScriptError``, ``OOM``
     an ``OutOfMemoryError``, ...), as its own parsers make it."""
@@ -55,10 +72,13 @@ class _Protocol(asyncio.Protocol):
         self.waiting: collections.deque[tuple[asyncio.Future[object], float]] = collections.deque()
         """Each command sent and not answered yet, with when it was sent."""
         self.transport: asyncio.Transport | None = None
-        self.lost: Exception | None = None
+        self.lost: redis.RedisError | None = None
         self.lane = lane
         self.reply_timeout_s = lane.reply_timeout_s
         self._out: list[bytes] = []
+        self._waits: dict[bytes, list[asyncio.Future[object]]] = {}
+        """The durability waits asked for since the last write, by command: each sent once,
+        last, and its reply given to every caller that asked."""
         self._watch: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -67,18 +87,29 @@ class _Protocol(asyncio.Protocol):
 
     def send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[object]]:
         """Queue ``commands``; they are written together with whatever else this turn of the
-        event loop sends (one write, however many callers), and answered in order."""
+        event loop sends (one write, however many callers), and answered in order.
+
+        A durability wait (``WAITAOF``, ``WAIT``) is not sent where it stands but once per
+        write, after every other command of the write, and its reply answers each caller that
+        asked for it: it covers every write the connection sent before it. Sent once per
+        caller instead, it would block the connection once per caller (a wait holds back the
+        commands behind it until the server's next fsync): 500 concurrent submissions took
+        500 fsyncs in a row."""
         loop = asyncio.get_running_loop()
-        if not self._out:
+        if not self._out and not self._waits:
             loop.call_soon(self._flush)
         if self._watch is None:
             self._watch = loop.call_later(self.reply_timeout_s, self._overdue)
         now = loop.time()
         futures = []
         for command in commands:
-            self._out.append(hiredis.pack_command(tuple(command)))
+            packed = hiredis.pack_command(tuple(command))
             fut: asyncio.Future[object] = loop.create_future()
-            self.waiting.append((fut, now))
+            if str(command[0]).upper() in _WAITS:
+                self._waits.setdefault(packed, []).append(fut)
+            else:
+                self._out.append(packed)
+                self.waiting.append((fut, now))
             futures.append(fut)
         return futures
 
@@ -99,9 +130,18 @@ class _Protocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(out))
-            self.lane.round_trips += 1
+        waits, self._waits = self._waits, {}
+        now = asyncio.get_running_loop().time()
+        for packed, askers in waits.items():
+            out.append(packed)
+            sent: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            sent.add_done_callback(functools.partial(_answer_all, askers))
+            self.waiting.append((sent, now))
+        if self.transport is None or self.transport.is_closing() or self.lost is not None:
+            self._fail(self.lost or redis.ConnectionError("connection to Redis closing"))
+            return
+        self.transport.write(b"".join(out))
+        self.lane.round_trips += 1
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -164,7 +204,8 @@ class Lane:
 
     async def calls(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Each command's reply, the commands sent consecutively on the connection (a
-        ``WAITAOF`` last covers the others); an error reply is returned as its exception, as
+        durability wait after them covers them: see :meth:`_Protocol.send`); an error reply
+        is returned as its exception, as
         a redis-py pipeline does with ``raise_on_error=False``. A lost connection sends them
         all again, for about ``retry_s``; past that, :class:`redis.ConnectionError`."""
         loop = asyncio.get_running_loop()

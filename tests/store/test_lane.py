@@ -106,3 +106,21 @@ def test_only_a_plain_tcp_url_of_one_server_gets_a_lane(redis_url: str) -> None:
     assert lane_of(connect("rediss://127.0.0.1:6380/0")) is None
     assert lane_of(connect("unix:///tmp/redis.sock")) is None
     assert lane_of(connect("redis://127.0.0.1:7000", cluster=True)) is None
+
+
+async def test_a_durability_wait_is_sent_once_a_write_and_answers_every_caller(
+    lane: Lane, namespace: str
+) -> None:
+    """500 callers each asking for their write and a ``WAITAOF``: one wait, after all of them
+    (a wait blocks the connection until the next fsync: once per caller was 500 in a row)."""
+    commands = [(("SET", f"{namespace}:{i}", i), ("WAITAOF", 0, 0, 1000)) for i in range(500)]
+    await lane.call("PING")
+    before = lane.round_trips
+    proto = lane._proto
+    assert proto is not None
+    calls = [asyncio.ensure_future(lane.calls(c)) for c in commands]
+    await asyncio.sleep(0)  # one step of each: all queued for the same write
+    assert len(proto.waiting) == 500  # the writes; the wait is queued apart, once
+    got = await asyncio.gather(*calls)
+    assert all(g[0] == b"OK" and g[1] == got[0][1] for g in got)
+    assert lane.round_trips - before == 1
