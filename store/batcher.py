@@ -80,20 +80,23 @@ class ScriptCalls:
 
     def __init__(self, client: StoreClient) -> None:
         self.client = client
+        self._lane = lane_of(client)
         self._batcher: Batcher[_ScriptCall, object] | None = (
-            None if isinstance(client, aioredis.RedisCluster) else Batcher(self._send)
+            None
+            if self._lane is not None or isinstance(client, aioredis.RedisCluster)
+            else Batcher(self._send)
         )
 
     @property
     def batches(self) -> int:
-        """Pipelines sent so far (0 on a Redis Cluster)."""
+        """Pipelines sent so far (0 on a Redis Cluster or a lane)."""
         return 0 if self._batcher is None else self._batcher.batches
 
     async def call(
         self, script: AsyncScript, keys: list[str], args: list[bytes | str | int] | None = None
     ) -> Any:
         """The script's reply; raises what Redis answered this call (the caller translates)."""
-        lane = lane_of(self.client)
+        lane = self._lane
         if lane is not None:  # a lane writes concurrent calls together by itself
             command = ("EVALSHA", script.sha, len(keys), *keys, *(args or []))
             try:

@@ -53,7 +53,7 @@ from store.connection import StoreClient
 from store.durability import Durability, DurabilityWait
 from store.failures import reading, translated
 from store.keys import KeyLayout
-from store.lane import lane_of
+from store.lane import consecutive
 from store.lua import lua_script
 from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip, slot_of
 from store.records import CheckpointRecord, SaveAck, Settle, TurnSpec
@@ -204,7 +204,6 @@ class RedisCheckpointStore:
             return await self._pipelined_by_slot(writes, sent, wait)
         out: dict[int, object] = {}
         todo = sent
-        lane = lane_of(self.client)
         for _ in range(2):
             with translated(f"save {len(todo)} records"):
                 commands: list[tuple[object, ...]] = []
@@ -213,13 +212,7 @@ class RedisCheckpointStore:
                     commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
                 if wait:
                     commands.append(wait)  # same connection as the saves
-                if lane is not None:
-                    replies: list[object] = await lane.calls(commands)
-                else:
-                    async with self.client.pipeline(transaction=False) as pipe:
-                        for command in commands:
-                            pipe.execute_command(*command)
-                        replies = await pipe.execute(raise_on_error=False)
+                replies: list[object] = await consecutive(self.client, commands)
             if wait:
                 replies = self._unless_durable([writes[i] for i in todo], replies[:-1], replies[-1])
             out.update(zip(todo, replies, strict=True))

@@ -96,9 +96,8 @@ def connect(
         raise StoreError(f"{shown} names several nodes: that needs [redis] cluster = true")
     # Only plain TCP gets the hiredis packer: unix:// and rediss:// keep redis-py's own classes
     # (redis-py 8.2 no longer swaps a given class out for them).
-    own: dict[str, Any] = {}
-    if urlsplit(url).scheme == "redis":
-        own["connection_class"] = _HiredisConnection
+    plain_tcp = urlsplit(url).scheme == "redis"
+    own: dict[str, Any] = {"connection_class": _HiredisConnection} if plain_tcp else {}
     try:
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -111,7 +110,7 @@ def connect(
             retry=retry_policy(retry_s),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionError],
         )
-        if "connection_class" not in own:
+        if not plain_tcp:  # a lane is plain TCP only
             return aioredis.Redis(connection_pool=pool, decode_responses=False)
         kw = pool.connection_kwargs
         lane = Lane(

@@ -281,10 +281,13 @@ class RayToolRunner:
         """The calls of idempotent tools go to one worker of their pool in one Ray call
         (:meth:`ToolWorker.call_group`), a group per pool; any other call goes alone."""
         results: list[ToolResult | None] = [None] * len(jobs)
-        groups: dict[str, list[int]] = {}
+        by_pool: dict[str, list[int]] = {}
+        alone: list[list[int]] = []
         for i, job in enumerate(jobs):
-            key = pool_name(job.spec.resources) if job.spec.idempotent else f"alone {i}"
-            groups.setdefault(key, []).append(i)
+            if job.spec.idempotent:
+                by_pool.setdefault(pool_name(job.spec.resources), []).append(i)
+            else:
+                alone.append([i])
 
         async def run(indices: list[int]) -> None:
             group = [jobs[i] for i in indices]
@@ -292,7 +295,7 @@ class RayToolRunner:
             for i, res in zip(indices, ended, strict=True):
                 results[i] = res
 
-        await asyncio.gather(*(run(indices) for indices in groups.values()))
+        await asyncio.gather(*(run(indices) for indices in [*by_pool.values(), *alone]))
         return [r for r in results if r is not None]
 
     async def _admitted(self, pool: str, group: list[ToolJob]) -> list[ToolResult]:

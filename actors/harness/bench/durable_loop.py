@@ -43,7 +43,7 @@ from store.connection import StoreClient, connect
 from store.durability import DurabilityWait
 from store.failures import translated
 from store.keys import KeyLayout
-from store.lane import lane_of
+from store.lane import consecutive, lane_of
 from store.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
 
 SCENARIO = Scenario(
@@ -142,20 +142,15 @@ def _cheapest_write(
     one); each call answers its ms."""
     key = _floor_key(keys)
     value = b"x" * SCENARIO.payload_bytes
-    lane = lane_of(client)
 
     async def write() -> float:
         command = await wait.command()
         t0 = time.perf_counter()
-        with translated("bench write"):
-            if lane is not None:  # where the saves go
-                await lane.calls([("SET", key, value), *([command] if command else [])])
-            else:
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.set(key, value)
-                    if command:
-                        pipe.execute_command(*command)
-                    await pipe.execute()
+        with translated("bench write"):  # sent as the saves are
+            commands = [("SET", key, value), *([command] if command else [])]
+            for reply in await consecutive(client, commands):
+                if isinstance(reply, Exception):
+                    raise reply
         return (time.perf_counter() - t0) * 1000
 
     return write
