@@ -44,6 +44,9 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             supervisor's; hosts route calls by it)
     {ns}:{global}:lease:<slot>:<gen> string a host generation's lease, renewed by the host,
                                             expiring when it stops (store.leases)
+    {ns}:{global}:models            zset    model endpoint id -> when a process calling it last
+                                            said so (unix ms): the endpoints to list, read
+                                            instead of scanning the keyspace (store.limiter)
     {ns}:{m:<endpoint>}:limit       hash    a model endpoint's admission state: request and
                                             token schedules, the provider's pause, waiters'
                                             last asks (store.limiter)
@@ -68,6 +71,7 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID = r"[A-Za-z0-9_.:\-]{1,128}"
 _SESSION_ID = re.compile(_ID)
 _TURN_ID = re.compile(rf"{_ID}(/[0-9]{{1,9}})?")
+_ENDPOINT = re.compile(r"[0-9a-f]{1,64}")
 
 
 def check_turn_id(turn_id: str) -> str:
@@ -78,6 +82,13 @@ def check_turn_id(turn_id: str) -> str:
             "add /<n>)"
         )
     return turn_id
+
+
+def check_endpoint(endpoint: str) -> str:
+    """Model endpoint ids (hex, :func:`store.limiter.endpoint_id`) name keys; refuse others."""
+    if not _ENDPOINT.fullmatch(endpoint):
+        raise ConfigError(f"invalid model endpoint id {endpoint!r}")
+    return endpoint
 
 
 def check_session_id(session_id: str) -> str:
@@ -213,9 +224,7 @@ class KeyLayout:
         return f"{self.namespace}:{{global}}:lease:{slot}:{generation}"
 
     def _model(self, endpoint: str, kind: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{1,64}", endpoint):
-            raise ConfigError(f"invalid model endpoint id {endpoint!r}")
-        return f"{self.namespace}:{{m:{endpoint}}}:{kind}"
+        return f"{self.namespace}:{{m:{check_endpoint(endpoint)}}}:{kind}"
 
     def model_limit(self, endpoint: str) -> str:
         return self._model(endpoint, "limit")
@@ -226,9 +235,8 @@ class KeyLayout:
     def model_flight(self, endpoint: str) -> str:
         return self._model(endpoint, "flight")
 
-    def model_pattern(self) -> str:
-        """SCAN pattern of the model endpoints' state hashes."""
-        return f"{self.namespace}:{{m:*}}:limit"
+    def models(self) -> str:
+        return f"{self.namespace}:{{global}}:models"
 
     def events_of(self, turn_id: str) -> str:
         return self.events(self.shard_of(turn_id))

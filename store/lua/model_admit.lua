@@ -17,6 +17,7 @@
 -- ARGV[7]  ms an admitted call holds its in-flight place at most (a caller that died)
 -- ARGV[8]  ms a waiter may be late asking again before it leaves the line (it ended or died)
 -- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
+-- ARGV[10] ms the endpoint's keys live after its last call (store/limiter.py, STATE_KEEP_MS)
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
 -- request and token schedules have room (GCRA: one minute of tokens may go at once), a place
@@ -31,7 +32,7 @@ local tok_ms, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_flight, hold_ms, grace_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local keep_ms = 3600000
+local keep_ms = tonumber(ARGV[10])
 redis.call('HSETNX', state, 'label', ARGV[9])
 
 -- a waiter that did not come back when it said it would (its turn ended, its host died)

@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit)
 -- ARGV[1]  ms the provider asked to wait
+-- ARGV[2]  ms the endpoint's state lives after this (store/limiter.py, STATE_KEEP_MS)
 --
 -- Pauses the endpoint for every host until then (a later pause never shortens an earlier
 -- one), and doubles its spacing: after the pause, calls go one at a time at least gap_ms apart
@@ -21,7 +22,7 @@ if now >= current then
   redis.call('HSET', KEYS[1], 'gap_ms', math.min(math.max(2 * gap, 100), 10000),
     'gap_at', math.max(until_ms, current))
 end
-redis.call('PEXPIRE', KEYS[1], 3600000)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
 if until_ms > current then
   redis.call('HSET', KEYS[1], 'paused_until', until_ms)
   return until_ms

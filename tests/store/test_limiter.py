@@ -3,11 +3,19 @@ fakeredis, a real server and a real Redis Cluster (the scripts' keys share a has
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from store.connection import StoreClient
 from store.keys import KeyLayout
-from store.limiter import EndpointLimiter, Schedule, endpoint_id
+from store.limiter import (
+    REGISTER_EVERY_S,
+    STATE_KEEP_MS,
+    EndpointLimiter,
+    Schedule,
+    endpoint_id,
+)
 
 EP = endpoint_id("http://127.0.0.1:1/v1", "m")
 #: 600 requests a minute (one every 100 ms), two at once.
@@ -131,3 +139,34 @@ async def test_under_a_declared_rate_a_refusal_pauses_but_does_not_slow_the_sche
     await limiter.pause(EP, 0.001)
     await admitted_after_the_pause(limiter, "a", RATE)
     assert await limiter.admit(EP, "b", RATE, 1) == 0  # the declared burst of two still holds
+
+
+async def test_endpoints_are_listed_from_the_registry_not_from_a_scan(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout
+) -> None:
+    """The Supervisor and the console list endpoints every few seconds: from the registry that
+    callers keep, never by scanning every key of the namespace."""
+    assert await limiter.admit(EP, "a", RATE, 1) == 0
+    other = endpoint_id("http://127.0.0.1:2/v1", "m")
+    # a state no process named (written by hand): a scan would find it, the registry does not
+    await any_client.hset(keys.model_limit(other), "label", "unnamed")
+    assert await limiter.endpoints() == [EP]
+    # a second admit within the registration period writes nothing more
+    await any_client.delete(keys.models())
+    assert await limiter.admit(EP, "b", RATE, 1) == 0
+    assert await limiter.endpoints() == []
+    assert await EndpointLimiter(any_client, keys).admit(other, "c", RATE, 1) == 0  # a new process
+    assert await limiter.endpoints() == [other]
+
+
+async def test_the_registry_drops_what_outlived_its_state_and_skips_what_is_not_an_id(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout
+) -> None:
+    gone = endpoint_id("http://127.0.0.1:3/v1", "m")
+    now_ms = int(time.time() * 1000)
+    too_old = now_ms - STATE_KEEP_MS - int(REGISTER_EVERY_S * 1000) - 1
+    await any_client.zadd(keys.models(), {gone: too_old, "x}:{y": now_ms, EP: now_ms})
+    assert await limiter.endpoints() == [EP]  # "gone" dropped, "x}:{y" skipped with a warning
+    assert await any_client.zscore(keys.models(), gone) is None
+    # named but its state expired (no admit labelled it): not shown
+    assert await limiter.snapshot() == []
