@@ -38,8 +38,11 @@ async def test_a_slots_standby_runs_on_another_node_than_its_active_host(
     try:
         hosts = await rt.host_info()
         assert hosts and all(h.node_id for h in hosts)
+        standbys = {s.slot: s for s in await rt.standbys(timeout=60)}  # each answered once up
+        assert sorted(standbys) == list(rt.dep.slots())  # the isolation slot's too
         for host in hosts:
-            standby = await _standby_info(rt, host)
+            standby = standbys[host.slot]
+            assert standby.generation == host.generation + 1, host.slot
             assert standby.node_id != host.node_id, (host.slot, host.node_id)
     finally:
         await rt.shutdown()
@@ -113,7 +116,8 @@ async def test_a_standby_lost_with_its_node_is_started_again(
     try:
         head = ray_cluster.head_node.node_id
         workers = {n.node_id: n for n in ray_cluster.worker_nodes}
-        pairs = [(h, await _standby_info(rt, h)) for h in await rt.host_info()]
+        standbys = {s.slot: s for s in await rt.standbys(timeout=60)}
+        pairs = [(h, standbys[h.slot]) for h in await rt.host_info()]
         lonely = [(h, s) for h, s in pairs if h.node_id == head and s.node_id in workers]
         assert lonely, [(h.node_id, s.node_id) for h, s in pairs]
         host, standby = lonely[0]

@@ -42,6 +42,7 @@ async def tool_scaling(
         settings = settings.with_overrides(namespace=f"benchtools{workers}x{new_run_id()}")
         rt = await Runtime.start(settings, redis_url=url, hosts=2)
         try:
+            await rt.standbys()  # their process starts would share the timed CPU
             warm = turn_ids(new_run_id(), workers * 2)  # every worker up and serving
             await rt.submit(NAPPING, turn_input, warm)
             await rt.wait(warm, timeout=600)

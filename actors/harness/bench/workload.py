@@ -31,13 +31,15 @@ async def deployed(
     base: Settings, url: str, *, hosts: int, label: str, mid_turn: bool = True
 ) -> AsyncIterator[Runtime]:
     """A fresh deployment that saves at every durable boundary (no debounce), or, with
-    ``mid_turn=False``, only at submission and at the end."""
+    ``mid_turn=False``, only at submission and at the end; handed over once its standby
+    hosts are up."""
     checkpoint = base.checkpoint.model_copy(update={"min_interval_s": 0.0, "mid_turn": mid_turn})
     settings = base.model_copy(update={"checkpoint": checkpoint}).with_overrides(
         namespace=f"bench{label}{new_run_id()}"
     )
     rt = await Runtime.start(settings, redis_url=url, hosts=hosts)
     try:
+        await rt.standbys()  # started after the deployment is up: not in what is measured
         yield rt
     finally:
         await rt.shutdown()
