@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -18,6 +17,7 @@ from typing import Protocol, TypeVar
 
 from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
+from actors.turn.loop_state import new_id
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
 from bus.messages import ToolCall, ToolResult, ToolStatus
@@ -374,14 +374,14 @@ class BatchExecutor:
         if isinstance(decided, ToolSpec):
             return LedgerEntry(
                 state="dispatched", name=call.name, updated_at=_now_ms(), epoch=epoch,
-                writer=uuid.uuid4().hex,
+                writer=new_id(),
             ), decided  # fmt: skip
         state, res = decided
         if state is None:
             return None, res
         return LedgerEntry(
             state=state, name=call.name, result=res, updated_at=_now_ms(), epoch=epoch,
-            writer=uuid.uuid4().hex,
+            writer=new_id(),
         ), res  # fmt: skip
 
     async def _decide_held(
@@ -462,6 +462,6 @@ class BatchExecutor:
             state = "outcome_unknown"
         entry = LedgerEntry(
             state=state, name=call.name, result=res, updated_at=_now_ms(),
-            writer=uuid.uuid4().hex,
+            writer=new_id(),
         )  # fmt: skip
         return res, entry

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Callable
 
 from actors.turn.deps import ProbationHooks, TurnDeps
@@ -256,5 +256,6 @@ class LoopState:
 
 
 def new_id() -> str:
-    """A message id."""
-    return uuid.uuid4().hex
+    """A random id (32 hex digits, as ``uuid4().hex``, at a quarter of its cost: a turn
+    makes one per message and per tool call)."""
+    return secrets.token_hex(16)
