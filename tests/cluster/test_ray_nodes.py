@@ -51,8 +51,11 @@ async def test_a_slots_standby_runs_on_another_node_than_its_active_host(
 async def test_losing_a_worker_node_mid_turn_loses_no_turn_and_runs_no_call_twice(
     ray_cluster: Cluster, redis_url: str, real_client: StoreClient, namespace: str
 ) -> None:
-    sc = parse_scenario({"name": "nodes", "rounds": 4, "tools_per_round": 2,
-                         "tools": ["echo", "counter_increment"], "llm_latency_ms": 200,
+    # Turns of about 4 s: a worker whose raylet died notices it within a second or two (and
+    # meanwhile its turns go on: Redis and the tool workers need no raylet), so the lost
+    # host's turns must have well more than that left when the node goes.
+    sc = parse_scenario({"name": "nodes", "rounds": 6, "tools_per_round": 2,
+                         "tools": ["echo", "counter_increment"], "llm_latency_ms": 300,
                          "tool_latency_ms": 300, "payload_bytes": 200})  # fmt: skip
     ids = [f"n{i:02d}" for i in range(30)]
     rt = await Runtime.start(settings(namespace), redis_url=redis_url, hosts=4)
@@ -64,12 +67,17 @@ async def test_losing_a_worker_node_mid_turn_loses_no_turn_and_runs_no_call_twic
         victims = [h for h in hosts if h.node_id in by_node and h.node_id != head]
         assert victims, f"no active host on a worker node: {[h.node_id for h in hosts]}"
         node = by_node[victims[0].node_id]
+        lost = {h.slot for h in hosts if h.node_id == victims[0].node_id}
+        theirs = [t for t in ids if rt.dep.slot_of(t) in lost]
+        assert theirs, f"no turn on the hosts of the node to remove (slots {lost})"
 
-        async def saving() -> bool:
-            return sum([(await rt.store.load(t)).seq for t in ids]) >= 2 * len(ids)
+        async def saving() -> bool:  # every turn of the lost hosts past its first tool batch
+            return all([(await rt.store.load(t)).seq >= 2 for t in theirs])
 
-        await eventually(saving, timeout=60, what="turns checkpointed past their start")
+        await eventually(saving, timeout=60, what="the lost hosts' turns checkpointed")
         ray_cluster.remove_node(node, allow_graceful=False)  # its raylet and all its workers
+        running = [t for t in theirs if (await rt.store.load(t)).in_progress]
+        assert running, "the lost hosts' turns ended before their node went"
         ray_cluster.add_node(num_cpus=1, include_dashboard=False)  # a fresh node joins
         finals = await rt.wait(ids, timeout=240)
         ref = await reference(real_client, sc, ids)
