@@ -37,7 +37,7 @@ from actors.cluster.info import MCPSessionInfo, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import ToolWorkerRef, ask
 from actors.engine.agents import load_agent
-from actors.engine.mcp import hub, mcp_spec, mcp_target, merged
+from actors.engine.mcp import hub, hub_states, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
     ToolJob,
@@ -182,7 +182,7 @@ class ToolWorker:
     async def hello(self) -> dict[str, Any]:
         sessions = tuple(
             MCPSessionInfo(server=s.server, starts=s.starts, connected=s.state == "connected")
-            for s in hub().states()
+            for s in hub_states()
         )
         return ServiceInfo.here({"calls": self.calls, "active": self.active}, sessions)
 
