@@ -166,12 +166,12 @@ def test_demo_of_the_example_agent_survives_its_host_kill(
     report = tmp_path / "demo.json"
     done = phaseline(
         "demo", "--config", str(ROOT / "configs" / "local_model.toml"), "--agent", EXAMPLE,
-        "--input", "Read notes.txt and tell me the launch code.", "--turns", "10",
+        "--input", "Read notes.txt and tell me the launch code.", "--turns", "6",
         "--verdict", "promises", "--report", str(report),
         cwd=tmp_path, env=example_env(llama_server, sandbox),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     data = json.loads(report.read_text())
     assert data["ok"] and data["verdict"]["verdict"] == "promises", data
-    assert data["completed"] == 10 and len(data["kills"]) == 1
+    assert data["completed"] == 6 and len(data["kills"]) == 1
     assert "the demo's kill" in done.stdout + done.stderr
