@@ -21,7 +21,7 @@ queue's head and pops it in the same transaction, so each queued turn opens once
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -123,7 +123,7 @@ class Sessions:
                 try:
                     async with self.client.pipeline(transaction=True) as pipe:
                         await pipe.watch(key, queue)
-                        fields = {text(k): text(v) for k, v in (await pipe.hgetall(key)).items()}
+                        fields = _texts(await pipe.hgetall(key))
                         n = _count(key, fields.get("turns", "0")) + 1
                         latest = fields.get("latest")
                         new = session_turn_id(session_id, n)
@@ -135,6 +135,8 @@ class Sessions:
                         # (HLEN and STRLEN: redis-py's cluster pipeline mishandles a watched
                         # EXISTS) planted under the session's next name: refuse before the bump
                         if await pipe.hlen(watched[1]) or await pipe.strlen(watched[2]):
+                            if _texts(await pipe.hgetall(key)) != fields:
+                                continue  # a rival opened it since the first read: again
                             raise TurnExists(f"turn {new} already exists; session {session_id} "
                                              "cannot open its next turn")  # fmt: skip
                         if queued is not None:
@@ -189,6 +191,11 @@ async def _queue_head(
     if head is None:
         return None
     return queued(unpack_model(QueuedTurn, raw_bytes(head), key=f"{queue}[0]"))
+
+
+def _texts(raw: Mapping[Any, Any]) -> dict[str, str]:
+    """A session hash as read, its fields and values as text."""
+    return {text(k): text(v) for k, v in raw.items()}
 
 
 def _count(key: str, raw: str) -> int:
