@@ -589,6 +589,41 @@ async def test_a_cancel_ends_a_running_turn_now_and_frees_nothing_twice(
         await request_cancel(engine.store, engine.inbox, "no-such-turn", "")
 
 
+async def test_a_told_cancel_keeps_its_reason_when_the_last_save_predates_its_request(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """The host is told of a cancel whose request landed after the turn's last save had
+    answered the inbox's length: the boundary reads the inbox all the same, so the turn ends
+    with the request's reason and consumes it (it used to end with none: a CI run of the Ray
+    cancel test saw ``cancelled`` in place of ``enough (by ops)``)."""
+    engine = make_engine(real_client, keys)
+    request = InboxItem(message_id="c1", text="wrong task", at_ms=0, cancel=True, by="ops")
+    landed = False
+
+    class LateInbox:  # the saves answer the real inbox's length, which never counts it
+        async def read_from(self, turn_id: str, offset: int) -> list[InboxItem]:
+            return [request][offset:] if landed else []
+
+    sc = scenario(rounds=5, tools_per_round=1, tool_latency_ms=300)
+    record = await engine.submit(*scripted_turn(sc), "late-cancel")
+    loop = await engine.build_loop(
+        record, await engine.store.load_spec("late-cancel"), settings=FAST, inbox=LateInbox()
+    )
+    running = asyncio.ensure_future(engine.drive(loop))
+
+    async def in_the_batch() -> bool:
+        return loop.tracker.phase is P.EXECUTING_TOOLS
+
+    await eventually(in_the_batch, timeout=10, what="the turn's first tool batch")
+    landed = True
+    loop.request_cancel()  # told while the batch runs; its save will say the inbox is empty
+    outcome = await asyncio.wait_for(running, 10)
+    assert outcome.outcome == Outcome.CANCELLED
+    final = await engine.store.load("late-cancel")
+    assert final.counters.cancel_reason == "wrong task (by ops)"
+    assert final.counters.inbox_offset == 1 and final.counters.tool_batches == 1
+
+
 async def test_a_cancel_requested_before_a_crash_is_honoured_by_the_resumed_turn(
     real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
