@@ -21,7 +21,7 @@ from store.failures import translated
 from store.keys import KeyLayout, check_turn_id
 from store.lua import lua_script
 from store.records import MAX_FENCE
-from store.replies import text
+from store.replies import text, text_fields
 
 __all__ = ["Isolation", "Probation"]
 
@@ -107,7 +107,7 @@ class Isolation:
         none: it must never count a death against a turn."""
         with translated("read the probation marker"):
             raw = await self.client.hgetall(self.keys.probation())
-        fields = {text(k): text(v) for k, v in raw.items()}
+        fields = text_fields(raw)
         try:
             probation = Probation(
                 turn_id=check_turn_id(fields["turn_id"]),

@@ -21,7 +21,7 @@ queue's head and pops it in the same transaction, so each queued turn opens once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -35,7 +35,7 @@ from store.failures import translated
 from store.keys import check_turn_id, session_turn_id
 from store.records import CheckpointRecord, QueuedTurn, SaveAck, TurnSpec
 from store.replies import raw as raw_bytes
-from store.replies import text
+from store.replies import text, text_fields
 
 
 class IfBusy(StrEnum):
@@ -123,7 +123,7 @@ class Sessions:
                 try:
                     async with self.client.pipeline(transaction=True) as pipe:
                         await pipe.watch(key, queue)
-                        fields = _texts(await pipe.hgetall(key))
+                        fields = text_fields(await pipe.hgetall(key))
                         n = _count(key, fields.get("turns", "0")) + 1
                         latest = fields.get("latest")
                         new = session_turn_id(session_id, n)
@@ -135,7 +135,7 @@ class Sessions:
                         # (HLEN and STRLEN: redis-py's cluster pipeline mishandles a watched
                         # EXISTS) planted under the session's next name: refuse before the bump
                         if await pipe.hlen(watched[1]) or await pipe.strlen(watched[2]):
-                            if _texts(await pipe.hgetall(key)) != fields:
+                            if text_fields(await pipe.hgetall(key)) != fields:
                                 continue  # a rival opened it since the first read: again
                             raise TurnExists(f"turn {new} already exists; session {session_id} "
                                              "cannot open its next turn")  # fmt: skip
@@ -191,11 +191,6 @@ async def _queue_head(
     if head is None:
         return None
     return queued(unpack_model(QueuedTurn, raw_bytes(head), key=f"{queue}[0]"))
-
-
-def _texts(raw: Mapping[Any, Any]) -> dict[str, str]:
-    """A session hash as read, its fields and values as text."""
-    return {text(k): text(v) for k, v in raw.items()}
 
 
 def _count(key: str, raw: str) -> int:

@@ -330,7 +330,8 @@ class TurnLoop(ToolSteps, ModelSteps):
 
     async def _finish_cancelled(self) -> TurnOutcome:
         if not self._cancel_reason:  # told by the host: the request's reason and its place
-            await self._drain_inbox()  # are in the inbox (read whatever the last save said)
+            self._inbox_len = None  # are in the inbox, which may have taken it after the last
+            await self._drain_inbox()  # save answered its length: read it all the same
         reason = self._cancel_reason or "cancelled"
         log.info("turn %s cancelled: %s", self.turn_id, reason)
         self._counters = self._counters.model_copy(update={"cancel_reason": reason})
@@ -380,10 +381,8 @@ class TurnLoop(ToolSteps, ModelSteps):
     async def _drain_inbox(self) -> None:
         offset = self._counters.inbox_offset
         told, self._inbox_len = self._inbox_len, None
-        if told is not None and told <= offset and not self._cancel.is_set():
-            # The save just before this boundary saw nothing new in the inbox. Not after a
-            # cancel its host was told of: the request may have landed after that save.
-            return
+        if told is not None and told <= offset:
+            return  # the save just before this boundary saw nothing new in the inbox
         try:
             items = await self.deps.inbox.read_from(self.turn_id, offset)
         except StoreError as exc:
