@@ -31,16 +31,31 @@ _Reply = TypeVar("_Reply")
 
 class Batcher(Generic[_Item, _Reply]):
     """Sends what is submitted in batches of at most ``max_batch``: the first item at once,
-    then whatever queued while a batch was in flight, one batch at a time. ``send`` answers
-    each item of a batch in order, or raises, which fails the whole batch."""
+    then whatever queued while a batch was in flight, with at most ``max_in_flight`` batches
+    in flight. ``send`` answers each item of a batch in order, or raises, which fails the
+    whole batch.
+
+    One batch in flight makes every stage behind ``send`` wait for the others: a host's
+    callers are idle while the batch is checked and written, and the writer is idle while
+    they make the next one. Two in flight, each capped, let the stages overlap (the
+    CheckpointActor's client: ``phaseline bench``'s throughput at 1,000 turns, with
+    docs/BENCHMARKS.md). A caller awaits its own item, so no caller has two items in flight.
+    """
 
     def __init__(
-        self, send: Callable[[list[_Item]], Awaitable[Sequence[_Reply]]], *, max_batch: int = 1024
+        self,
+        send: Callable[[list[_Item]], Awaitable[Sequence[_Reply]]],
+        *,
+        max_batch: int = 1024,
+        max_in_flight: int = 1,
     ) -> None:
+        if max_batch < 1 or max_in_flight < 1:
+            raise ValueError("max_batch and max_in_flight must be at least 1")
         self._send = send
         self.max_batch = max_batch
+        self.max_in_flight = max_in_flight
         self._queue: list[tuple[_Item, asyncio.Future[_Reply]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._flushers: set[asyncio.Task[None]] = set()
         self.batches = 0
         """Batches sent."""
 
@@ -49,8 +64,12 @@ class Batcher(Generic[_Item, _Reply]):
         item back: it may be in a batch in flight."""
         fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         self._queue.append((item, fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        # A flusher that is not done is waiting on its batch and sends the queue after it; one
+        # that is done may still be in the set (its done callback has not run yet).
+        if sum(not f.done() for f in self._flushers) < self.max_in_flight:
+            flusher = asyncio.ensure_future(self._flush())
+            self._flushers.add(flusher)  # held here: the loop keeps only a weak reference
+            flusher.add_done_callback(self._flushers.discard)
         return await fut
 
     async def _flush(self) -> None:

@@ -1,8 +1,9 @@
 """The CheckpointActor and the host-side client that group-commits through it.
 
 Hosts never write checkpoints themselves: a :class:`CheckpointClient` queues each turn's
-snapshot and sends whatever has queued while the previous call was in flight as one batch, so
-checkpoint throughput is not capped by one Ray call per save. The actor validates each record
+snapshot and sends whatever has queued while a call was in flight as one batch (two batches in
+flight by default, ``[checkpoint] batches_in_flight``), so checkpoint throughput is not capped
+by one Ray call per save. The actor validates each record
 and writes the batch with :meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one
 pipeline of fenced save scripts). Records cross Ray as msgpack, never as pickles.
 
@@ -31,6 +32,7 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.info import Answer, ServiceInfo, Verdict
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
+from actors.engine.config import CheckpointSettings
 from actors.engine.gc_tuning import tune_gc
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.batcher import Batcher
@@ -163,17 +165,30 @@ class CheckpointClient:
         self,
         send: BatchSender,
         *,
-        max_batch: int = 1024,
+        max_batch: int = 512,
+        max_in_flight: int = 2,
         retry_for_s: float = 60.0,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self._send_batch = send
         self.max_record_bytes = max_record_bytes
         self.retry_for_s = retry_for_s
-        self._batcher: Batcher[bytes, Answer] = Batcher(self._send, max_batch=max_batch)
+        self._batcher: Batcher[bytes, Answer] = Batcher(
+            self._send, max_batch=max_batch, max_in_flight=max_in_flight
+        )
         self.known = KnownBodies()
         """What this host's acknowledged saves left in Redis: a save ships only new bodies."""
         self.resends = 0
+
+    @classmethod
+    def configured(cls, send: BatchSender, settings: CheckpointSettings) -> CheckpointClient:
+        """A client with a deployment's ``[checkpoint]`` batching and size cap."""
+        return cls(
+            send,
+            max_batch=settings.batch_max_saves,
+            max_in_flight=settings.batches_in_flight,
+            max_record_bytes=settings.max_record_bytes,
+        )
 
     @property
     def batches(self) -> int:

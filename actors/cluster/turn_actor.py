@@ -80,9 +80,9 @@ class TurnActor:
         self.tools = RayToolRunner(self.dep, PoolSizes(self.client, self.dep.keys))
         self.checkpoints = ShardedCheckpoints(
             {
-                role: CheckpointClient(
+                role: CheckpointClient.configured(
                     actor_sender(functools.partial(self._checkpoint_actor, role)),
-                    max_record_bytes=self.dep.settings.checkpoint.max_record_bytes,
+                    self.dep.settings.checkpoint,
                 )
                 for role in self.dep.checkpoint_roles()
             },

@@ -163,6 +163,7 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         ('[checkpoint]\natomic = "lua"\n', "checkpoint.atomic: Input should be 'script' or"),
         ("[checkpoint]\natomic = 1\n", "checkpoint.atomic"),
         ("[checkpoint]\nactors = 0\n", "checkpoint.actors"),
+        ("[checkpoint]\nbatches_in_flight = 0\n", "checkpoint.batches_in_flight"),
         ("[redis]\nshards = 4\n[checkpoint]\nactors = 8\n", "more than [redis] shards = 4"),
     ],
 )

@@ -27,6 +27,7 @@ from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender, loca
 from actors.cluster.deployment import Deployment
 from actors.cluster.info import Verdict
 from actors.cluster.refs import CheckpointRef
+from actors.engine.gc_tuning import tune_gc
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
 from store.checkpoint import RedisCheckpointStore
@@ -46,6 +47,7 @@ PATHS = ("batched", "unbatched", "raw_script", "raw_multi_exec", "bare")
 class BenchProbe:
     def __init__(self, deployment_json: str, messages: int, payload_bytes: int) -> None:
         dep = Deployment.from_wire(deployment_json)
+        tune_gc(dep.settings.host.gc_threshold)  # as TurnActor
         self.client = connect(
             dep.redis_url, max_connections=128, retry_s=dep.settings.redis.retry_s
         )  # as TurnActor
@@ -63,10 +65,12 @@ class BenchProbe:
         actor = CheckpointRef.named(dep.name("checkpoint"))
         self.send = actor_sender(lambda: actor)
         self.paths: dict[str, Save] = {
-            "batched": CheckpointClient(self.send).save,
+            "batched": CheckpointClient.configured(self.send, dep.settings.checkpoint).save,
             "unbatched": self._unbatched,
             **{
-                f"raw_{atomic.value}": CheckpointClient(local_sender(store)).save
+                f"raw_{atomic.value}": CheckpointClient.configured(
+                    local_sender(store), dep.settings.checkpoint
+                ).save
                 for atomic, store in stores.items()
             },
             "bare": self._bare,
