@@ -39,7 +39,9 @@ class Batcher(Generic[_Item, _Reply]):
     callers are idle while the batch is checked and written, and the writer is idle while
     they make the next one. Two in flight, each capped, let the stages overlap (the
     CheckpointActor's client: ``phaseline bench``'s throughput at 1,000 turns, with
-    docs/BENCHMARKS.md). A caller awaits its own item, so no caller has two items in flight.
+    docs/BENCHMARKS.md). A batch goes out beside one in flight only once half a batch waits,
+    so a light load still shares batches (each costs a round trip). A caller awaits its own
+    item, so no caller has two items in flight.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Batcher(Generic[_Item, _Reply]):
         self._send = send
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
+        self._extra_at = max(1, max_batch // 2)
         self._queue: list[tuple[_Item, asyncio.Future[_Reply]]] = []
         self._flushers: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -66,7 +69,8 @@ class Batcher(Generic[_Item, _Reply]):
         self._queue.append((item, fut))
         # A flusher that is not done is waiting on its batch and sends the queue after it; one
         # that is done may still be in the set (its done callback has not run yet).
-        if sum(not f.done() for f in self._flushers) < self.max_in_flight:
+        busy = sum(not f.done() for f in self._flushers)
+        if not busy or (busy < self.max_in_flight and len(self._queue) >= self._extra_at):
             flusher = asyncio.ensure_future(self._flush())
             self._flushers.add(flusher)  # held here: the loop keeps only a weak reference
             flusher.add_done_callback(self._flushers.discard)

@@ -147,10 +147,9 @@ class CheckpointSettings(_Section):
     """Most saves in one batch a host sends its CheckpointActor."""
     batches_in_flight: int = Field(default=2, ge=1, le=64)
     """Batches a host has in flight to one CheckpointActor at once. With one, the host waits
-    while its batch is written and the actor waits while the host makes the next; two batches
-    of at most ``batch_max_saves`` overlap them (``phaseline bench``'s throughput figure at
-    1,000 turns: about 7,000 saves/s with one batch of up to 1,024 in flight, over 10,000
-    with two of 512; docs/BENCHMARKS.md)."""
+    while its batch is written and the actor waits while the host makes the next; with two,
+    a second batch goes out once half a batch waits, and the two overlap
+    (``phaseline bench``'s throughput figure at 1,000 turns; docs/BENCHMARKS.md)."""
     mid_turn: bool = True
     """False writes only the submission and final records, so a crash loses the turn's model
     progress (committed tool calls are still reused from the ledger). It exists to measure

@@ -51,6 +51,22 @@ async def test_two_batches_in_flight_each_capped_and_every_caller_answered() -> 
     assert batcher.batches == len(send.batches) == 4
 
 
+async def test_a_second_batch_goes_out_beside_the_first_only_once_half_a_batch_waits() -> None:
+    send = GatedSend()
+    batcher = Batcher(send, max_batch=10, max_in_flight=2)
+    calls = [asyncio.ensure_future(batcher.submit(0))]
+    await send.until_batches(1)
+    calls += [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 5)]
+    await asyncio.sleep(0)  # one step: the four submits are queued before the fifth
+    calls.append(asyncio.ensure_future(batcher.submit(5)))
+    await send.until_batches(2)
+    # Four waiting (under half a batch) started no batch; the fifth did, and it took all five.
+    assert send.batches == [[0], [1, 2, 3, 4, 5]]
+    send.gate.set()
+    assert await asyncio.gather(*calls) == [f"ok {i}" for i in range(6)]
+    assert send.most_in_flight == 2
+
+
 async def test_one_batch_in_flight_by_default() -> None:
     send = GatedSend()
     batcher = Batcher(send, max_batch=100)
@@ -60,6 +76,7 @@ async def test_one_batch_in_flight_by_default() -> None:
     send.gate.set()
     assert await asyncio.gather(first, *rest) == [f"ok {i}" for i in range(6)]
     # What queued behind the first batch went out together, after it.
+    # Four waiting (under half a batch) started no batch; the fifth did, and it took all five.
     assert send.batches == [[0], [1, 2, 3, 4, 5]]
     assert send.most_in_flight == 1
 
