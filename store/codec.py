@@ -30,7 +30,6 @@ from store.transcript import (
     Plan,
     Transcript,
     digest,
-    split_digests,
     unpack_entries,
 )
 
@@ -109,10 +108,16 @@ def check_record_size(turn_id: str, nbytes: int, limit: int) -> None:
         )
 
 
-_INT_FIELDS = ("schema", "epoch", "seq", "length", "baseline", "updated_at")
-_STR_FIELDS = ("turn_id", "session_id", "agent", "phase", "reason")
-_BLOB_FIELDS = ("chunks", "tail", "counters")
-_WIRE_PARTS = {"fields", "puts", "drops", "replace", "nbytes", "settles"}
+#: What :meth:`EncodedRecord.from_wire` checks, built once: it runs for every save a host sends.
+_FIELD_KINDS = (
+    *((f, int) for f in ("schema", "epoch", "seq", "length", "baseline", "updated_at")),
+    *((f, str) for f in ("turn_id", "session_id", "agent", "phase", "reason")),
+    *((f, bytes) for f in ("chunks", "tail", "counters")),
+)
+_RECORD_FIELD_SET = frozenset(RECORD_FIELDS)
+_WIRE_PARTS = frozenset({"fields", "puts", "drops", "replace", "nbytes", "settles"})
+_PHASES = frozenset(p.value for p in TurnPhase)
+_REASONS = frozenset(r.value for r in SaveReason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,25 +201,23 @@ class EncodedRecord:
             parts = unpack(blob)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ValueError(f"not msgpack: {exc}") from exc
-        if not isinstance(parts, dict) or set(parts) != _WIRE_PARTS:
+        if not isinstance(parts, dict) or parts.keys() != _WIRE_PARTS:
             got = sorted(parts) if isinstance(parts, dict) else type(parts).__name__
             raise ValueError(f"a save must have parts {sorted(_WIRE_PARTS)}, got {got}")
         fields, puts, drops = parts["fields"], parts["puts"], parts["drops"]
-        if not isinstance(fields, dict) or set(fields) != set(RECORD_FIELDS):
+        if not isinstance(fields, dict) or fields.keys() != _RECORD_FIELD_SET:
             got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
             raise ValueError(f"hash fields must be {list(RECORD_FIELDS)}, got {got}")
-        for name, kind in (
-            [(f, int) for f in _INT_FIELDS]
-            + [(f, str) for f in _STR_FIELDS]
-            + [(f, bytes) for f in _BLOB_FIELDS]
-        ):
+        for name, kind in _FIELD_KINDS:
             value = fields[name]
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"field {name} must be {kind.__name__}, got {value!r:.80}")
         if fields["schema"] != SCHEMA_VERSION:
             raise ValueError(f"schema {fields['schema']} (this build writes {SCHEMA_VERSION})")
-        TurnPhase(fields["phase"])  # ValueError for an unknown phase or reason
-        SaveReason(fields["reason"])
+        if fields["phase"] not in _PHASES:
+            raise ValueError(f"unknown phase {fields['phase']!r:.80}")
+        if fields["reason"] not in _REASONS:
+            raise ValueError(f"unknown save reason {fields['reason']!r:.80}")
         if (
             fields["in_progress"] not in (0, 1)
             or not 1 <= fields["epoch"] <= MAX_FENCE
@@ -222,7 +225,8 @@ class EncodedRecord:
         ):
             raise ValueError("in_progress must be 0 or 1, epoch in 1..2^53-1, seq in 0..2^53-1")
         for name in ("chunks", "tail"):
-            split_digests(fields[name])
+            if len(fields[name]) % DIGEST_BYTES:
+                raise ValueError(f"field {name} is not a whole number of digests")
         if not isinstance(puts, dict) or not all(
             isinstance(v, bytes) and digest(v) == k for k, v in puts.items()
         ):
