@@ -1,11 +1,12 @@
 """The CheckpointActor and the host-side client that group-commits through it.
 
 Hosts never write checkpoints themselves: a :class:`CheckpointClient` queues each turn's
-snapshot and sends whatever has queued while a call was in flight as one batch (two batches in
-flight by default, ``[checkpoint] batches_in_flight``), so checkpoint throughput is not capped
-by one Ray call per save. The actor validates each record
-and writes the batch with :meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one
-pipeline of fenced save scripts). Records cross Ray as msgpack, never as pickles.
+snapshot and sends whatever has queued while a call was in flight as one batch, so checkpoint
+throughput is not capped by one Ray call per save; under load a second batch goes out beside
+the first (``[checkpoint] batches_in_flight``), so the host makes one while the actor writes
+the other. The actor validates each record and writes the batch with
+:meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one pipeline of fenced save
+scripts). Records cross Ray as msgpack, never as pickles.
 
 Where a batch goes is a :data:`BatchSender`: :func:`actor_sender` (the CheckpointActor, what
 hosts use) or :func:`local_sender` (the same validation and transactions in this process, the

@@ -76,7 +76,6 @@ async def test_one_batch_in_flight_by_default() -> None:
     send.gate.set()
     assert await asyncio.gather(first, *rest) == [f"ok {i}" for i in range(6)]
     # What queued behind the first batch went out together, after it.
-    # Four waiting (under half a batch) started no batch; the fifth did, and it took all five.
     assert send.batches == [[0], [1, 2, 3, 4, 5]]
     assert send.most_in_flight == 1
 
