@@ -57,7 +57,11 @@ async def test_a_second_batch_goes_out_beside_the_first_only_once_half_a_batch_w
     calls = [asyncio.ensure_future(batcher.submit(0))]
     await send.until_batches(1)
     calls += [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 5)]
-    await asyncio.sleep(0)  # one step: the four submits are queued before the fifth
+    # An event set behind the four submits: they are queued (and a flusher one of them started
+    # has run) before the fifth is submitted.
+    queued = asyncio.Event()
+    asyncio.get_running_loop().call_soon(queued.set)
+    await queued.wait()
     calls.append(asyncio.ensure_future(batcher.submit(5)))
     await send.until_batches(2)
     # Four waiting (under half a batch) started no batch; the fifth did, and it took all five.
