@@ -1,7 +1,9 @@
 """Side-effect counters: the observable effect of the non-idempotent ``counter_increment`` tool.
 
 One counter per call key, so anyone can check from outside that a non-idempotent call ran at
-most once (a value above 1 is a duplicated side effect).
+most once (a value above 1 is a duplicated side effect). The scripted model's ``random`` replies
+count there too, one counter per request it answered (``model:<digest of the transcript>``): a
+value above 1 is a complete reply paid for again after a crash.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from store.failures import translated
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.replies import text
+
+#: Field prefix of the model's counters in a turn's effects hash (``<prefix><digest>``).
+MODEL_REPLY_PREFIX = "model:"
 
 
 class EffectCounters:
@@ -30,7 +35,22 @@ class EffectCounters:
         return int(reply)
 
     async def counts(self, turn_id: str) -> dict[str, int]:
-        """Runs per call key (the ``#`` run markers left out)."""
+        """Runs per call key (the ``#`` run markers and the model's counters left out)."""
+        return {
+            k: n for k, n in (await self._all(turn_id)).items()
+            if not k.startswith(MODEL_REPLY_PREFIX)
+        }  # fmt: skip
+
+    async def replies(self, turn_id: str) -> dict[str, int]:
+        """Complete replies the scripted model gave per request of the turn (by the digest of
+        the transcript it answered)."""
+        n = len(MODEL_REPLY_PREFIX)
+        return {
+            k[n:]: v for k, v in (await self._all(turn_id)).items()
+            if k.startswith(MODEL_REPLY_PREFIX)
+        }  # fmt: skip
+
+    async def _all(self, turn_id: str) -> dict[str, int]:
         with translated(f"read effects {turn_id}"):
             raw = await self.client.hgetall(self.keys.effects(turn_id))
         return {text(k): int(v) for k, v in raw.items() if not text(k).startswith("#")}

@@ -6,7 +6,10 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:bodies:<turn_id>    hash    digest -> transcript entry or chunk of digests,
                                             each stored once (store.transcript)
     {ns}:{s<N>}:spec:<turn_id>      string  msgpack TurnSpec, written once at submission
-    {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry
+    {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry, and
+                                            "reply" -> msgpack ReplyJournal (the model reply
+                                            whose calls the last claim journaled; "reply!bad"
+                                            and "reply!why" keep one refused on resume)
     {ns}:{s<N>}:effects:<turn_id>   hash    side-effect counters of non-idempotent tools: call
                                             key -> runs, and "#<call key>#<run id>" -> 1 markers
     {ns}:{s<N>}:inbox:<turn_id>     list    injected user messages, consumed by offset
@@ -110,6 +113,14 @@ def _turn_prefix(namespace: str, shards: int, turn_id: str) -> str:
     builds a few keys of the same turns: checking and hashing each id once per key was 8 % of
     a CheckpointActor's CPU in the bench's throughput figure."""
     return _tag(namespace, _shard(shards, check_turn_id(turn_id)))
+
+
+#: Field of a turn's ledger hash holding its journaled reply (``store.ledger``); call keys are
+#: ``<batch>.<index>.<hex>``, so no call can take it.
+REPLY_FIELD = "reply"
+#: Fields where a journaled reply refused on resume is kept, with why (never read back).
+REPLY_REFUSED_FIELD = "reply!bad"
+REPLY_REFUSED_WHY_FIELD = "reply!why"
 
 
 def _shard(shards: int, turn_id: str) -> int:

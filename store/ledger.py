@@ -8,6 +8,11 @@ compare-and-set on the bytes read (``ledger_cas.lua``); only the winner runs the
 ``committed`` (or ``failed``) entry is reused as is; a ``dispatched`` entry means the call was in
 flight when its host died, and is re-run only if the tool is idempotent, otherwise reported to
 the model as ``outcome_unknown``.
+
+The claim also journals the model reply that asked for the batch (:class:`ReplyJournal`, in
+the ledger hash under :data:`~store.keys.REPLY_FIELD`), in the same fenced step: no call of a
+reply runs unless the reply is durable, so a resume continues from it instead of asking a model
+that would answer differently (and call differently) the second time.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from store.batcher import ScriptCalls
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
 from store.failures import reading, translated
-from store.keys import KeyLayout
+from store.keys import REPLY_FIELD, REPLY_REFUSED_FIELD, REPLY_REFUSED_WHY_FIELD, KeyLayout
 from store.lua import lua_script
-from store.records import LedgerEntry
+from store.records import LedgerEntry, ReplyJournal
 from store.replies import raw as raw_bytes
 from store.replies import text
 
@@ -73,13 +78,28 @@ class Change:
     """What it becomes."""
 
 
+@dataclass(frozen=True, slots=True)
+class LedgerView:
+    """Everything a turn's ledger holds, read in one round trip (a resume plan's read)."""
+
+    entries: dict[str, LedgerEntry]
+    """Every journaled call, by call key."""
+    reply: bytes | None
+    """The journaled reply's stored bytes (None: none), decoded by :func:`decode_reply`."""
+
+
+def decode_reply(turn_id: str, raw: bytes) -> ReplyJournal:
+    """A journaled reply read back (:class:`~bus.errors.RecordError` if it does not decode)."""
+    return unpack_model(ReplyJournal, raw, key=f"reply of {turn_id}")
+
+
 class Ledger(Protocol):
     """What a tool batch needs of a ledger (:class:`ToolLedger`; ``store.memory`` has the
     Redis-free one the bench compares against)."""
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]: ...
     async def claim(
-        self, turn_id: str, epoch: int, claims: list[Claim]
+        self, turn_id: str, epoch: int, claims: list[Claim], *, reply: bytes = b""
     ) -> dict[str, LedgerRead | None]: ...
     async def transition(
         self, turn_id: str, changes: dict[str, Change], *, epoch: int | None
@@ -106,10 +126,33 @@ class ToolLedger:
 
     async def entries(self, turn_id: str) -> dict[str, LedgerEntry]:
         """Every journaled call of a turn (a bad entry raises RecordError: never guess)."""
+        return (await self.read(turn_id)).entries
+
+    async def read(self, turn_id: str) -> LedgerView:
+        """Every journaled call of a turn and its journaled reply, in one read (a bad entry
+        raises RecordError; the reply is left for the caller to decode and judge)."""
         key = self.keys.tools(turn_id)
         with reading(key, f"read ledger {turn_id}"):
             raw = await self.client.hgetall(key)
-        return {text(k): self._decode(key, text(k), raw_bytes(v)) for k, v in raw.items()}
+        entries: dict[str, LedgerEntry] = {}
+        reply = None
+        for k, v in raw.items():
+            field = text(k)
+            if field == REPLY_FIELD:
+                reply = raw_bytes(v)
+            elif not field.startswith(REPLY_FIELD):
+                entries[field] = self._decode(key, field, raw_bytes(v))
+        return LedgerView(entries, reply)
+
+    async def refuse_reply(self, turn_id: str, raw: bytes, why: str) -> None:
+        """Move a journaled reply a resume refused aside (kept, with why, in the same hash), so
+        it is reported once and never continued from."""
+        key = self.keys.tools(turn_id)
+        with translated(f"set aside the reply of {turn_id}"):
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={REPLY_REFUSED_FIELD: raw, REPLY_REFUSED_WHY_FIELD: why})
+                pipe.hdel(key, REPLY_FIELD)
+                await pipe.execute()
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]:
         """Entries of the given calls that exist, with their stored bytes."""
@@ -125,30 +168,31 @@ class ToolLedger:
         }
 
     async def claim(
-        self, turn_id: str, epoch: int, claims: list[Claim]
+        self, turn_id: str, epoch: int, claims: list[Claim], *, reply: bytes = b""
     ) -> dict[str, LedgerRead | None]:
-        """Claim a batch in one round trip (``store/lua/ledger_claim.lua``): each call the
-        ledger does not hold gets its decided entry (None in the answer: the caller won it);
-        each call it holds comes back as read, for the caller to decide from
-        (:meth:`transition`). :class:`StaleOwner` unless the record's stored epoch is
-        ``epoch``; then only ``prepared`` entries were journaled."""
-        if not claims:
+        """Claim a batch in one round trip (``store/lua/ledger_claim.lua``): ``reply`` (a
+        packed :class:`ReplyJournal`, or empty) is journaled first; each call the ledger does
+        not hold gets its decided entry (None in the answer: the caller won it); each call it
+        holds comes back as read, for the caller to decide from (:meth:`transition`).
+        :class:`StaleOwner` unless the record's stored epoch is ``epoch``; then only
+        ``prepared`` entries were journaled."""
+        if not claims and not reply:
             return {}
-        args: list[bytes | str | int] = [epoch]
+        args: list[bytes | str | int] = [epoch, REPLY_FIELD, reply]
         for c in claims:
             args += (c.call_key, c.prepared, c.decided)
         key = self.keys.tools(turn_id)
         keys = [self.keys.turn(turn_id), key]
         with reading(key, f"claim a batch of {turn_id}"):
-            reply = await self.scripts.call(self._claim, keys, args)
-        status = text(reply[0]) if isinstance(reply, list) and reply else ""
+            answer = await self.scripts.call(self._claim, keys, args)
+        status = text(answer[0]) if isinstance(answer, list) and answer else ""
         if status == "fenced":
-            raise self._fenced(turn_id, epoch, reply)
-        if status != "ok" or len(reply) != len(claims) + 1:
-            raise StoreError(f"ledger claim of {turn_id}: unexpected reply {reply!r:.80}")
+            raise self._fenced(turn_id, epoch, answer)
+        if status != "ok" or len(answer) != len(claims) + 1:
+            raise StoreError(f"ledger claim of {turn_id}: unexpected reply {answer!r:.80}")
         return {
             c.call_key: None if won == 1 else self._read(key, c.call_key, raw_bytes(won))
-            for c, won in zip(claims, reply[1:], strict=True)
+            for c, won in zip(claims, answer[1:], strict=True)
         }
 
     @classmethod

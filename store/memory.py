@@ -58,19 +58,23 @@ class MemoryLedger:
         self.checkpoints = checkpoints
         checkpoints.ledger = self
         self._turns: dict[str, dict[str, bytes]] = {}
+        self.replies: dict[str, bytes] = {}
+        """Each turn's journaled reply (``ToolLedger``'s reply field)."""
 
     async def get_many(self, turn_id: str, call_keys: list[str]) -> dict[str, LedgerRead]:
         held = self._turns.get(turn_id, {})
         return {k: self._read(turn_id, k, held[k]) for k in call_keys if k in held}
 
     async def claim(
-        self, turn_id: str, epoch: int, claims: list[Claim]
+        self, turn_id: str, epoch: int, claims: list[Claim], *, reply: bytes = b""
     ) -> dict[str, LedgerRead | None]:
         held = self._turns.setdefault(turn_id, {})
         if not self._owns(turn_id, epoch):
             for c in claims:
                 held.setdefault(c.call_key, c.prepared)
             raise StaleOwner(f"turn {turn_id}: epoch {epoch} may not dispatch")
+        if reply:
+            self.replies[turn_id] = reply
         out: dict[str, LedgerRead | None] = {}
         for c in claims:
             if c.call_key in held:

@@ -55,6 +55,9 @@ class MessageMeta(FrozenModel):
     """On model replies from an endpoint that reports it: the tokens the call used."""
     approval: Approval | None = None
     """On the result of a call that needed approval: the decision (who, when, why)."""
+    call_key: str | None = None
+    """On a tool result: the call's ledger key (its idempotency key downstream), so a side
+    effect counted from outside can be matched with the result the model read."""
 
 
 class TurnError(TextModel):
@@ -152,6 +155,16 @@ class Counters(FrozenModel):
     last_error: TurnError | None = None
     """The last model or tool error of the turn: kept so that ``inspect``, ``watch``, ``chat``
     and a run's summary can say why a turn failed, not just that it did."""
+    model_calls: int = 0
+    """Model calls the turn's durable history made (every attempt, a failed one too), across
+    incarnations: carried by every checkpoint and journaled reply. A call whose incarnation
+    died before anything durable followed it is not in here; a model endpoint that counts
+    what it answered tells those apart (the chaos report's ``calls_repaid``)."""
+    replies_adopted: int = 0
+    """Journaled replies a resume continued from instead of asking the model again."""
+    replies_lost: int = 0
+    """Journaled replies refused on resume (undecodable, or from an epoch not the record's):
+    their calls were reported to the model as lost, and it was asked again."""
 
     def tokens_line(self) -> str:
         """The turn's tokens for a person: the turn's, the session's, what is not counted."""
@@ -304,6 +317,57 @@ class LedgerEntry(FrozenModel):
     """Random id of the write, unique per dispatch: two owners racing in the same millisecond
     never write identical bytes, so the compare-and-set tells a replay of one's own write
     (a retried request) from a rival's."""
+
+
+class ReplyJournal(FrozenModel):
+    """A model reply that asked for tools, made durable before the first of its calls is
+    dispatched (written by the ledger's claim of its batch, fenced on the owner's epoch).
+
+    It extends the last checkpoint the writer knew stored by everything the turn took in since
+    (the reply, and before it any batch, inbox message or nudge a debounced save left out): a
+    resume whose record still is that checkpoint continues from here, without asking the model
+    again, and runs the same calls under the same keys (``actors.engine.resume``)."""
+
+    epoch: int = Field(ge=1)
+    """The owner incarnation that journaled it (never newer than the record's epoch)."""
+    batch: int = Field(ge=0)
+    """The tool batch the reply's calls are (``Counters.tool_batches`` when it arrived)."""
+    base_len: int = Field(ge=0)
+    """Messages of the checkpoint it extends."""
+    base_last_id: str = ""
+    """Id of that checkpoint's last message ("" if it had none): with ``base_len``, what tells
+    this checkpoint from a later one (a claim changes neither)."""
+    messages: tuple[Message, ...] = Field(min_length=1)
+    """What the turn took in since that checkpoint, the reply last."""
+    meta: tuple[MessageMeta, ...]
+    """Meta of ``messages``, index-aligned."""
+    counters: Counters
+    """The turn's counters when the reply arrived (its tokens metered, its call counted)."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ReplyJournal:
+        if len(self.meta) != len(self.messages):
+            raise ValueError(f"{len(self.meta)} meta for {len(self.messages)} messages")
+        if not self.messages[-1].tool_calls:
+            raise ValueError("the journaled reply asks for no tool call")
+        return self
+
+    @property
+    def reply(self) -> Message:
+        """The model's reply whose calls the batch runs."""
+        return self.messages[-1]
+
+    def extends(self, record: CheckpointRecord) -> bool:
+        """Whether this journal continues ``record``'s transcript (a later checkpoint already
+        holds the reply, and then this journal is spent)."""
+        last = record.meta[-1].message_id if record.meta else ""
+        return len(record.messages) == self.base_len and last == self.base_last_id
+
+
+#: Counters a claim (a new owner's fencing write) changes: a journaled reply's own copies of
+#: them are older than the claimed record's, so an adopting owner keeps the record's.
+CLAIM_COUNTERS = ("resume_attempts", "stalled_resumes", "isolated_deaths", "outcome",
+                  "agent_failures", "agent_fingerprint", "agent_changes")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

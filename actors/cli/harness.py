@@ -25,7 +25,15 @@ from actors.cli.app import (
     main,
     out,
 )
-from actors.cli.runs import _Bar, _nodes_option, _ray_nodes, _verdict_option, _work, _work_options
+from actors.cli.runs import (
+    _Bar,
+    _nodes_option,
+    _ray_nodes,
+    _verdict_option,
+    _work,
+    _work_options,
+    verdict_for,
+)
 from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
 from actors.engine.config import Settings
@@ -36,7 +44,6 @@ from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.chaos_runtime import chaos_runtime
 from actors.harness.targets import TARGETS, parse_targets
-from actors.harness.verdict import VerdictMode
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
 
@@ -69,7 +76,8 @@ def chaos(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
     duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
-    nodes: int, redis_cluster: bool, ray_address: str | None, verdict_mode: str, report: str,
+    nodes: int, redis_cluster: bool, ray_address: str | None, verdict_mode: str | None,
+    report: str,
     plot: str | None,
 ) -> None:  # fmt: skip
     """Kill runtime processes at random under load, running a scenario or an agent on one
@@ -85,7 +93,14 @@ def chaos(
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
     cfg = ChaosSettings(
-        work, turns, duration, kill_interval, chosen, seed, poison, VerdictMode(verdict_mode)
+        work,
+        turns,
+        duration,
+        kill_interval,
+        chosen,
+        seed,
+        poison,
+        verdict_for(verdict_mode, work),
     )
     bar = _Bar(turns, f"chaos seed {seed}", force=True)
 
@@ -173,9 +188,10 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
         show_header=False,
     )
     for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
-              "duplicate_side_effects", "stale_writes_accepted", "suspended_unexpectedly",
-              "aborted", "outcome_unknown_results", "resumed_turns",
-              "most_resumes_of_one_turn"):  # fmt: skip
+              "duplicate_side_effects", "orphaned_side_effects", "stale_writes_accepted",
+              "suspended_unexpectedly", "aborted", "outcome_unknown_results", "resumed_turns",
+              "most_resumes_of_one_turn", "model_calls", "replies_adopted",
+              "calls_repaid"):  # fmt: skip
         table.add_row(k, str(v[k]))
     if cfg.poison:
         table.add_row(

@@ -142,11 +142,21 @@ def _report_option(fn: F) -> F:
 
 _verdict_option = click.option(
     "--verdict", "verdict_mode", type=click.Choice([m.value for m in VerdictMode]),
-    default=VerdictMode.EXACT.value, show_default=True,
+    default=None,
     help="exact: every transcript equals a fault-free run's (modulo tool-call ids), for a "
          "deterministic model; promises: what the runtime promises (every turn final, none "
-         "lost or aborted, no side effect twice, no meta drift), for any model.",
+         "lost or aborted, no side effect twice or untold, no meta drift), for any model. "
+         "Default: promises for a scenario of random replies, else exact.",
 )  # fmt: skip
+
+
+def verdict_for(verdict_mode: str | None, work: Work) -> VerdictMode:
+    """The ``--verdict`` asked for, else the one the work allows: ``exact`` for a model that
+    answers the same way every time, ``promises`` for random replies."""
+    if verdict_mode:
+        return VerdictMode(verdict_mode)
+    return VerdictMode.EXACT if work.deterministic else VerdictMode.PROMISES
+
 
 _nodes_option = click.option(
     "--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -407,23 +417,24 @@ def resume(
 def demo(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, nodes: int, kill_at: float, ray_address: str | None, verdict_mode: str,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, verdict_mode: str | None,
     report: str | None,
 ) -> None:  # fmt: skip
     """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
-    of a scenario (default tool_loop), or of an agent on one input. The exact verdict compares
+    of a scenario (default demo: random replies, a non-idempotent tool), or of an agent on one
+    input. The exact verdict compares
     each transcript with a fault-free run in this process (the endpoint must answer each
     conversation deterministically: a local model at temperature 0 does); --verdict promises
     checks the runtime's promises for any model."""
     rid = f"demo{new_run_id()}"
     settings = _settings(config_path, redis_url, namespace or rid)
     if scenario_path is None and agent_path is None:
-        scenario_path = "tool_loop"
+        scenario_path = "demo"
     work = _work(scenario_path, agent_path, input_text)
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
 
-    mode = VerdictMode(verdict_mode)
+    mode = verdict_for(verdict_mode, work)
 
     def killed(pid: int) -> None:
         console.print(
@@ -442,7 +453,8 @@ def demo(
     data = result.as_dict()
     title = f"demo {rid}: {turns} turns of {work.label} on {hosts} hosts"
     table = Table(title=title, show_header=False)
-    for k in ("completed", "correct", "resumed", "checkpoints", "kills", "respawns", "wall_s",
+    for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
+              "duplicate_side_effects", "orphaned_side_effects", "kills", "respawns", "wall_s",
               "turns_per_s"):  # fmt: skip
         value = data[k]
         table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))

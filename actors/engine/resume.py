@@ -21,9 +21,9 @@ from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.inbox import Inbox
 from store.isolation import Probation
-from store.ledger import ToolLedger
+from store.ledger import LedgerView, ToolLedger, decode_reply
 from store.msgpack_wire import pack, unpack
-from store.records import CheckpointRecord, TurnSpec
+from store.records import CheckpointRecord, LedgerEntry, ReplyJournal, TurnSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,12 @@ class Resume:
     """Injected messages not yet in the transcript; appended after it at the first boundary."""
     detail: str = ""
     """Why, for logs."""
+    journal: ReplyJournal | None = None
+    """A model reply journaled after the checkpoint: the turn continues from it (its batch
+    runs) instead of asking the model again."""
+    lost_reply: str = ""
+    """A journaled reply was refused (undecodable, or not the record's): what the model is
+    told of it and of its calls before it is asked again ("" for none)."""
 
     @property
     def what(self) -> str:
@@ -101,7 +107,8 @@ def plan_to_wire(plan: ResumePlan) -> bytes:
             "kind": "resume", "turn_id": plan.turn_id, "record": dump_model(plan.record),
             "spec": dump_model(plan.spec), "resume_from": plan.resume_from.value,
             "in_flight": plan.in_flight, "pending_inbox": plan.pending_inbox,
-            "detail": plan.detail,
+            "detail": plan.detail, "lost_reply": plan.lost_reply,
+            "journal": None if plan.journal is None else dump_model(plan.journal),
         })  # fmt: skip
     if isinstance(plan, Parked):
         return pack({"kind": "parked", "turn_id": plan.turn_id,
@@ -125,6 +132,8 @@ def plan_from_wire(data: bytes) -> ResumePlan:
                 in_flight=int(d["in_flight"]),
                 pending_inbox=int(d["pending_inbox"]),
                 detail=detail,
+                journal=None if d["journal"] is None else ReplyJournal.model_validate(d["journal"]),
+                lost_reply=str(d["lost_reply"]),
             )
         if kind == "parked":
             record = CheckpointRecord.model_validate(d["record"])
@@ -242,7 +251,7 @@ async def plan_resume(
         return Skipped(turn_id, RunStop.FINISHED, detail=str(record.counters.outcome))
     try:
         spec = await store.load_spec(turn_id)
-        entries = await ledger.entries(turn_id)
+        view = await ledger.read(turn_id)
     except (RecordNotFound, RecordError) as exc:
         # An in-progress record whose spec is missing or bad, or whose ledger is unreadable,
         # can never resume: take it aside, so it is reported once instead of planned again
@@ -255,6 +264,7 @@ async def plan_resume(
     if placement is Placement.ISOLATED and not isolated:
         detail = "stalled: runs alone on the isolation host"
         return Skipped(turn_id, RunStop.ISOLATE, detail=detail)
+    entries = view.entries
     in_flight = sum(e.state == "dispatched" for e in entries.values())
     pending = len(await inbox.read_from(turn_id, record.counters.inbox_offset))
     claimed = claim_for_resume(record, now_ms=int(time.time() * 1000), died_at=died_at)
@@ -266,6 +276,11 @@ async def plan_resume(
         return Skipped(turn_id, RunStop.FENCED, detail=str(exc))
     if placement is Placement.SUSPEND:
         return Parked(turn_id, claimed, detail="poison")
+    journal, refused = judge_reply(record, view)
+    lost = ""
+    if refused:
+        lost = lost_reply_note(refused, batch_calls(entries, record.counters.tool_batches))
+        await ledger.refuse_reply(turn_id, view.reply or b"", refused)
     return Resume(
         turn_id,
         record=claimed,
@@ -273,5 +288,60 @@ async def plan_resume(
         spec=spec,
         in_flight=in_flight,
         pending_inbox=pending,
-        detail=f"resume attempt {claimed.counters.resume_attempts}",
+        detail=f"resume attempt {claimed.counters.resume_attempts}"
+        + (" from its journaled reply" if journal else "")
+        + (f"; its journaled reply refused: {refused}" if refused else ""),
+        journal=journal,
+        lost_reply=lost,
+    )
+
+
+def judge_reply(record: CheckpointRecord, view: LedgerView) -> tuple[ReplyJournal | None, str]:
+    """The journaled reply a resume continues from (None: none, or one a later checkpoint
+    already holds), or why it is refused ("" if it is not): it does not decode, or it claims
+    an epoch newer than the record's or a batch the record is not at. ``record`` is the
+    record as read, before the claim."""
+    if view.reply is None:
+        return None, ""
+    try:
+        journal = decode_reply(record.turn_id, view.reply)
+    except RecordError as exc:
+        return None, f"it does not decode ({exc})"[:300]
+    if journal.epoch > record.epoch:
+        return None, f"it was journaled at epoch {journal.epoch}, after the record's {record.epoch}"
+    if not journal.extends(record):
+        return None, ""  # a later checkpoint holds it: spent
+    if journal.batch != record.counters.tool_batches:
+        return None, (
+            f"it is batch {journal.batch} of a record at batch {record.counters.tool_batches}"
+        )
+    return journal, ""
+
+
+def batch_calls(entries: dict[str, LedgerEntry], batch: int) -> list[tuple[str, LedgerEntry]]:
+    """The ledger's calls of one batch (their keys start ``<batch>.``), in batch order."""
+    prefix = f"{batch}."
+    mine = [(k, e) for k, e in entries.items() if k.startswith(prefix)]
+    return sorted(mine, key=lambda ke: int(ke[0].split(".")[1]))
+
+
+def lost_reply_note(why: str, calls: list[tuple[str, LedgerEntry]]) -> str:
+    """What the model is told when its journaled reply was refused on resume: that it was
+    lost, and what became of each call the ledger holds for it, so nothing it may have done
+    goes unmentioned (a call caught in flight or of unknown fate is ``outcome_unknown``)."""
+    parts = []
+    for key, entry in calls:
+        if entry.state in ("committed", "failed") and entry.result is not None:
+            parts.append(f"{entry.name} (call key {key}): finished, {entry.result.status}: "
+                         f"{entry.result.output[:200]}")  # fmt: skip
+        elif entry.state == "prepared":
+            parts.append(f"{entry.name} (call key {key}): never started")
+        else:
+            parts.append(f"{entry.name} (call key {key}): outcome_unknown, it may or may not "
+                         "have taken effect and will not be re-run")  # fmt: skip
+    calls_said = "; ".join(parts) if parts else "none of its calls had started"
+    return (
+        f"[phaseline] Your previous reply, which asked for tools, was lost in a crash and could "
+        f"not be recovered ({why}). What its calls did: {calls_said}. Do not assume a call "
+        "whose outcome is unknown did not happen."
     )

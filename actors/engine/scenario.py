@@ -63,6 +63,14 @@ class Scenario(BaseModel):
     """The user message that opens the turn."""
     faults: tuple[Fault, ...] = ()
     """Injected model faults."""
+    replies: Literal["fixed", "random"] = "fixed"
+    """``fixed``: each reply a pure function of the scenario and the transcript, so a resumed
+    turn reproduces the fault-free transcript exactly. ``random``: like a real model, never the
+    same reply twice (the text and every call's arguments carry fresh randomness, drawn from
+    ``seed``, the process and the model client), so a reply asked for again differs and so
+    does the call it makes."""
+    seed: StrictInt = 0
+    """Seeds the ``random`` replies (together with the process and client that answer)."""
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:

@@ -19,11 +19,16 @@ from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
 from actors.turn.loop_state import new_id
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
-from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
+from bus.errors import (
+    StoreError,
+    StoreRefused,
+    ToolExecutorLost,
+    UnknownTool,
+)
 from bus.messages import ToolCall, ToolResult, ToolStatus
-from store.codec import pack_model, unpack_model
+from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model, unpack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
-from store.records import LedgerEntry, LedgerState, Settle, TurnInput
+from store.records import LedgerEntry, LedgerState, ReplyJournal, Settle, TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +226,13 @@ class BatchExecutor:
         *,
         agent: str = "",
         max_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         """``agent``: import path of the agent whose tools these are (a ToolWorker on another
-        process loads the tool from it); ``max_result_bytes``: the cap on one result."""
+        process loads the tool from it); ``max_result_bytes``: the cap on one result;
+        ``max_record_bytes``: the cap on a journaled reply, the same as on a record."""
         self.max_result_bytes = max_result_bytes
+        self.max_record_bytes = max_record_bytes
         self.registry = registry
         self.runner = runner
         self.ledger = ledger
@@ -245,8 +253,14 @@ class BatchExecutor:
         *,
         keys: Sequence[str] | None = None,
         defer: bool = False,
+        reply: ReplyJournal | None = None,
     ) -> list[ToolResult]:
         """Journal, decide per call from the ledger, run what must run; results in order.
+
+        ``reply``: the model reply that asked for the batch, journaled by the claim itself
+        (before any call is dispatched, fenced with it, no round trip of its own);
+        :class:`~bus.errors.RecordTooLarge` or :class:`~bus.errors.UnstorableRecord` when it
+        cannot be, and then nothing of the batch was journaled or run.
 
         The owner's decisions (``dispatched`` for what runs, the settled state of what does
         not) are fenced on ``epoch``: a fenced owner gets :class:`~bus.errors.StaleOwner` and
@@ -276,9 +290,10 @@ class BatchExecutor:
             assert entry is not None  # a new call always gets an entry
             claims.append(Claim(key, pack_model(prepared), pack_model(entry)))
             fresh.append(outcome)
+        packed = b"" if reply is None else self._packed(turn_id, reply)
         held = await refusals_waited(
             f"claim batch {batch} of {turn_id}",
-            partial(self.ledger.claim, turn_id, epoch, claims),
+            partial(self.ledger.claim, turn_id, epoch, claims, reply=packed),
         )
         reads: dict[str, LedgerRead] = {}
         for i, (key, claim) in enumerate(zip(keys, claims, strict=True)):
@@ -329,6 +344,22 @@ class BatchExecutor:
         singles = [i for i in runnable if i not in group]
         await asyncio.gather(*(run_one(i) for i in singles), *([run_group(group)] if group else []))
         return [r for r in results if r is not None]
+
+    async def journal(self, turn_id: str, epoch: int, reply: ReplyJournal) -> None:
+        """Journal ``reply`` on its own, fenced (:class:`StaleOwner`): for a batch that waits
+        for approvals first, whose question must not outlive the reply that asked it."""
+        packed = self._packed(turn_id, reply)
+        await refusals_waited(
+            f"journal the reply of {turn_id}",
+            partial(self.ledger.claim, turn_id, epoch, [], reply=packed),
+        )
+
+    def _packed(self, turn_id: str, reply: ReplyJournal) -> bytes:
+        """``reply`` as the claim journals it; :class:`UnstorableRecord` (a value msgpack
+        refuses) or :class:`RecordTooLarge` (over the record cap) if it cannot be."""
+        packed = pack_model(reply)
+        check_record_size(turn_id, len(packed), self.max_record_bytes)
+        return packed
 
     def take_settles(self) -> tuple[Settle, ...]:
         """The outcomes a ``defer`` batch kept (see :meth:`run_batch`), handed over once."""

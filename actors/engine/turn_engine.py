@@ -63,7 +63,7 @@ from store.inbox import Inbox
 from store.isolation import Isolation, Probation
 from store.keys import KeyLayout
 from store.ledger import ToolLedger
-from store.records import CheckpointRecord, TurnError, TurnInput, TurnSpec
+from store.records import CheckpointRecord, ReplyJournal, TurnError, TurnInput, TurnSpec
 from store.sessions import Sessions
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,10 @@ class TurnEngine:
                 log.warning("turn %s not resumed: %s (%s)", turn_id, stop, detail)
                 return TurnOutcome.stopped(turn_id, stop)
         self.stats.resumed += 1
-        return await self.start(plan.record, plan.spec, resume_from=plan.resume_from, **loop_kw)
+        return await self.start(
+            plan.record, plan.spec, resume_from=plan.resume_from, journal=plan.journal,
+            lost_reply=plan.lost_reply, **loop_kw,
+        )  # fmt: skip
 
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         async def together() -> list[TurnOutcome]:
@@ -363,6 +366,8 @@ class TurnEngine:
         settings: LoopSettings | None = None,
         probation: ProbationHooks | None = None,
         inbox_len: int | None = None,
+        journal: ReplyJournal | None = None,
+        lost_reply: str = "",
         **deps: Any,
     ) -> TurnLoop:
         """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
@@ -377,7 +382,9 @@ class TurnEngine:
         record = self._note_agent(record, agent_fingerprint(agent, registry))
         wired = TurnDeps(
             llm=agent.client(
-                ModelContext(record.turn_id, spec.input, record.baseline, self.admission)
+                ModelContext(
+                    record.turn_id, spec.input, record.baseline, self.admission, self.effects
+                )
             ),
             tools=BatchExecutor(
                 registry,
@@ -386,6 +393,7 @@ class TurnEngine:
                 self.effects,
                 agent=spec.agent,
                 max_result_bytes=self.settings.max_tool_result_bytes,
+                max_record_bytes=self.settings.max_record_bytes,
             ),
             registry=registry,
             checkpoints=self.checkpoints,
@@ -410,6 +418,8 @@ class TurnEngine:
             resume_from=resume_from,
             probation=probation,
             inbox_len=inbox_len,
+            journal=journal,
+            lost_reply=lost_reply,
         )
 
     def _note_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:

@@ -4,7 +4,9 @@ For every turn that was submitted: its final record exists and is not in progres
 transcript equals the fault-free transcript of its work message for message (a tool result
 ``outcome_unknown`` is accepted in place of the call's real result: that is the documented
 answer for a non-idempotent call caught in flight); meta is index-aligned with the pre-turn
-ids intact; no non-idempotent call ran twice (side-effect counters); and the checkpoint
+ids intact; no non-idempotent call ran twice and none ran without the model being told
+(side-effect counters, read against the transcript's call keys: :func:`effect_findings`); and
+the checkpoint
 events show no write accepted out of order (an older epoch after a newer one, or a seq that
 did not increase), which is what a stale owner's accepted write would look like.
 
@@ -31,6 +33,7 @@ from enum import StrEnum
 from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
+from actors.turn.compaction import read_summary
 from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message
@@ -39,7 +42,8 @@ from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.effects import EffectCounters
 from store.keys import KeyLayout
-from store.records import CheckpointRecord
+from store.ledger import ToolLedger
+from store.records import CheckpointRecord, LedgerEntry
 from store.replies import text
 from store.stream_reads import read_range
 
@@ -148,6 +152,11 @@ class Verdict:
     meta_drift: list[str] = field(default_factory=list)
     in_progress: list[str] = field(default_factory=list)
     duplicate_effects: list[str] = field(default_factory=list)
+    """Turns where a non-idempotent call's effect happened twice: one call run twice, or two
+    different calls in one place of one batch (a reply asked for again, answered otherwise)."""
+    orphaned_effects: list[str] = field(default_factory=list)
+    """Turns with an effect the model was never told of: its call is not the one the
+    transcript answered in that place."""
     stale_accepted: list[str] = field(default_factory=list)
     suspended: list[str] = field(default_factory=list)
     """Turns parked as ``suspended:poison`` that were not poison turns."""
@@ -165,6 +174,13 @@ class Verdict:
     most_resumes: int = 0
     """The most times one turn was resumed."""
     checkpoints: int = 0
+    model_calls: int = 0
+    """Model calls in the turns' durable histories (``Counters.model_calls``), summed."""
+    replies_adopted: int = 0
+    """Journaled replies resumes continued from instead of asking the model again."""
+    calls_repaid: int | None = None
+    """Complete replies the model gave again to the same request after a crash (counted by the
+    scripted model's ``random`` replies from outside; None where nothing counted them)."""
     flagged: set[str] = field(default_factory=set)
     """Turn ids behind any failing count (for the timeline; not in the JSON)."""
     resumes: dict[str, int] = field(default_factory=dict)
@@ -174,7 +190,8 @@ class Verdict:
     def ok(self) -> bool:
         return not (
             self.lost or self.differ or self.meta_drift or self.in_progress
-            or self.duplicate_effects or self.stale_accepted or self.suspended
+            or self.duplicate_effects or self.orphaned_effects or self.stale_accepted
+            or self.suspended
             or self.aborted or self.poison_escaped
         )  # fmt: skip
 
@@ -188,6 +205,7 @@ class Verdict:
             "meta_drift": len(self.meta_drift),
             "in_progress_left": len(self.in_progress),
             "duplicate_side_effects": len(self.duplicate_effects),
+            "orphaned_side_effects": len(self.orphaned_effects),
             "stale_writes_accepted": len(self.stale_accepted),
             "suspended_unexpectedly": len(self.suspended),
             "aborted": len(self.aborted),
@@ -200,12 +218,16 @@ class Verdict:
             "resumed_turns": self.resumed,
             "most_resumes_of_one_turn": self.most_resumes,
             "checkpoints": self.checkpoints,
+            "model_calls": self.model_calls,
+            "replies_adopted": self.replies_adopted,
+            "calls_repaid": self.calls_repaid,
             "examples": {
                 k: v[:5]
                 for k, v in (
                     ("lost", self.lost), ("differ", self.differ), ("meta_drift", self.meta_drift),
                     ("in_progress", self.in_progress),
                     ("duplicate_effects", self.duplicate_effects),
+                    ("orphaned_effects", self.orphaned_effects),
                     ("stale_accepted", self.stale_accepted),
                     ("suspended", self.suspended), ("aborted", self.aborted),
                     ("poison_escaped", self.poison_escaped),
@@ -239,6 +261,7 @@ async def judge(
     mode = VerdictMode.PROMISES if expected is None else VerdictMode.EXACT
     v = Verdict(mode=mode, turns=len(turn_ids))
     store = RedisCheckpointStore(client, keys)
+    ledger = ToolLedger(client, keys)
     effects = EffectCounters(effects_client or client, keys)
     for tid in turn_ids:
         try:
@@ -254,9 +277,16 @@ async def judge(
             _judge_transcript(v, record, expected)
         else:
             continue  # in progress or suspended: flagged already
-        if any(n > 1 for n in (await effects.counts(tid)).values()):
-            v.duplicate_effects.append(tid)
+        dup, orphans = effect_findings(await effects.counts(tid), record, await ledger.entries(tid))
+        if dup:
+            v.duplicate_effects.append(f"{tid}: {dup}")
             v.flagged.add(tid)
+        if orphans:
+            v.orphaned_effects.append(f"{tid}: {orphans}")
+            v.flagged.add(tid)
+        replies = await effects.replies(tid)
+        if replies:
+            v.calls_repaid = (v.calls_repaid or 0) + sum(n - 1 for n in replies.values())
     v.stale_accepted = await out_of_order_writes(client, keys, set(turn_ids))
     v.flagged.update(v.stale_accepted)
     return v
@@ -302,6 +332,8 @@ def _judge_transcript(
     v.resumed += c.resume_attempts > 0
     v.most_resumes = max(v.most_resumes, c.resume_attempts)
     v.checkpoints += record.seq
+    v.model_calls += c.model_calls
+    v.replies_adopted += c.replies_adopted
     v.outcome_unknown += sum(
         m.tool_result is not None and m.tool_result.status == "outcome_unknown"
         for m in record.messages
@@ -316,6 +348,47 @@ def _judge_transcript(
     if not meta_ok(record):
         v.meta_drift.append(tid)
         v.flagged.add(tid)
+
+
+def slot_of(call_key: str) -> str:
+    """A call's place: ``<batch>.<index>`` of its key (two calls asked for in one place are
+    one reply's call and a different reply's, asked for again)."""
+    return ".".join(call_key.split(".")[:2])
+
+
+def effect_findings(
+    counts: dict[str, int], record: CheckpointRecord, ledger: dict[str, LedgerEntry]
+) -> tuple[str, str]:
+    """What the side effects counted from outside say of one ended turn: duplicates (a call
+    run twice, or two calls' effects in one place) and orphans (an effect the model was never
+    told of), each "" when there is none.
+
+    An effect is told of when its key is a tool result's in the transcript's meta. A
+    compaction drops results from the transcript; then an effect whose key is gone is an
+    orphan only if the ledger never settled it or the transcript answered its place with
+    another call."""
+    ran = {k: n for k, n in counts.items() if n > 0}
+    twice = sorted(k for k, n in ran.items() if n > 1)
+    places: dict[str, list[str]] = {}
+    for k in ran:
+        places.setdefault(slot_of(k), []).append(k)
+    shared = sorted(p for p, ks in places.items() if len(ks) > 1)
+    told = {m.call_key for m in record.meta if m.call_key}
+    told_places = {slot_of(k) for k in told}
+    compacted = any(read_summary(m) for m in record.messages)
+    orphans = []
+    for k in sorted(ran):
+        if k in told:
+            continue
+        entry = ledger.get(k)
+        settled = entry is not None and entry.state not in ("prepared", "dispatched")
+        if not compacted or not settled or slot_of(k) in told_places:
+            orphans.append(k)
+    dup = "; ".join(
+        [*(f"{k} ran {ran[k]} times" for k in twice), *(f"{len(places[p])} calls ran at {p}"
+                                                         for p in shared)]
+    )  # fmt: skip
+    return dup, ", ".join(orphans)
 
 
 async def out_of_order_writes(

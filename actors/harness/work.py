@@ -41,6 +41,13 @@ class Work:
         check_agent(agent, turn_input)
         return cls(agent, turn_input, agent)
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether its model answers a conversation the same way every time, as the ``exact``
+        verdict needs: a fixed scenario does, one of random replies does not; an agent is
+        trusted to (its endpoint at temperature 0)."""
+        return self.scenario is None or self.scenario.replies == "fixed"
+
     def reference(self) -> tuple[str, TurnInput]:
         """The same work for the fault-free reference run: the scripted model skips its
         latency (its replies do not depend on it)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from actors.turn.llm import Admission, LLMClient
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
-from actors.turn.tools import ToolRegistry
+from actors.turn.tools import EffectSink, ToolRegistry
 from store.records import TurnInput
 
 __all__ = ["Agent", "AgentSettings", "ModelContext", "ModelFactory"]
@@ -33,6 +33,9 @@ class ModelContext:
     admission: Admission | None = None
     """The cluster's admission to model endpoints (rate limits shared by every host); None
     where there is none (a unit test)."""
+    effects: EffectSink | None = None
+    """Where a test double counts what it did, seen from outside the process (the scripted
+    model's ``random`` replies count each reply it completed there); None: nowhere."""
 
 
 ModelFactory = Callable[[ModelContext], LLMClient]

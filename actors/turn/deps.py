@@ -13,7 +13,7 @@ from actors.turn.tools import ToolRegistry
 from bus.events import LiveEvent
 from bus.messages import ToolCall, ToolResult
 from bus.phase import Listener
-from store.records import Approval, CheckpointRecord, InboxItem, SaveAck, Settle
+from store.records import Approval, CheckpointRecord, InboxItem, ReplyJournal, SaveAck, Settle
 
 
 class Checkpointer(Protocol):
@@ -49,10 +49,17 @@ class ToolBatches(Protocol):
         *,
         keys: Sequence[str] | None = ...,
         defer: bool = ...,
+        reply: ReplyJournal | None = ...,
     ) -> list[ToolResult]:
         """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced.
         ``defer``: the outcomes of the calls that end the batch are not journaled here but
-        kept for :meth:`take_settles` (the checkpoint after the batch carries them)."""
+        kept for :meth:`take_settles` (the checkpoint after the batch carries them);
+        ``reply``: the reply that asked for the batch, journaled with its claim, before any
+        call runs (:class:`RecordTooLarge`/:class:`UnstorableRecord` if it cannot be)."""
+        ...
+
+    async def journal(self, turn_id: str, epoch: int, reply: ReplyJournal) -> None:
+        """Journal a reply on its own, fenced (before a batch's approval questions)."""
         ...
 
     def take_settles(self) -> tuple[Settle, ...]:

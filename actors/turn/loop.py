@@ -32,6 +32,7 @@ from bus.events import LIVE_TEXT_LIMIT, Recovering, Restarted
 from bus.messages import Message
 from bus.outcomes import Action, Outcome, Problem, SaveReason
 from bus.phase import TurnPhase
+from store.records import ReplyJournal
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -70,9 +71,13 @@ class TurnLoop(ToolSteps, ModelSteps):
             )  # fmt: skip
         try:
             t.to(P.SETUP)
+            if self._journal is not None:  # the reply is durable: its batch goes on, not asked
+                return await self._continue_journaled(self._journal)
             if self._resume_from is SaveReason.FORCE_STOP:
                 return await self._force_stop(checkpoint_first=False)
             t.to(P.AWAITING_LLM)
+            if self._lost_reply:
+                self._tell_lost_reply(self._lost_reply)
             return await self._drive()
         except CancelNow:
             return await self._finish_cancelled()
@@ -84,6 +89,34 @@ class TurnLoop(ToolSteps, ModelSteps):
             return await self._end_oversized(too_large.outcome)
 
     # -- the walk -----------------------------------------------------------------------------
+
+    async def _continue_journaled(self, journal: ReplyJournal) -> TurnOutcome:
+        """Resume from a reply journaled after the checkpoint: the model is not asked again;
+        its batch runs under the same keys (a finished call reused, a non-idempotent one
+        caught in flight reported ``outcome_unknown``, an idempotent one run again), then
+        the turn goes on as after any batch."""
+        log.info(
+            "turn %s: continuing from the reply journaled at epoch %d (batch %d); the model is "
+            "not asked again", self.turn_id, journal.epoch, journal.batch,
+        )  # fmt: skip
+        self._adopt_journal(journal)
+        self.tracker.to(P.AWAITING_LLM)
+        self.tracker.to(P.EXECUTING_TOOLS)
+        await self._run_batch(journal.reply.tool_calls)
+        await self._checkpoint(SaveReason.TOOL_BATCH)
+        self.tracker.to(P.AWAITING_LLM)
+        return await self._drive()
+
+    def _tell_lost_reply(self, lost: str) -> None:
+        """Tell the model that a reply of its own was lost with what it asked for, before it
+        is asked again: never a silent re-ask."""
+        log.warning("turn %s: a journaled reply was refused; telling the model", self.turn_id)
+        self._counters = self._counters.model_copy(
+            update={"replies_lost": self._counters.replies_lost + 1}
+        )
+        self.tracker.to(P.INJECTING_MESSAGE)
+        self._append(Message(role="user", text=lost), "system", injected=True)
+        self.tracker.restore()
 
     async def _drive(self) -> TurnOutcome:
         while True:
@@ -280,6 +313,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         if shrunk is None:
             return await self._finish(Outcome.ABORTED_CONTEXT_LENGTH)
         self._turn, self._meta = shrunk
+        self._rewritten = True
         self._counters = self._counters.model_copy(update={"reactive_compacted": True})
         self._dirty = True
         # a resume from a wrap-up's compaction wraps up again
@@ -350,6 +384,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         kept."""
         self._turn = list(self._saved.messages[self._saved.baseline :])
         self._meta = list(self._saved.meta[self._saved.baseline :])
+        self._rewritten = True
         self._counters = self._saved.counters.model_copy(update={"outcome": outcome})
         if self.tracker.phase is not P.DONE:
             self.tracker.to(P.DONE)
@@ -374,6 +409,7 @@ class TurnLoop(ToolSteps, ModelSteps):
             return  # nothing left to drop: the model gets the transcript as it is
         self.tracker.to(P.COMPACTING)
         self._turn, self._meta = shrunk
+        self._rewritten = True
         self._dirty = True
         await self._checkpoint(SaveReason.COMPACTION)
         self.tracker.to(P.AWAITING_LLM)

@@ -23,7 +23,14 @@ from bus.events import Checkpointed, LiveEvent
 from bus.messages import Message, Source, Usage
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import PhaseTracker, TurnPhase
-from store.records import Approval, CheckpointRecord, MessageMeta, Settle
+from store.records import (
+    CLAIM_COUNTERS,
+    Approval,
+    CheckpointRecord,
+    MessageMeta,
+    ReplyJournal,
+    Settle,
+)
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -63,11 +70,16 @@ class LoopState:
         resume_from: SaveReason | None = None,
         probation: ProbationHooks | None = None,
         inbox_len: int | None = None,
+        journal: ReplyJournal | None = None,
+        lost_reply: str = "",
     ) -> None:
         """``resume_from`` is the reason of the checkpoint a resumed turn restarts from;
         ``probation`` makes this a probation run: it notes each step before it begins and
         stops (:attr:`RunStop.RELEASED`) right after its first mid-turn checkpoint;
-        ``inbox_len``: the inbox's length as the caller just read it (None: not read)."""
+        ``inbox_len``: the inbox's length as the caller just read it (None: not read);
+        ``journal``: a reply journaled after ``record`` (the resume continues from it, without
+        asking the model); ``lost_reply``: what a journaled reply refused on resume asked
+        for, told to the model before it is asked again."""
         self.turn_id = record.turn_id
         self.session_id = record.session_id
         self.epoch = record.epoch
@@ -85,6 +97,11 @@ class LoopState:
         self._saved = record
         """The last record known stored: what an oversized checkpoint falls back to."""
         self._dirty = False
+        self._rewritten = False
+        """The transcript changed other than by appending since the last save (a compaction
+        that was not saved): a reply can then not be journaled as what followed that save."""
+        self._journal = journal
+        self._lost_reply = lost_reply
         self._last_save: float | None = None
         self._settles: tuple[Settle, ...] = ()
         """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
@@ -134,6 +151,13 @@ class LoopState:
         log.warning("turn %s: %s; stopping this incarnation", self.turn_id, exc)
         return Fenced()
 
+    def _too_large(self, exc: RecordTooLarge | UnstorableRecord) -> TooLarge:
+        """What unwinds the loop when its next write cannot be stored: the turn ends on its
+        last checkpoint (nothing since then can be kept)."""
+        log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
+        big = isinstance(exc, RecordTooLarge)
+        return TooLarge(Outcome.ABORTED_RECORD_TOO_LARGE if big else Outcome.ABORTED_UNSTORABLE)
+
     def _outcome(self, outcome: Outcome | RunStop) -> TurnOutcome:
         return TurnOutcome(
             self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages),
@@ -161,6 +185,7 @@ class LoopState:
         at_ms: int | None = None,
         usage: Usage | None = None,
         approval: Approval | None = None,
+        call_key: str | None = None,
     ) -> None:
         self._turn.append(message)
         self._meta.append(
@@ -171,9 +196,43 @@ class LoopState:
                 system_injected=injected,
                 usage=usage,
                 approval=approval,
+                call_key=call_key,
             )
         )
         self._dirty = True
+
+    def _adopt_journal(self, journal: ReplyJournal) -> None:
+        """Take in what a journaled reply says followed the checkpoint this loop starts from:
+        its messages, and its counters but for those the resume's claim just wrote."""
+        self._turn.extend(journal.messages)
+        self._meta.extend(journal.meta)
+        claimed = {f: getattr(self._counters, f) for f in CLAIM_COUNTERS}
+        adopted = journal.counters.replies_adopted + 1
+        self._counters = journal.counters.model_copy(update={**claimed, "replies_adopted": adopted})
+        self._dirty = True
+
+    async def _journal_of(self, batch: int) -> ReplyJournal | None:
+        """The journal of the reply just appended (the last message): everything since the
+        last save, so a resume from that save continues exactly here. A compaction not saved
+        yet is saved first (its debounce waived: the reply must be durable before its calls
+        run). None when this loop saves no mid-turn checkpoint (nothing mid-turn is durable)."""
+        if not self.settings.checkpoint_mid_turn:
+            return None
+        if self._rewritten:
+            await self._checkpoint(SaveReason.COMPACTION, force=True)
+            if self._rewritten:  # the save failed: no call may run on an unsaved transcript
+                raise StoreError(f"turn {self.turn_id}: its compaction could not be saved")
+        saved = self._saved
+        start = len(saved.messages) - len(self._baseline)
+        return ReplyJournal(
+            epoch=self.epoch,
+            batch=batch,
+            base_len=len(saved.messages),
+            base_last_id=saved.meta[-1].message_id if saved.meta else "",
+            messages=tuple(self._turn[start:]),
+            meta=tuple(self._meta[start:]),
+            counters=self._counters,
+        )
 
     def snapshot(self, reason: SaveReason, *, in_progress: bool) -> CheckpointRecord:
         """The whole record, rebuilt from the canonical list on top of the baseline."""
@@ -194,14 +253,18 @@ class LoopState:
             updated_at=self._now_ms(),
         )
 
-    async def _checkpoint(self, reason: SaveReason, *, final: bool = False) -> None:
+    async def _checkpoint(
+        self, reason: SaveReason, *, final: bool = False, force: bool = False
+    ) -> None:
+        """Save at a durable boundary (debounced unless ``final`` or ``force``)."""
         settles, self._settles = self._settles, ()
         if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
             await self._settle_alone(settles)
             return
         now = self._clock()
         interval = self.settings.checkpoint_min_interval_s
-        if not final and self._last_save is not None and now - self._last_save < interval:
+        last = self._last_save
+        if not (final or force) and last is not None and now - last < interval:
             await self._settle_alone(settles)
             return  # debounced: stays dirty, the next site saves it
         record = self.snapshot(reason, in_progress=not final)
@@ -209,14 +272,9 @@ class LoopState:
             ack = await self.deps.checkpoints.save(record, settles)
         except StaleOwner as exc:  # the refusal journaled the settles all the same
             raise self._fenced(exc) from exc
-        except RecordTooLarge as exc:
+        except (RecordTooLarge, UnstorableRecord) as exc:
             await self._settle_alone(settles)
-            log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
-            raise TooLarge(Outcome.ABORTED_RECORD_TOO_LARGE) from exc
-        except UnstorableRecord as exc:
-            await self._settle_alone(settles)
-            log.error("turn %s: %s; ending it on its last checkpoint", self.turn_id, exc)
-            raise TooLarge(Outcome.ABORTED_UNSTORABLE) from exc
+            raise self._too_large(exc) from exc
         except StoreError as exc:
             await self._settle_alone(settles)  # it may have landed: a replay is a no-op
             self.failed_saves += 1
@@ -228,6 +286,7 @@ class LoopState:
             return
         self._inbox_len = ack.inbox_len
         self._dirty = False
+        self._rewritten = False
         self._last_save = now
         self._saved = record
         self.saves += 1

@@ -32,6 +32,8 @@ class ModelSteps(LoopState):
 
     async def _call_llm(self, *, tools_enabled: bool, more_room: bool = False) -> LLMReply:
         await self._note_step()
+        c = self._counters
+        self._counters = c.model_copy(update={"model_calls": c.model_calls + 1})
         streamed = False
 
         def on_text(piece: str) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from actors.turn.loop_state import LoopState
 from actors.turn.tools import ToolSpec
-from bus.errors import StaleOwner
+from bus.errors import RecordTooLarge, StaleOwner, UnstorableRecord
 from bus.events import LIVE_TEXT_LIMIT, ToolCalled, ToolReturned
 from bus.messages import Message, ToolCall, ToolResult
 from bus.phase import TurnPhase
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 P = TurnPhase
 
 
+_T = TypeVar("_T")
+
 #: Tool result statuses kept as the turn's last error.
 TOOL_FAILURES = frozenset({"error", "timeout", "outcome_unknown"})
 
@@ -28,9 +31,20 @@ class ToolSteps(LoopState):
     """The tool side of a turn loop."""
 
     async def _run_batch(self, calls: Sequence[ToolCall]) -> None:
+        """Run the batch the last message (the model's reply) asks for. The reply is durable
+        before any of its calls is dispatched or its approval asked: journaled with the
+        batch's claim, or on its own first when an approval question comes before it."""
         await self._note_step()
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
+        journal = await self._journal_of(batch)
+        needs_approval = any(
+            call.name in self.deps.registry and self.deps.registry.get(call.name).requires_approval
+            for call in calls
+        )
+        if journal is not None and needs_approval:
+            await self._journaled(self.deps.tools.journal(self.turn_id, self.epoch, journal))
+            journal = None
         if self.deps.events is not None:
             now = self._now_ms()
             for key, call in zip(keys, calls, strict=True):
@@ -48,18 +62,20 @@ class ToolSteps(LoopState):
                 decisions[i] = decided = await self._await_approval(key, call, spec)
                 if decided.state != "approve":
                     denied[i] = decided.note()
-        try:
-            # The outcomes of the calls that end the batch ride on the checkpoint after it
-            # (when there is one): one round trip less per tool round.
-            results = await self.deps.tools.run_batch(
+        # The outcomes of the calls that end the batch ride on the checkpoint after it (when
+        # there is one): one round trip less per tool round.
+        results = await self._journaled(
+            self.deps.tools.run_batch(
                 self.turn_id, self.epoch, batch, calls, denied, keys=keys,
-                defer=self.settings.checkpoint_mid_turn,
-            )  # fmt: skip
-        except StaleOwner as exc:
-            raise self._fenced(exc) from exc
+                defer=self.settings.checkpoint_mid_turn, reply=journal,
+            )
+        )  # fmt: skip
         self._settles = self.deps.tools.take_settles()
         for i, res in enumerate(results):
-            self._append(Message(role="tool", tool_result=res), "tool", approval=decisions.get(i))
+            self._append(
+                Message(role="tool", tool_result=res), "tool", approval=decisions.get(i),
+                call_key=keys[i],
+            )  # fmt: skip
             self._returned(res)
             if res.status in TOOL_FAILURES:
                 self._counters = self._counters.model_copy(
@@ -71,6 +87,18 @@ class ToolSteps(LoopState):
                     }
                 )  # fmt: skip
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
+
+    async def _journaled(self, write: Awaitable[_T]) -> _T:
+        """A write that journals the reply: a fenced owner unwinds; a reply that cannot be
+        journaled (over the record cap, a value no encoder takes) ends the turn on its last
+        checkpoint before any of its calls ran, as its next checkpoint could not be stored
+        either."""
+        try:
+            return await write
+        except StaleOwner as exc:
+            raise self._fenced(exc) from exc
+        except (RecordTooLarge, UnstorableRecord) as exc:
+            raise self._too_large(exc) from exc
 
     def _returned(self, res: ToolResult) -> None:
         self._emit(

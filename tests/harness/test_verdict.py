@@ -21,7 +21,7 @@ from tests.support.reference import FAST
 SC = parse_scenario(
     {"name": "v", "rounds": 3, "tools_per_round": 2, "tools": ["echo", "counter_increment"]}
 )
-IDS = [f"v{i}" for i in range(6)]
+IDS = [f"v{i}" for i in range(8)]
 
 
 async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, ...]:
@@ -32,7 +32,7 @@ async def clean_run(client: aioredis.Redis, keys: KeyLayout) -> tuple[Message, .
 async def test_a_clean_run_is_ok(real_client: aioredis.Redis, keys: KeyLayout) -> None:
     expected = await clean_run(real_client, keys)
     v = await judge(real_client, keys, IDS, expected)
-    assert v.ok and v.turns == 6 and not v.differ
+    assert v.ok and v.turns == len(IDS) and not v.differ
 
 
 async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: KeyLayout) -> None:
@@ -74,11 +74,21 @@ async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: 
         )
     )
 
+    # 7. a second, different call's effect in the place of one the transcript answered (a
+    #    reply asked for again and answered otherwise): a duplicate, and an orphan
+    (key, _), *_ = (await effects.counts("v6")).items()
+    batch, index, _digest = key.split(".")
+    await effects.increment("v6", f"{batch}.{index}.{'0' * 24}")
+    # 8. an effect the model was never told of, in a place of its own
+    await effects.increment("v7", "9.0.feedfacefeedfacefeedface")
+
     v = await judge(real_client, keys, IDS, expected)
     assert not v.ok
     assert [d.split(":")[0] for d in v.differ] == ["v0"]
     assert "forged" in v.differ[0]
-    assert v.duplicate_effects == ["v1"]
+    assert [d.split(":")[0] for d in v.duplicate_effects] == ["v1", "v6"]
+    assert "ran 2 times" in v.duplicate_effects[0] and "2 calls ran at" in v.duplicate_effects[1]
+    assert v.orphaned_effects == [f"v6: {batch}.{index}.{'0' * 24}", "v7: 9.0.feedfacefeedfacefeedface"]
     assert v.lost == ["v2"]
     assert v.meta_drift == ["v3"]
     assert v.stale_accepted == ["v4"]

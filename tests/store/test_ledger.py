@@ -133,9 +133,9 @@ class GatedLedger(ToolLedger):
     both = asyncio.Event()
 
     async def claim(
-        self, turn_id: str, epoch: int, claims: list[Claim]
+        self, turn_id: str, epoch: int, claims: list[Claim], *, reply: bytes = b""
     ) -> dict[str, LedgerRead | None]:
-        reads = await super().claim(turn_id, epoch, claims)
+        reads = await super().claim(turn_id, epoch, claims, reply=reply)
         GatedLedger.arrived += 1
         if GatedLedger.arrived == 2:
             GatedLedger.both.set()

@@ -115,13 +115,13 @@ class RefusedDispatch(ToolLedger):
     refused = 0
 
     async def claim(
-        self, turn_id: str, epoch: int, claims: list[Claim]
+        self, turn_id: str, epoch: int, claims: list[Claim], *, reply: bytes = b""
     ) -> dict[str, LedgerRead | None]:
         if not self.refused:
             self.refused += 1
             async with out_of_memory(self.client):  # type: ignore[arg-type]
-                return await super().claim(turn_id, epoch, claims)
-        return await super().claim(turn_id, epoch, claims)
+                return await super().claim(turn_id, epoch, claims, reply=reply)
+        return await super().claim(turn_id, epoch, claims, reply=reply)
 
 
 async def test_a_refused_dispatch_runs_nothing_then_runs_each_call_once(
