@@ -1,6 +1,8 @@
-"""The built-in tools of DESIGN §5: ``echo`` and ``sleep`` (idempotent) and
-``counter_increment`` (not idempotent: its side effect is a Redis counter per call key, so a
-duplicate can be counted from outside). They are the scripted agent's tools; every one takes the
+"""The built-in tools of DESIGN §5: ``echo`` and ``sleep`` (idempotent), ``counter_increment``
+and ``send`` (not idempotent: each run's side effect is a Redis counter per call key, so a
+duplicate can be counted from outside; ``counter_increment`` waits then acts, ``send`` acts then
+waits, as a message sent before a slow acknowledgement, so a crash during its wait leaves a real
+effect behind a call in flight). They are the scripted agent's tools; every one takes the
 scripted model's arguments (``text``, ``delay_ms``)."""
 
 from __future__ import annotations
@@ -54,4 +56,19 @@ async def counter_increment(ctx: ToolContext, text: str = "", delay_ms: Delay = 
     return f"count={count}"
 
 
-BUILTIN_TOOLS = ToolRegistry([echo, sleep, counter_increment])
+@tool(idempotent=False)
+async def send(ctx: ToolContext, text: str = "", delay_ms: Delay = 0) -> str:
+    """Send a note: its effect happens at once, then the call waits for the acknowledgement.
+
+    Args:
+        text: The note.
+        delay_ms: Milliseconds the acknowledgement takes.
+    """
+    if ctx.effects is None:
+        raise RuntimeError("send needs a side-effect store")
+    count = await ctx.effects.increment(ctx.turn_id, ctx.call_key)
+    await asyncio.sleep(delay_ms / 1000)
+    return f"sent {text[:16]!r} (run {count})"
+
+
+BUILTIN_TOOLS = ToolRegistry([echo, sleep, counter_increment, send])

@@ -1,0 +1,157 @@
+"""Exactly once against a model that never answers the same way twice (DESIGN §9).
+
+The scripted model's ``random`` replies put fresh randomness in every reply and every call's
+arguments, so a resume that asked the model again would get a different call under a different
+key, and its non-idempotent tool would act twice. The side effects are counted from outside
+(the effects hash the tool writes), never from the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from actors.engine.engine_settings import EngineSettings
+from actors.engine.scenario import parse_scenario
+from actors.engine.scripted import scripted_turn
+from actors.engine.turn_engine import TurnEngine
+from actors.harness.verdict import judge
+from bus.outcomes import SaveReason
+from store.checkpoint import RedisCheckpointStore
+from store.codec import pack_model
+from store.effects import EffectCounters
+from store.keys import REPLY_FIELD, REPLY_REFUSED_FIELD, KeyLayout
+from store.ledger import ToolLedger, decode_reply
+from tests.engine.test_crash import spawn_run
+from tests.support.polling import eventually
+from tests.support.reference import FAST
+
+TURNS = 20
+
+
+def random_scenario(tmp: Path, tool_latency_ms: int) -> Path:
+    """Two rounds of [echo, send] whose every reply is new: ``send`` acts at once, then waits
+    ``tool_latency_ms`` for its acknowledgement (a kill then leaves its effect in flight)."""
+    path = tmp / "random.toml"
+    path.write_text(
+        'name = "random"\nrounds = 2\ntools_per_round = 2\ntools = ["echo", "send"]\n'
+        f"llm_latency_ms = 20\ntool_latency_ms = {tool_latency_ms}\npayload_bytes = 200\n"
+        'replies = "random"\nseed = 7\n'
+    )
+    return path
+
+
+async def test_sigkill_mid_batch_then_resume_runs_no_effect_twice_and_asks_no_reply_again(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, tmp_path: Path
+) -> None:
+    keys = KeyLayout(namespace, shards=16)  # the CLI's default shard count
+    effects = EffectCounters(real_client, keys)
+    ids = [f"once-t{i:06d}" for i in range(TURNS)]
+    child = spawn_run(redis_url, namespace, random_scenario(tmp_path, 3000), TURNS, "once")
+    try:
+
+        async def every_send_in_flight() -> bool:
+            assert child.poll() is None, "the run ended before the kill"
+            return all([await effects.counts(t) for t in ids])
+
+        await eventually(every_send_in_flight, timeout=60)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    store = RedisCheckpointStore(real_client, keys)
+    assert sorted(await store.list_in_progress()) == ids
+    ledger = ToolLedger(real_client, keys)
+    before = {t: await effects.counts(t) for t in ids}
+    for t in ids:  # each turn's reply is journaled, and its send's effect is real
+        view = await ledger.read(t)
+        assert view.reply is not None and list(before[t].values()) == [1]
+
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    stats = await engine.resume_all()  # another process: the model would answer otherwise
+    assert stats.resumed == TURNS and stats.outcomes == {"answered": TURNS}
+
+    verdict = await judge(real_client, keys, ids, None)
+    assert verdict.ok, verdict.as_dict()["examples"]
+    assert not verdict.duplicate_effects and not verdict.orphaned_effects
+    assert verdict.calls_repaid == 0  # no complete reply was asked for again
+    for t in ids:
+        final = await store.load(t)
+        c = final.counters
+        assert c.replies_adopted == 1 and c.resume_attempts == 1
+        assert c.model_calls == 3  # two rounds and the answer, across both incarnations
+        first_send = next(m.tool_result for m in final.messages if m.tool_result is not None
+                          and m.tool_result.name == "send")  # fmt: skip
+        assert first_send.status == "outcome_unknown"
+        asked = next(m for m in final.messages if m.tool_calls)
+        assert first_send.call_id == asked.tool_calls[1].id  # the id the model issued
+        key = next(k for k in before[t])
+        assert key in {m.call_key for m in final.meta}  # the effect is the one reported
+        assert len(await effects.counts(t)) == 2  # the first send, and the second round's
+
+
+async def test_a_refused_journal_is_set_aside_and_its_calls_told_to_the_model(
+    real_client: aioredis.Redis, keys: KeyLayout, tmp_path: Path
+) -> None:
+    """A journaled reply from an epoch after the record's (a zombie's, or a forgery) is never
+    continued from: it is kept aside with why, and the model is told its calls' fates before
+    it is asked again."""
+    sc = parse_scenario({"name": "refused", "rounds": 1, "tools": ["send"], "replies": "random"})
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    await engine.run_new(*scripted_turn(sc), ["r1"])
+    store, ledger = engine.store, ToolLedger(real_client, keys)
+    done = await store.load("r1")
+    # Back to the record before the batch, still in progress, with a journal from epoch 9.
+    journal = (await ledger.read("r1")).reply
+    assert journal is not None
+    forged = decode_reply("r1", journal).model_copy(update={"epoch": 9})
+    base = done.model_copy(
+        update={
+            "messages": done.messages[: done.baseline],
+            "meta": done.meta[: done.baseline],
+            "in_progress": True,
+            "reason": SaveReason.SUBMITTED,
+            "seq": done.seq + 1,
+            "counters": done.counters.model_copy(update={"tool_batches": 0, "outcome": None}),
+        }
+    )
+    await store.save(base)
+    await real_client.hset(keys.tools("r1"), REPLY_FIELD, pack_model(forged))
+
+    stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["r1"])
+    assert stats.outcomes == {"answered": 1}
+    final = await store.load("r1")
+    told = [m.text for m in final.messages if m.text.startswith("[phaseline] Your previous")]
+    assert len(told) == 1 and "epoch 9" in told[0] and "send" in told[0]
+    assert final.counters.replies_lost == 1 and final.counters.replies_adopted == 0
+    kept = await real_client.hget(keys.tools("r1"), REPLY_REFUSED_FIELD)
+    assert kept == pack_model(forged)
+    assert await real_client.hget(keys.tools("r1"), REPLY_FIELD) is not None  # the new one
+
+
+async def test_an_undecodable_journal_is_refused_not_continued(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    sc = parse_scenario({"name": "garbled", "rounds": 1, "tools": ["echo"]})
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    await engine.run_new(*scripted_turn(sc), ["g1"])
+    done = await engine.store.load("g1")
+    base = done.model_copy(
+        update={
+            "messages": done.messages[: done.baseline],
+            "meta": done.meta[: done.baseline],
+            "in_progress": True,
+            "reason": SaveReason.SUBMITTED,
+            "seq": done.seq + 1,
+            "counters": done.counters.model_copy(update={"tool_batches": 0, "outcome": None}),
+        }
+    )
+    await engine.store.save(base)
+    await real_client.hset(keys.tools("g1"), REPLY_FIELD, b"\xc1 not msgpack")
+    stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["g1"])
+    assert stats.outcomes == {"answered": 1}
+    final = await engine.store.load("g1")
+    told = [m.text for m in final.messages if m.text.startswith("[phaseline] Your previous")]
+    assert len(told) == 1 and "does not decode" in told[0] and "echo" in told[0]
