@@ -21,7 +21,7 @@ from actors.engine.config import Settings
 from actors.engine.scenario import Scenario, parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.harness.chaos import poison_variant
-from actors.harness.verdict import first_difference
+from actors.harness.verdict import first_difference, judge
 from actors.turn.recovery import Decision
 from bus.errors import TurnNotRunning
 from bus.events import Recovering, StatusEvent, decode_event
@@ -128,6 +128,37 @@ async def test_sigkill_of_a_host_mid_turn(
     assert all(finals[t].epoch >= 2 for t in resumed)
     assert await rt.respawns() >= 1
     assert set((await final_events(real_client, rt.dep.keys)).values()) == {1}
+
+
+async def test_every_host_sigkilled_mid_batch_runs_no_effect_twice_with_random_replies(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """20 turns whose model never answers alike; every TurnActor SIGKILLed while each turn's
+    non-idempotent ``send`` is in flight on a ToolWorker (which lives on and finishes it).
+    Counted from outside: no effect twice, none the model was not told of, no complete reply
+    asked for again."""
+    rt = await start_runtime(hosts=2)
+    sc = scenario(rounds=2, tools=["echo", "send"], tool_latency_ms=3000, llm_latency_ms=20,
+                  replies="random", seed=3)  # fmt: skip
+    ids = [f"once{i:03d}" for i in range(20)]
+    effects = EffectCounters(real_client, rt.dep.keys)
+    await rt.submit(*scripted_turn(sc), ids)
+
+    async def every_send_in_flight() -> bool:
+        return all([await effects.counts(t) for t in ids])
+
+    await eventually(every_send_in_flight, timeout=60, what="every turn's send to act")
+    for slot in range(2):
+        await rt.kill_host(slot)
+    finals = await rt.wait(ids, timeout=180)
+    verdict = await judge(real_client, rt.dep.keys, ids, None)
+    assert verdict.ok, verdict.as_dict()["examples"]
+    assert verdict.calls_repaid == 0
+    for t, final in finals.items():
+        assert final.counters.resume_attempts >= 1, t
+        assert final.counters.replies_adopted >= 1, t
+        assert len(await effects.counts(t)) == 2, t  # the first round's send, the second's
+    assert await rt.respawns() >= 2
 
 
 async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
