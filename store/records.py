@@ -166,6 +166,18 @@ class Counters(FrozenModel):
     """Journaled replies refused on resume (undecodable, or from an epoch not the record's):
     their calls were reported to the model as lost, and it was asked again."""
 
+    def calls_line(self) -> str:
+        """The turn's model calls for a person, with the replies a resume did not pay again."""
+        line = f"{self.model_calls:,}"
+        if self.replies_adopted:
+            line += (
+                f"; {self.replies_adopted} journaled replies continued from after a crash "
+                "(not asked again)"
+            )
+        if self.replies_lost:
+            line += f"; {self.replies_lost} journaled replies refused on resume (model told)"
+        return line
+
     def tokens_line(self) -> str:
         """The turn's tokens for a person: the turn's, the session's, what is not counted."""
         t = self.tokens

@@ -70,6 +70,7 @@ def _fields_table(record: CheckpointRecord) -> Table:
     if c.outcome is not None:
         fields.add_row("outcome", c.outcome.value)
     fields.add_row("tokens", c.tokens_line())
+    fields.add_row("model calls", c.calls_line())
     if c.last_error is not None:
         fields.add_row("last error", escape(c.last_error.line()))
     if c.outcome is Outcome.SUSPENDED_POISON:

@@ -279,7 +279,7 @@ async def plan_resume(
     journal, refused = judge_reply(record, view)
     lost = ""
     if refused:
-        lost = lost_reply_note(refused, batch_calls(entries, record.counters.tool_batches))
+        lost = lost_reply_note(refused, calls_since(entries, record.counters.tool_batches))
         await ledger.refuse_reply(turn_id, view.reply or b"", refused)
     return Resume(
         turn_id,
@@ -294,6 +294,10 @@ async def plan_resume(
         journal=journal,
         lost_reply=lost,
     )
+
+
+#: How the model's note of a refused journal begins (the verdict reads its call keys as told).
+LOST_REPLY_PREFIX = "[phaseline: lost replies]"
 
 
 def judge_reply(record: CheckpointRecord, view: LedgerView) -> tuple[ReplyJournal | None, str]:
@@ -311,18 +315,29 @@ def judge_reply(record: CheckpointRecord, view: LedgerView) -> tuple[ReplyJourna
         return None, f"it was journaled at epoch {journal.epoch}, after the record's {record.epoch}"
     if not journal.extends(record):
         return None, ""  # a later checkpoint holds it: spent
-    if journal.batch != record.counters.tool_batches:
+    # The journal may span batches a debounced save left out: its reply is the last of them.
+    if (
+        journal.batch != journal.counters.tool_batches
+        or journal.batch < record.counters.tool_batches
+    ):
         return None, (
-            f"it is batch {journal.batch} of a record at batch {record.counters.tool_batches}"
+            f"its reply is batch {journal.batch} (its counters say "
+            f"{journal.counters.tool_batches}) after a record at batch "
+            f"{record.counters.tool_batches}"
         )
     return journal, ""
 
 
-def batch_calls(entries: dict[str, LedgerEntry], batch: int) -> list[tuple[str, LedgerEntry]]:
-    """The ledger's calls of one batch (their keys start ``<batch>.``), in batch order."""
-    prefix = f"{batch}."
-    mine = [(k, e) for k, e in entries.items() if k.startswith(prefix)]
-    return sorted(mine, key=lambda ke: int(ke[0].split(".")[1]))
+def calls_since(entries: dict[str, LedgerEntry], batch: int) -> list[tuple[str, LedgerEntry]]:
+    """The ledger's calls of ``batch`` and later ones (keys ``<batch>.<index>.<digest>``), in
+    order: what a refused journal may have run that the record does not hold."""
+
+    def place(key: str) -> tuple[int, int]:
+        b, i, _ = key.split(".", 2)
+        return int(b), int(i)
+
+    return sorted(((k, e) for k, e in entries.items() if place(k)[0] >= batch),
+                  key=lambda ke: place(ke[0]))  # fmt: skip
 
 
 def lost_reply_note(why: str, calls: list[tuple[str, LedgerEntry]]) -> str:
@@ -341,7 +356,7 @@ def lost_reply_note(why: str, calls: list[tuple[str, LedgerEntry]]) -> str:
                          "have taken effect and will not be re-run")  # fmt: skip
     calls_said = "; ".join(parts) if parts else "none of its calls had started"
     return (
-        f"[phaseline] Your previous reply, which asked for tools, was lost in a crash and could "
-        f"not be recovered ({why}). What its calls did: {calls_said}. Do not assume a call "
-        "whose outcome is unknown did not happen."
+        f"{LOST_REPLY_PREFIX} Your replies since this point, which asked for tools, were lost in "
+        f"a crash and could not be recovered ({why}). What their calls did: {calls_said}. Do "
+        "not assume a call whose outcome is unknown did not happen."
     )

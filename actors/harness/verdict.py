@@ -26,11 +26,13 @@ Poison turns (``expect_suspended``) are judged the other way round: each must en
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from actors.engine.engine_settings import EngineSettings
+from actors.engine.resume import LOST_REPLY_PREFIX
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
 from actors.turn.compaction import read_summary
@@ -350,6 +352,10 @@ def _judge_transcript(
         v.flagged.add(tid)
 
 
+#: A call key as a note names it (``store.ledger.call_key``).
+CALL_KEY = re.compile(r"\b\d+\.\d+\.[0-9a-f]{24}\b")
+
+
 def slot_of(call_key: str) -> str:
     """A call's place: ``<batch>.<index>`` of its key (two calls asked for in one place are
     one reply's call and a different reply's, asked for again)."""
@@ -363,7 +369,8 @@ def effect_findings(
     run twice, or two calls' effects in one place) and orphans (an effect the model was never
     told of), each "" when there is none.
 
-    An effect is told of when its key is a tool result's in the transcript's meta. A
+    An effect is told of when its key is a tool result's in the transcript's meta (or named
+    in the note that tells the model of a refused journal's calls). A
     compaction drops results from the transcript; then an effect whose key is gone is an
     orphan only if the ledger never settled it or the transcript answered its place with
     another call."""
@@ -374,6 +381,9 @@ def effect_findings(
         places.setdefault(slot_of(k), []).append(k)
     shared = sorted(p for p, ks in places.items() if len(ks) > 1)
     told = {m.call_key for m in record.meta if m.call_key}
+    for m in record.messages:  # a refused journal's calls, told to the model in a note
+        if m.role == "user" and m.text.startswith(LOST_REPLY_PREFIX):
+            told.update(CALL_KEY.findall(m.text))
     told_places = {slot_of(k) for k in told}
     compacted = any(read_summary(m) for m in record.messages)
     orphans = []

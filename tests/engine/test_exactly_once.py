@@ -8,6 +8,9 @@ key, and its non-idempotent tool would act twice. The side effects are counted f
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from actors.engine.engine_settings import EngineSettings
+from actors.engine.resume import LOST_REPLY_PREFIX
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
@@ -123,7 +127,7 @@ async def test_a_refused_journal_is_set_aside_and_its_calls_told_to_the_model(
     stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["r1"])
     assert stats.outcomes == {"answered": 1}
     final = await store.load("r1")
-    told = [m.text for m in final.messages if m.text.startswith("[phaseline] Your previous")]
+    told = [m.text for m in final.messages if m.text.startswith(LOST_REPLY_PREFIX)]
     assert len(told) == 1 and "epoch 9" in told[0] and "send" in told[0]
     assert final.counters.replies_lost == 1 and final.counters.replies_adopted == 0
     kept = await real_client.hget(keys.tools("r1"), REPLY_REFUSED_FIELD)
@@ -153,5 +157,74 @@ async def test_an_undecodable_journal_is_refused_not_continued(
     stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["g1"])
     assert stats.outcomes == {"answered": 1}
     final = await engine.store.load("g1")
-    told = [m.text for m in final.messages if m.text.startswith("[phaseline] Your previous")]
+    told = [m.text for m in final.messages if m.text.startswith(LOST_REPLY_PREFIX)]
     assert len(told) == 1 and "does not decode" in told[0] and "echo" in told[0]
+
+
+async def test_a_crash_while_awaiting_approval_keeps_the_question_and_its_decision(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """The reply is durable before its question is asked: the resumed turn asks nothing new,
+    and a decision taken while no host ran the turn is the one its call runs under."""
+    sc = parse_scenario(
+        {"name": "ask", "rounds": 1, "tools": ["send"], "require_approval": ["send"],
+         "replies": "random"}
+    )  # fmt: skip
+    first = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    task = asyncio.ensure_future(first.run_new(*scripted_turn(sc), ["q1"]))
+
+    async def asked() -> bool:
+        return bool(await first.approvals.pending("q1"))
+
+    await eventually(asked, timeout=30, what="the approval question")
+    ((key, _question),) = (await first.approvals.pending("q1")).items()
+    assert (await ToolLedger(real_client, keys).read("q1")).reply is not None
+    task.cancel()  # the host is gone while the question waits
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert await first.approvals.decide("q1", key, True, by="operator", reason="fine")
+
+    second = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    stats = await second.resume_turns(["q1"])
+    assert stats.outcomes == {"answered": 1}
+    final = await second.store.load("q1")
+    assert final.counters.replies_adopted == 1
+    assert list(await second.approvals.all("q1")) == [key]  # never asked again otherwise
+    assert await second.effects.counts("q1") == {key: 1}
+    result = next(m for m in final.meta if m.call_key == key)
+    assert result.approval is not None and result.approval.by == "operator"
+
+
+async def test_a_journal_spanning_debounced_batches_is_continued_from(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """With saves debounced (one a minute), the batches after the last save live only in the
+    journal: a resume continues after all of them, and nothing acts twice or untold."""
+    sc = parse_scenario(
+        {"name": "debounced", "rounds": 5, "tools_per_round": 1, "tools": ["send"],
+         "tool_latency_ms": 1000, "replies": "random"}
+    )  # fmt: skip
+    slow = dataclasses.replace(FAST, checkpoint_min_interval_s=60)
+    first = TurnEngine(real_client, keys, EngineSettings(loop=slow))
+    effects = EffectCounters(real_client, keys)
+
+    async def fourth_send() -> bool:
+        return len(await effects.counts("d1")) >= 4
+
+    task = asyncio.ensure_future(first.run_new(*scripted_turn(sc), ["d1"]))
+    await eventually(fourth_send, timeout=30, what="four sends")
+    task.cancel()  # the host is gone: its saves after the first were debounced
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    record = await first.store.load("d1")
+    sent = len(await effects.counts("d1"))
+    assert record.in_progress and record.counters.tool_batches < sent - 1
+
+    second = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    stats = await second.resume_turns(["d1"])
+    assert stats.outcomes == {"answered": 1}
+    final = await second.store.load("d1")
+    assert final.counters.replies_adopted == 1 and final.counters.replies_lost == 0
+    verdict = await judge(real_client, keys, ["d1"], None)
+    assert verdict.ok, verdict.as_dict()["examples"]
+    assert len(await effects.counts("d1")) == 5 and verdict.calls_repaid == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,13 +25,17 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
+from actors.harness.verdict import judge
 from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome
+from store.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from tests.support.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 ADDER = "tests.support.agents:llama_adder"
+RECORDER = "tests.support.agents:llama_recorder"
 EXAMPLE = "actors.examples.assistant:agent"
 ASK = TurnInput(message="Add 2 and 3.")
 #: Outcomes of a turn that ended with the model's own text.
@@ -175,3 +180,52 @@ def test_demo_of_the_example_agent_survives_its_host_kill(
     assert data["ok"] and data["verdict"]["verdict"] == "promises", data
     assert data["completed"] == 6 and len(data["kills"]) == 1
     assert "the demo's kill" in done.stdout + done.stderr
+
+
+def spawn_recorder(url: str, namespace: str) -> subprocess.Popen[bytes]:
+    """``phaseline run --in-process`` of three turns of :data:`RECORDER`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url,
+         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml"),
+         "--agent", RECORDER, "--input", ASK.message, "--turns", "3", "--run-id", "rec"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def test_a_non_idempotent_tool_in_flight_at_a_sigkill_acts_once_on_the_real_server(
+    redis_url: str, real_client: aioredis.Redis, namespace: str, llama_server: str
+) -> None:
+    """``phaseline run --in-process`` of a recording ``add`` against llama.cpp's server,
+    SIGKILLed while every turn's ``add`` has acted and waits; resumed in this process. The
+    server samples its own way (it does not answer alike twice even at temperature 0), so a
+    reply asked for again would call again: counted from outside, nothing acts twice and
+    nothing acts untold."""
+    keys = KeyLayout(namespace, shards=16)  # the CLI's default shard count
+    effects = EffectCounters(real_client, keys)
+    ids = [f"rec-t{i:06d}" for i in range(3)]
+    child = spawn_recorder(redis_url, namespace)
+    try:
+
+        async def every_add_in_flight() -> bool:
+            assert child.poll() is None, child.stderr.read() if child.stderr else "exited"
+            return all([await effects.counts(t) for t in ids])
+
+        await eventually(every_add_in_flight, timeout=300, what="every turn's add to act")
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    engine = TurnEngine(
+        real_client,
+        keys,
+        EngineSettings(watchdog=None, loop=LoopSettings(strict=True, checkpoint_min_interval_s=0)),
+    )
+    stats = await engine.resume_all()
+    assert stats.resumed == 3
+    verdict = await judge(real_client, keys, ids, None)
+    assert not verdict.duplicate_effects and not verdict.orphaned_effects, verdict.as_dict()
+    assert not verdict.lost and not verdict.in_progress
+    for t in ids:
+        final = await engine.store.load(t)
+        assert final.counters.replies_adopted == 1, t
+        first = next(m.tool_result for m in final.messages if m.tool_result is not None)
+        assert first.status == "outcome_unknown", t

@@ -88,7 +88,10 @@ async def test_every_planted_fault_is_caught(real_client: aioredis.Redis, keys: 
     assert "forged" in v.differ[0]
     assert [d.split(":")[0] for d in v.duplicate_effects] == ["v1", "v6"]
     assert "ran 2 times" in v.duplicate_effects[0] and "2 calls ran at" in v.duplicate_effects[1]
-    assert v.orphaned_effects == [f"v6: {batch}.{index}.{'0' * 24}", "v7: 9.0.feedfacefeedfacefeedface"]
+    assert v.orphaned_effects == [
+        f"v6: {batch}.{index}.{'0' * 24}",
+        "v7: 9.0.feedfacefeedfacefeedface",
+    ]
     assert v.lost == ["v2"]
     assert v.meta_drift == ["v3"]
     assert v.stale_accepted == ["v4"]

@@ -312,6 +312,26 @@ llama_adder = Agent(
 )
 
 
+@tool(name="add", idempotent=False)
+async def add_and_record(ctx: ToolContext, a: int, b: int = 0) -> str:
+    """Add two integers and record the sum.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    if ctx.effects is None:
+        raise RuntimeError("add needs a side-effect store")
+    await ctx.effects.increment(ctx.turn_id, ctx.call_key)  # the record: acts at once,
+    await asyncio.sleep(3)  # then waits for its acknowledgement (a kill lands here)
+    return str(a + b)
+
+
+#: :data:`llama_adder` with a non-idempotent ``add`` that records each run from outside, then
+#: takes 3 s: real sampling, a real side effect in flight at a crash.
+llama_recorder = dataclasses.replace(llama_adder, tools=ToolRegistry([add_and_record]))
+
+
 #: Where :func:`archive` writes: a file per turn, so a test on any process reads what it got.
 ARCHIVE_DIR = Path(tempfile.gettempdir()) / "phaseline-tests-on-finish"
 
