@@ -48,6 +48,8 @@ from bus.errors import PhaselineError
 from bus.events import LiveEvent, Recovering, encode_event
 from bus.outcomes import Problem
 from bus.phase import TurnPhase
+from store.connection import connect
+from store.effects import EffectCounters
 from store.leases import HostLeases
 from store.pools import PoolSizes
 from store.records import TurnInput
@@ -97,6 +99,7 @@ class TurnActor:
                 on_transition=self.publisher.add,
                 on_event=self._on_event,
                 on_isolate=self._isolation_wanted,
+                effects=self._effects(),
             ),
             watchdog=False,  # the WatchdogActor watches every host's turns
             publish=False,  # its own publisher, above: its drops are counted in hello
@@ -252,6 +255,14 @@ class TurnActor:
             except PhaselineError as exc:
                 log.warning("isolation host: %s; retrying", exc)
                 await asyncio.sleep(1)  # Redis is away: back off, then read the queue again
+
+    def _effects(self) -> EffectCounters | None:
+        """The chaos witness, where side effects are counted when the deployment has one (as
+        the ToolWorkers count there)."""
+        url = self.dep.effects_url
+        if url is None:
+            return None
+        return EffectCounters(connect(url, retry_s=self.dep.settings.redis.retry_s), self.dep.keys)
 
     def _isolation_wanted(self, _turn_id: str) -> None:
         self._poke(self.directory.handle(self.dep.isolation_slot))

@@ -19,6 +19,7 @@ from bus.events import LiveEvent
 from bus.phase import Transition
 from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.durability import Durability
+from store.effects import EffectCounters
 from store.retention import Retention
 from store.transaction import AtomicSave
 
@@ -81,6 +82,9 @@ class EngineHooks:
     """Hears the in-process watchdog's soft idle reports."""
     on_isolate: Callable[[str], None] | None = None
     """Hears every turn this engine queued for the isolation host."""
+    effects: EffectCounters | None = None
+    """Where the side effects of the built-in tools run here and the scripted model's replies
+    are counted (the chaos witness, a server of its own); None: the turn store."""
     on_finish: OnFinish | None = None
     """Called with every turn that ends here, after its final save
     (``actors.engine.on_finish``)."""

@@ -87,7 +87,7 @@ class TurnEngine:
             durability=settings.durability, atomic=settings.atomic, retention=settings.retention,
         )  # fmt: skip
         self.ledger = ToolLedger(client, keys)
-        self.effects = EffectCounters(client, keys)
+        self.effects = hooks.effects or EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
         self.admission = RedisAdmission(client, keys)
