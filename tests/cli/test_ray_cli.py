@@ -44,7 +44,10 @@ def test_demo_kills_a_host_and_gives_the_verdict(
     redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
     scenario = tmp_path / "s.toml"
-    scenario.write_text('name = "demo"\nrounds = 6\ntools_per_round = 2\nllm_latency_ms = 100\n')
+    scenario.write_text(  # as the shipped demo: random replies, a tool that acts then waits
+        'name = "demo"\nrounds = 6\ntools_per_round = 2\nllm_latency_ms = 100\n'
+        'tools = ["echo", "send"]\ntool_latency_ms = 300\nreplies = "random"\n'
+    )
     report = tmp_path / "demo.json"
     # Killed as soon as the turns are submitted: these short, identical turns run in lockstep,
     # so "30 % finished" can come when host 0 has nothing left in flight (seen in CI).
@@ -56,4 +59,7 @@ def test_demo_kills_a_host_and_gives_the_verdict(
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["completed"] == data["correct"] == 30
     assert len(data["kills"]) == 1 and data["respawns"] >= 1 and data["resumed"] >= 1
-    assert "verdict" in out and "ok" in out
+    assert data["verdict"]["verdict"] == "promises"  # the default for random replies
+    assert data["duplicate_side_effects"] == data["orphaned_side_effects"] == 0
+    assert data["model_calls"] >= 30 * 7 and data["calls_repaid"] is not None
+    assert "verdict (promises)" in out and "ok" in out and "calls_repaid" in out

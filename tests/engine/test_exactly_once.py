@@ -23,7 +23,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge
-from bus.outcomes import SaveReason
+from bus.outcomes import Outcome, SaveReason
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.effects import EffectCounters
@@ -228,3 +228,21 @@ async def test_a_journal_spanning_debounced_batches_is_continued_from(
     verdict = await judge(real_client, keys, ["d1"], None)
     assert verdict.ok, verdict.as_dict()["examples"]
     assert len(await effects.counts("d1")) == 5 and verdict.calls_repaid == 0
+
+
+async def test_a_reply_too_large_to_journal_runs_none_of_its_calls(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """A reply that cannot be journaled (over the record cap: its checkpoint could not be
+    stored either) ends the turn on its last checkpoint, with a clear outcome, before any of
+    its calls runs; the host goes on."""
+    sc = parse_scenario(
+        {"name": "big", "rounds": 1, "tools": ["send"], "payload_bytes": 6000,
+         "replies": "random"}
+    )  # fmt: skip
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, max_record_bytes=9000))
+    await engine.run_new(*scripted_turn(sc), ["big1"])
+    final = await engine.store.load("big1")
+    assert final.counters.outcome is Outcome.ABORTED_RECORD_TOO_LARGE and not final.in_progress
+    assert await engine.effects.counts("big1") == {}  # its send never ran
+    assert (await ToolLedger(real_client, keys).read("big1")).entries == {}

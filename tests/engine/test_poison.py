@@ -37,12 +37,20 @@ from actors.turn.poison import (
 from actors.turn.run_result import RunStop
 from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, StoreError
+from bus.messages import Message, ToolCall
 from bus.outcomes import Outcome, SaveReason
 from store.codec import pack_model
 from store.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
-from store.records import CheckpointRecord, Settle, TurnInput, TurnSpec
+from store.records import (
+    CheckpointRecord,
+    MessageMeta,
+    ReplyJournal,
+    Settle,
+    TurnInput,
+    TurnSpec,
+)
 from tests.support.agents import BUGGY_CALLS
 from tests.support.polling import eventually
 from tests.support.records import record
@@ -110,8 +118,15 @@ def test_every_plan_shape_round_trips_the_wire() -> None:
     rec = record("t", epoch=2, seq=3)
     spec = TurnSpec(turn_id="t", session_id="s1", agent="a.b:c", input={"message": "hi"},
                     created_at=1)  # fmt: skip
+    reply = Message(role="assistant", tool_calls=(ToolCall(id="c", name="echo", args={}),))
+    journal = ReplyJournal(
+        epoch=2, batch=0, base_len=len(rec.messages), messages=(reply,),
+        meta=(MessageMeta(source="llm", message_id="m", at_ms=1),), counters=rec.counters,
+    )  # fmt: skip
     for plan in (
         Resume("t", rec, spec, SaveReason.TOOL_BATCH, in_flight=1, pending_inbox=2, detail="d"),
+        Resume("t", rec, spec, SaveReason.TOOL_BATCH, journal=journal, lost_reply=""),
+        Resume("t", rec, spec, SaveReason.TOOL_BATCH, lost_reply="told"),
         Parked("t", rec, detail="poison"),
         Skipped("t", RunStop.FENCED, detail="newer owner"),
     ):

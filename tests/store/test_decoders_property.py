@@ -29,7 +29,7 @@ from bus.events import (
 from bus.outcomes import Action, EngineProblem, Outcome, Problem, SaveReason
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
-from store.records import InboxItem, LedgerEntry, TurnSpec
+from store.records import InboxItem, LedgerEntry, ReplyJournal, TurnSpec
 from store.transcript import Transcript
 from tests.support.records import record
 
@@ -133,10 +133,10 @@ def test_the_wire_form_rejects_anything_malformed_with_value_error(blob: bytes) 
 
 @PROPS
 @given(
-    model=st.sampled_from([LedgerEntry, TurnSpec, InboxItem]),
+    model=st.sampled_from([LedgerEntry, TurnSpec, InboxItem, ReplyJournal]),
     data=st.binary(max_size=128) | junk,
 )
-def test_ledger_entries_specs_and_inbox_items_fail_typed(model: Any, data: bytes) -> None:
+def test_ledger_entries_specs_inbox_items_and_journals_fail_typed(model: Any, data: bytes) -> None:
     with contextlib.suppress(RecordError):  # anything else fails the test
         unpack_model(model, data, key="k")
 

@@ -92,6 +92,27 @@ async def test_a_claim_takes_new_calls_and_hands_back_what_the_ledger_holds(
     assert states == {"a": "dispatched", "b": "failed", "c": "dispatched"}
 
 
+async def test_a_claim_journals_its_reply_only_if_the_fence_passes(owned: ToolLedger) -> None:
+    """The reply rides on the claim: journaled with the calls, never by a fenced owner, kept
+    out of the calls' entries, set aside with why when a resume refuses it."""
+    prepared = pack_model(LedgerEntry(state="prepared", name="echo"))
+    decided = pack_model(LedgerEntry(state="dispatched", name="echo", epoch=2))
+    with pytest.raises(StaleOwner):
+        await owned.claim("t1", 1, [Claim("0.0.z", prepared, decided)], reply=b"zombie's")
+    assert (await owned.read("t1")).reply is None
+    assert await owned.claim("t1", 2, [Claim("0.0.a", prepared, decided)], reply=b"mine") == {
+        "0.0.a": None
+    }
+    view = await owned.read("t1")
+    assert view.reply == b"mine" and sorted(view.entries) == ["0.0.a", "0.0.z"]
+    assert sorted(await owned.entries("t1")) == ["0.0.a", "0.0.z"]
+    await owned.claim("t1", 2, [], reply=b"alone")  # before an approval question
+    assert (await owned.read("t1")).reply == b"alone"
+    await owned.refuse_reply("t1", b"alone", "it does not decode")
+    assert (await owned.read("t1")).reply is None
+    assert sorted(await owned.entries("t1")) == ["0.0.a", "0.0.z"]
+
+
 async def test_claims_of_concurrent_turns_share_a_round_trip_and_each_gets_its_answer(
     any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:

@@ -36,7 +36,10 @@ It also behaves as real servers were seen to (llama.cpp's, through ``llama-cpp-p
 * script ``"repeat_names": true``: a streamed tool call repeats its name in every delta;
 * script ``"n_ctx": N``: a prompt over N tokens gets, streamed, 200 and an empty stream, and
   without streaming a 400 ``context_length_exceeded`` (until the transcript is compacted);
-* every error answer carries an ``x-request-id``.
+* every error answer carries an ``x-request-id``;
+* script ``"sample": true``: each tool call's ``a`` is drawn at random, as a sampling model
+  answers the same conversation differently every time (a reply asked for again calls
+  otherwise).
 
 A provider-like rate limit for the whole server: ``POST /_limit`` with ``{"rpm": 600, "burst":
 100, "headers": true}`` (``{}`` lifts it) sets a token bucket of ``burst`` requests refilled at
@@ -54,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import sys
 import time
@@ -165,6 +169,8 @@ def plan(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     outputs = [str(m.get("content")) for m in messages if m["role"] == "tool"]
     if rounds < int(script.get("rounds", 0)) and body.get("tool_choice") != "none":
         args = json.dumps(script.get("args", {"a": call, "b": 1}))
+        if script.get("sample"):  # as a sampling model: never the same call twice
+            args = json.dumps({"a": random.randrange(1 << 30), "b": 1})
         name = str(script.get("tool", "add"))
         text = f"step {call}" if script.get("call_text", True) else ""
         return kind, {"content": text, "tool_calls": [(f"call_{call}", name, args)]}
