@@ -76,8 +76,7 @@ class TurnLoop(ToolSteps, ModelSteps):
             if self._resume_from is SaveReason.FORCE_STOP:
                 return await self._force_stop(checkpoint_first=False)
             t.to(P.AWAITING_LLM)
-            if self._lost_reply:
-                self._tell_lost_reply(self._lost_reply)
+            self._tell_lost_reply()
             return await self._drive()
         except CancelNow:
             return await self._finish_cancelled()
@@ -107,9 +106,12 @@ class TurnLoop(ToolSteps, ModelSteps):
         self.tracker.to(P.AWAITING_LLM)
         return await self._drive()
 
-    def _tell_lost_reply(self, lost: str) -> None:
-        """Tell the model that a reply of its own was lost with what it asked for, before it
-        is asked again: never a silent re-ask."""
+    def _tell_lost_reply(self) -> None:
+        """Tell the model, once, that replies of its own were lost with what they asked for
+        (a journal refused on resume), before it is asked again: never a silent re-ask."""
+        lost, self._lost_reply = self._lost_reply, ""
+        if not lost:
+            return
         log.warning("turn %s: a journaled reply was refused; telling the model", self.turn_id)
         self._counters = self._counters.model_copy(
             update={"replies_lost": self._counters.replies_lost + 1}
@@ -344,6 +346,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         if checkpoint_first:
             await self._checkpoint(SaveReason.FORCE_STOP)
         self.tracker.to(P.FORCE_STOP)
+        self._tell_lost_reply()  # a wrap-up resumed after a refused journal
         spent = bool(self._budget_spent())  # why it stops
         answer = await self._ask(tools_enabled=False)
         if isinstance(answer, TurnOutcome):

@@ -29,6 +29,7 @@ from store.codec import pack_model
 from store.effects import EffectCounters
 from store.keys import REPLY_FIELD, REPLY_REFUSED_FIELD, KeyLayout
 from store.ledger import ToolLedger, decode_reply
+from store.records import CheckpointRecord
 from tests.engine.test_crash import spawn_run
 from tests.support.polling import eventually
 from tests.support.reference import FAST
@@ -96,8 +97,23 @@ async def test_sigkill_mid_batch_then_resume_runs_no_effect_twice_and_asks_no_re
         assert len(await effects.counts(t)) == 2  # the first send, and the second round's
 
 
+def before_its_batches(done: CheckpointRecord) -> CheckpointRecord:
+    """A finished turn's record taken back to before its first batch, in progress again (the
+    next save of its owner): where a journaled reply of that batch would resume from."""
+    return done.model_copy(
+        update={
+            "messages": done.messages[: done.baseline],
+            "meta": done.meta[: done.baseline],
+            "in_progress": True,
+            "reason": SaveReason.SUBMITTED,
+            "seq": done.seq + 1,
+            "counters": done.counters.model_copy(update={"tool_batches": 0, "outcome": None}),
+        }
+    )
+
+
 async def test_a_refused_journal_is_set_aside_and_its_calls_told_to_the_model(
-    real_client: aioredis.Redis, keys: KeyLayout, tmp_path: Path
+    real_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     """A journaled reply from an epoch after the record's (a zombie's, or a forgery) is never
     continued from: it is kept aside with why, and the model is told its calls' fates before
@@ -111,17 +127,7 @@ async def test_a_refused_journal_is_set_aside_and_its_calls_told_to_the_model(
     journal = (await ledger.read("r1")).reply
     assert journal is not None
     forged = decode_reply("r1", journal).model_copy(update={"epoch": 9})
-    base = done.model_copy(
-        update={
-            "messages": done.messages[: done.baseline],
-            "meta": done.meta[: done.baseline],
-            "in_progress": True,
-            "reason": SaveReason.SUBMITTED,
-            "seq": done.seq + 1,
-            "counters": done.counters.model_copy(update={"tool_batches": 0, "outcome": None}),
-        }
-    )
-    await store.save(base)
+    await store.save(before_its_batches(done))
     await real_client.hset(keys.tools("r1"), REPLY_FIELD, pack_model(forged))
 
     stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["r1"])
@@ -142,17 +148,7 @@ async def test_an_undecodable_journal_is_refused_not_continued(
     engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
     await engine.run_new(*scripted_turn(sc), ["g1"])
     done = await engine.store.load("g1")
-    base = done.model_copy(
-        update={
-            "messages": done.messages[: done.baseline],
-            "meta": done.meta[: done.baseline],
-            "in_progress": True,
-            "reason": SaveReason.SUBMITTED,
-            "seq": done.seq + 1,
-            "counters": done.counters.model_copy(update={"tool_batches": 0, "outcome": None}),
-        }
-    )
-    await engine.store.save(base)
+    await engine.store.save(before_its_batches(done))
     await real_client.hset(keys.tools("g1"), REPLY_FIELD, b"\xc1 not msgpack")
     stats = await TurnEngine(real_client, keys, EngineSettings(loop=FAST)).resume_turns(["g1"])
     assert stats.outcomes == {"answered": 1}
