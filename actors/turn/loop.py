@@ -320,7 +320,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         self._dirty = True
         # a resume from a wrap-up's compaction wraps up again
         reason = SaveReason.FORCE_STOP if back is P.FORCE_STOP else SaveReason.COMPACTION
-        await self._checkpoint(reason)
+        await self._checkpoint(reason, force=True)  # a journaled reply extends a saved one
         t.to(back)
         return None
 
@@ -414,7 +414,7 @@ class TurnLoop(ToolSteps, ModelSteps):
         self._turn, self._meta = shrunk
         self._rewritten = True
         self._dirty = True
-        await self._checkpoint(SaveReason.COMPACTION)
+        await self._checkpoint(SaveReason.COMPACTION, force=True)  # as the reactive one
         self.tracker.to(P.AWAITING_LLM)
 
     async def _drain_inbox(self) -> None:

@@ -211,17 +211,17 @@ class LoopState:
         self._counters = journal.counters.model_copy(update={**claimed, "replies_adopted": adopted})
         self._dirty = True
 
-    async def _journal_of(self, batch: int) -> ReplyJournal | None:
+    def _journal_of(self, batch: int) -> ReplyJournal | None:
         """The journal of the reply just appended (the last message): everything since the
-        last save, so a resume from that save continues exactly here. A compaction not saved
-        yet is saved first (its debounce waived: the reply must be durable before its calls
-        run). None when this loop saves no mid-turn checkpoint (nothing mid-turn is durable)."""
+        last save, so a resume from that save continues exactly here. None when this loop
+        saves no mid-turn checkpoint (nothing mid-turn is durable). A compaction is saved at
+        once (its debounce waived), so the transcript grew only by appending since the last
+        save, unless that save failed: then no call may run (:class:`StoreError`, the turn
+        is interrupted on its last checkpoint, before any side effect)."""
         if not self.settings.checkpoint_mid_turn:
             return None
         if self._rewritten:
-            await self._checkpoint(SaveReason.COMPACTION, force=True)
-            if self._rewritten:  # the save failed: no call may run on an unsaved transcript
-                raise StoreError(f"turn {self.turn_id}: its compaction could not be saved")
+            raise StoreError(f"turn {self.turn_id}: its compaction is not saved")
         saved = self._saved
         start = len(saved.messages) - len(self._baseline)
         return ReplyJournal(

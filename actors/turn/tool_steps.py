@@ -37,7 +37,7 @@ class ToolSteps(LoopState):
         await self._note_step()
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
-        journal = await self._journal_of(batch)
+        journal = self._journal_of(batch)
         needs_approval = any(
             call.name in self.deps.registry and self.deps.registry.get(call.name).requires_approval
             for call in calls

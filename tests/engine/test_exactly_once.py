@@ -242,3 +242,40 @@ async def test_a_reply_too_large_to_journal_runs_none_of_its_calls(
     assert final.counters.outcome is Outcome.ABORTED_RECORD_TOO_LARGE and not final.in_progress
     assert await engine.effects.counts("big1") == {}  # its send never ran
     assert (await ToolLedger(real_client, keys).read("big1")).entries == {}
+
+
+async def test_a_journal_after_a_compaction_is_continued_from(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """An agent that compacts as it goes, saves debounced: each compaction is saved at once,
+    so the journal after it extends a stored transcript, and a crash mid-batch resumes from
+    the reply as after any other."""
+    sc = parse_scenario(
+        {"name": "compacted", "rounds": 5, "tools_per_round": 1, "tools": ["send"],
+         "tool_latency_ms": 1000, "payload_bytes": 300, "replies": "random"}
+    )  # fmt: skip
+    _agent, turn_input = scripted_turn(sc)
+    compacting = "tests.support.agents:compacting"  # compacts past 400 characters
+    slow = dataclasses.replace(FAST, checkpoint_min_interval_s=60)
+    first = TurnEngine(real_client, keys, EngineSettings(loop=slow))
+    effects = EffectCounters(real_client, keys)
+
+    async def third_send() -> bool:
+        return len(await effects.counts("c1")) >= 3
+
+    task = asyncio.ensure_future(first.run_new(compacting, turn_input, ["c1"]))
+    await eventually(third_send, timeout=30, what="three sends")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    stored = await first.store.load("c1")
+    assert stored.in_progress and stored.reason is SaveReason.COMPACTION
+
+    second = TurnEngine(real_client, keys, EngineSettings(loop=FAST))
+    stats = await second.resume_turns(["c1"])
+    assert stats.outcomes == {"answered": 1}
+    final = await second.store.load("c1")
+    assert final.counters.replies_adopted == 1
+    verdict = await judge(real_client, keys, ["c1"], None)
+    assert verdict.ok, verdict.as_dict()["examples"]
+    assert len(await effects.counts("c1")) == 5 and verdict.calls_repaid == 0
