@@ -200,6 +200,12 @@ class NamespaceHeld(ConfigError):
         """Who holds it, for a person."""
 
 
+class NotAwaitingApproval(ConfigError):
+    """A decision on a tool call that is not waiting for one: no question was asked for it
+    (call keys can be computed, so a decision taken before the question would let a call run
+    that nobody approved)."""
+
+
 class TurnNotRunning(ConfigError):
     """A message or a cancel for a turn that is not in progress (finished, suspended, or no
     such turn): nothing would ever read it, so it is refused."""

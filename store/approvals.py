@@ -14,6 +14,8 @@ from typing import Literal
 
 import redis
 
+from bus.errors import NotAwaitingApproval
+
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
 from store.failures import translated
@@ -54,7 +56,9 @@ class Approvals:
     async def decide(
         self, turn_id: str, call_key: str, approve: bool, *, by: str = "", reason: str = ""
     ) -> bool:
-        """Record a decision; returns False when the call was already decided."""
+        """Record a decision on a call that asked for one; returns False when it was already
+        decided, raises :class:`NotAwaitingApproval` when no question was asked for it (a
+        decision taken ahead would approve a call nobody saw)."""
         key = self.keys.approval(turn_id)
         with translated(f"decide approval {turn_id}"):
             async with self.client.pipeline(transaction=True) as pipe:
@@ -62,10 +66,14 @@ class Approvals:
                     try:
                         await pipe.watch(key)
                         raw = await pipe.hget(key, call_key)
-                        current = None if raw is None else _read(f"{key}#{call_key}", raw)
-                        if current is not None and current.state != "pending":
+                        if raw is None:
+                            raise NotAwaitingApproval(
+                                f"turn {turn_id}: call {call_key} is not waiting for a decision"
+                            )
+                        current = _read(f"{key}#{call_key}", raw)
+                        if current.state != "pending":
                             return False
-                        decided = (current or Approval(state="pending")).model_copy(
+                        decided = current.model_copy(
                             update={
                                 "state": "approve" if approve else "deny",
                                 "decided_at_ms": _now_ms(),

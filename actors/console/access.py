@@ -1,6 +1,12 @@
 """Who may use the console: anyone on this machine when it listens on loopback; with a token
 anywhere else. And no page or form may be driven from another site.
 
+A request must name the console by a host it answers to (its ``Host`` header): a loopback name
+(``localhost``, ``127.0.0.1``, ``[::1]``) or one the operator allowed (``phaseline ui
+--allow-host``); with a token and no such list, any. Without that check a page of another site
+could drive a loopback console through DNS rebinding: its name, resolved again to 127.0.0.1,
+would reach the console as a same-origin request of that site.
+
 The token is compared in constant time and, once given (``?token=`` in the first URL, or an
 ``Authorization: Bearer`` header), kept in an HttpOnly, SameSite=Strict cookie, so links
 inside the console carry no secret. Every form post must come from the console's own origin
@@ -23,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp
 
-__all__ = ["COOKIE", "Access", "AccessMiddleware", "is_loopback", "new_token"]
+__all__ = ["COOKIE", "Access", "AccessMiddleware", "host_name", "is_loopback", "new_token"]
 
 #: The cookie that holds the token once given.
 COOKIE = "phaseline_console"
@@ -50,11 +56,34 @@ class Access:
 
     token: str | None
     """The token every request must carry; None: no token (loopback only)."""
+    allowed_hosts: frozenset[str] = frozenset()
+    """Host names (lower case, no port) the console answers to besides loopback ones; empty:
+    loopback names only without a token, any name with one."""
 
     def admits(self, given: str | None) -> bool:
         if self.token is None:
             return True
         return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+
+    def serves(self, host_header: str) -> bool:
+        """Whether a request naming ``host_header`` (``name[:port]``) is meant for this
+        console, not for a name another site rebound to its address."""
+        name = host_name(host_header)
+        if name is None:
+            return False
+        if name in self.allowed_hosts or is_loopback(name):
+            return True
+        return self.token is not None and not self.allowed_hosts
+
+
+def host_name(host_header: str) -> str | None:
+    """The host name of a ``Host`` header, lower case, without an IPv6 address's brackets
+    (None: malformed)."""
+    try:
+        name = urlsplit(f"//{host_header}").hostname
+    except ValueError:  # an unclosed bracket, a port that is not a number
+        return None
+    return name or None
 
 
 def _given_token(request: Request) -> tuple[str | None, bool]:
@@ -84,6 +113,10 @@ class AccessMiddleware(BaseHTTPMiddleware):
         self.access = access
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if not self.access.serves(request.headers.get("host", "")):
+            return PlainTextResponse(
+                "this console does not answer to that host name (phaseline ui --allow-host)", 421
+            )
         if request.url.path.startswith("/static/"):
             return await call_next(request)
         given, in_url = _given_token(request)

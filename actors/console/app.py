@@ -78,6 +78,8 @@ class ConsoleSettings:
     scan: int = 1000
     """Index entries a filtered page reads at most before it offers the next page (what a
     narrow filter costs a page, whatever the store holds)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names the console answers to besides loopback ones (``--allow-host``)."""
 
 
 def _ago(ms: int) -> str:
@@ -324,7 +326,12 @@ def console_app(settings: Settings, console: ConsoleSettings) -> Starlette:
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(AccessMiddleware, access=Access(console.token))],
+        middleware=[
+            Middleware(
+                AccessMiddleware,
+                access=Access(console.token, frozenset(h.lower() for h in console.allowed_hosts)),
+            )
+        ],
         lifespan=c.lifespan,
         exception_handlers={ConfigError: _bad_turn_id},
     )

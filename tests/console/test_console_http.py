@@ -19,6 +19,8 @@ from actors.engine.config import Settings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
+from bus.errors import NotAwaitingApproval
+from store.approvals import Approvals
 from store.keys import KeyLayout
 from tests.support.console_server import serving
 from tests.support.polling import eventually
@@ -62,11 +64,16 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def post(url: str, form: dict[str, str], origin: str | None) -> tuple[int, str]:
-    """A form post; the answer's status and its Location (the console redirects back)."""
+def post(
+    url: str, form: dict[str, str], origin: str | None, host: str | None = None
+) -> tuple[int, str]:
+    """A form post; the answer's status and its Location (the console redirects back).
+    ``host``: the Host header, as a page of another site rebinding its name would send it."""
     headers = {"Content-Type": "application/x-www-form-urlencoded"}
     if origin is not None:
         headers["Origin"] = origin
+    if host is not None:
+        headers["Host"] = host
     data = urllib.parse.urlencode(form).encode()
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     opener = urllib.request.build_opener(_NoRedirect)
@@ -204,3 +211,47 @@ def test_a_console_with_a_token_refuses_requests_without_it(redis_url: str, name
         status, page, _ = get(f"{url}/turns", {"Cookie": cookie.split(";")[0]})
         assert status == 200 and token not in page
         assert get(f"{url}/static/console.css")[0] == 200
+
+
+def test_a_page_of_another_site_cannot_reach_a_loopback_console_by_rebinding(
+    redis_url: str, namespace: str
+) -> None:
+    """DNS rebinding: evil.example resolved again to 127.0.0.1 reaches the console with its own
+    name in Host (and Origin, for a post): refused, whatever the route."""
+    with serving(redis_url, namespace) as url:
+        port = url.rsplit(":", 1)[1]
+        evil = f"evil.example:{port}"
+        assert get(f"{url}/turns", {"Host": evil})[0] == 421
+        assert get(f"{url}/static/console.css", {"Host": evil})[0] == 421
+        status, _ = post(f"{url}/turns/t1/inject", {"text": "hi"}, f"http://{evil}", host=evil)
+        assert status == 421
+        for name in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+            assert get(f"{url}/turns", {"Host": name})[0] == 200, name
+        assert get(f"{url}/turns", {"Host": "[::1"})[0] == 421  # malformed
+    with serving(redis_url, namespace, allowed_hosts=("console.lan",)) as url:
+        port = url.rsplit(":", 1)[1]
+        assert get(f"{url}/turns", {"Host": f"console.lan:{port}"})[0] == 200
+        assert get(f"{url}/turns", {"Host": f"evil.example:{port}"})[0] == 421
+
+
+def test_a_console_with_a_token_answers_any_name_but_only_with_it(
+    redis_url: str, namespace: str
+) -> None:
+    token = "s3cret-token-for-the-test"
+    with serving(redis_url, namespace, token=token) as url:
+        assert get(f"{url}/turns", {"Host": "box.example"})[0] == 401
+        auth = {"Host": "box.example", "Authorization": f"Bearer {token}"}
+        assert get(f"{url}/turns", auth)[0] == 200
+
+
+async def test_no_call_is_approved_before_its_question(
+    base: str, real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Call keys can be computed: a decision on a call that asked nothing is refused, and
+    nothing is written for it."""
+    url = f"{base}/turns/nosuch-t000009/approve"
+    status, where = await apost(url, {"call_key": "0.0.abc"}, origin=base)
+    assert status == 303 and "problem=" in where and "not+waiting" in where
+    assert await real_client.exists(keys.approval("nosuch-t000009")) == 0
+    with pytest.raises(NotAwaitingApproval):
+        await Approvals(real_client, keys).decide("nosuch-t000009", "0.0.abc", True)

@@ -28,12 +28,16 @@ def serving(
     token: str | None = None,
     shards: int = 16,
     ray_address: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """The console of ``namespace`` on ``redis_url`` (attached to the deployment on the Ray
     cluster at ``ray_address``, if given); yields its base URL."""
     settings = Settings.model_validate({"redis": {"namespace": namespace, "shards": shards}})
     app = console_app(
-        settings, ConsoleSettings(redis_url=redis_url, token=token, ray_address=ray_address)
+        settings,
+        ConsoleSettings(
+            redis_url=redis_url, token=token, ray_address=ray_address, allowed_hosts=allowed_hosts
+        ),
     )
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
