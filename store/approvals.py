@@ -15,7 +15,6 @@ from typing import Literal
 import redis
 
 from bus.errors import NotAwaitingApproval
-
 from store.codec import pack_model, unpack_model
 from store.connection import StoreClient
 from store.failures import translated
