@@ -228,6 +228,12 @@ class BudgetExhausted(PhaselineError):
         """The agent's budget per session."""
 
 
+class ToolRaised(ToolError):
+    """A tool's body raised what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
+    a ``CancelledError`` of its own, a bare ``BaseException``): that call's error, stopped at
+    the tool's boundary before it could end the process that ran it."""
+
+
 class ToolExecutorLost(ToolError):
     """What ran a tool call went away mid-call (an MCP server process died, its connection
     dropped): nobody can tell whether the call took effect. An idempotent tool is re-run, any

@@ -50,7 +50,7 @@ from actors.engine.toolrun import (
 )
 from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
-from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, within_boundary
 from bus.errors import ConfigError, StoreError, StoreRefused, ToolExecutorLost
 from bus.messages import ToolCall, ToolResult
 from store.connection import connect
@@ -137,7 +137,7 @@ class ToolWorker:
             if target is not None:
                 return await hub().call(agent, target[0], target[1], args, call_key)
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-            return await loaded.tools.get(name).fn(args, ctx)
+            return await within_boundary(loaded.tools.get(name).fn(args, ctx))
 
     async def call_group(
         self, agent: str, turn_id: str, calls: list[tuple[str, str, str, float]]

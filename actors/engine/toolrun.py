@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
 from actors.turn.loop_state import new_id
-from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
+from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec, within_boundary
 from bus.errors import (
     StoreError,
     StoreRefused,
@@ -155,7 +155,9 @@ class LocalToolRunner:
         attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
         for attempt in range(attempts):
             try:
-                output = await asyncio.wait_for(spec.fn(call.args, ctx), spec.timeout_s)
+                output = await asyncio.wait_for(
+                    within_boundary(spec.fn(call.args, ctx)), spec.timeout_s
+                )
                 return tool_result(call, "ok", output)
             except TimeoutError:
                 return timed_out(call, spec)

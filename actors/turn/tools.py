@@ -25,7 +25,7 @@ import docstring_parser
 import pydantic
 import pydantic_core
 
-from bus.errors import ConfigError, ToolArgumentsError, UnknownTool
+from bus.errors import ConfigError, ToolArgumentsError, ToolRaised, UnknownTool
 
 
 class EffectSink(Protocol):
@@ -179,6 +179,26 @@ def tool(
         )
 
     return build if fn is None else build(fn)
+
+
+async def within_boundary(body: Awaitable[str]) -> str:
+    """Await a tool's body so that nothing it raises ends the process running it: an
+    ``Exception`` passes as it is (the runner makes it the call's error), anything else
+    (``SystemExit``, ``KeyboardInterrupt``, a ``CancelledError`` nobody asked for, a bare
+    ``BaseException``) becomes :class:`ToolRaised`. A real cancel of the call (its timeout,
+    its turn's cancel) still cancels. Awaited inside the caller's task, so asyncio never sees
+    the exception reach a task's edge (where it would stop the event loop)."""
+    try:
+        return await body
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the call itself was cancelled
+        raise ToolRaised("the tool raised CancelledError of its own") from None
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise ToolRaised(f"the tool raised {type(exc).__name__}: {exc}") from None
 
 
 def _python_tool(f: Callable[..., Any], *, name: str, **rules: Any) -> ToolSpec:
