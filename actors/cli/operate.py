@@ -220,7 +220,8 @@ def purge(
 ) -> None:  # fmt: skip
     """Remove finished turns now: every key of each (record, transcript, spec, ledger,
     effects, inbox, approvals, live stream) and its index entry, in one step per turn. A turn
-    in progress is never removed. Give a filter, or --all."""
+    in progress is never removed, nor a suspended one (it waits for phaseline resume) unless
+    --outcome names its suspension. Give a filter, or --all."""
     settings = _settings(config_path, redis_url, namespace)
     if not (everything or session or outcome or older_s is not None):
         raise BadInput("say which finished turns: --older-than, --session, --outcome, or --all")
@@ -233,7 +234,8 @@ def purge(
         chosen = [  # collected first: purging moves the pages
             row.turn_id
             async for row in _finished(client, store, where)
-            if cutoff is None or row.updated_at_ms < cutoff
+            if (cutoff is None or row.updated_at_ms < cutoff)
+            and (row.outcome is None or not row.outcome.suspended or outcome is not None)
         ]
         if dry_run:
             return len(chosen), 0

@@ -19,7 +19,7 @@ from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
-from bus.outcomes import Outcome
+from bus.outcomes import Outcome, SaveReason
 from bus.phase import TurnPhase
 from store.keys import KeyLayout
 from store.records import TurnInput
@@ -219,3 +219,27 @@ async def test_export_then_purge_round_trips_every_finished_turn(
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_purge_all_keeps_suspended_turns_unless_their_suspension_is_named(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    """A suspended turn is not finished: it waits for ``phaseline resume``. ``purge --all``
+    (every finished turn) leaves it; only ``--outcome suspended:poison`` removes it."""
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
+    await engine.run_new(*scenario(rounds=1), ["done1", "parked1"])
+    r = await engine.store.load("parked1")
+    parked = r.model_copy(
+        update={
+            "seq": r.seq + 1,
+            "reason": SaveReason.SUSPENDED,
+            "counters": r.counters.model_copy(update={"outcome": Outcome.SUSPENDED_POISON}),
+        }
+    )
+    await engine.store.save(parked)
+    code, text = await cli("purge", *at(redis_url, keys), "--all")
+    assert code == 0 and "removed 1 " in text
+    assert (await engine.store.load("parked1")).counters.outcome is Outcome.SUSPENDED_POISON
+    code, text = await cli("purge", *at(redis_url, keys), "--outcome", "suspended:poison")
+    assert code == 0 and "removed 1 " in text
+    assert await real_client.exists(keys.turn("parked1")) == 0
