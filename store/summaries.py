@@ -83,6 +83,11 @@ class TurnSummary:
         return f"running ({self.phase.value})" if self.in_progress else "final"
 
 
+#: The furthest back a filter by age may look, in seconds (ten years): a larger number (or
+#: ``inf``) would overflow the unix-ms arithmetic of the bound.
+MAX_LOOKBACK_S = 10 * 365 * 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class TurnFilter:
     """Which turns a list shows; an unset field admits every turn."""

@@ -32,7 +32,7 @@ from store.keys import KeyLayout, check_turn_id
 from store.ledger import ToolLedger
 from store.records import Approval, CheckpointRecord
 from store.retention import TurnPurger
-from store.summaries import TurnFilter, TurnPage, TurnSummary, summaries, turn_page
+from store.summaries import MAX_LOOKBACK_S, TurnFilter, TurnPage, TurnSummary, summaries, turn_page
 
 __all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge", "turns"]
 
@@ -77,7 +77,7 @@ def _age(ms: int) -> str:
                    "suspended ...).")  # fmt: skip
 @click.option("--phase", type=click.Choice([p.value for p in TurnPhase]), default=None,
               help="Only running turns in this phase.")  # fmt: skip
-@click.option("--since", "since_s", type=click.FloatRange(min=0), default=None,
+@click.option("--since", "since_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
               help="Only turns submitted in the last SECONDS.")  # fmt: skip
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
@@ -173,7 +173,7 @@ def _finished_filters(fn: Any) -> Any:
 @main.command()
 @_common
 @_finished_filters
-@click.option("--since", "since_s", type=click.FloatRange(min=0), default=None,
+@click.option("--since", "since_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
               help="Only turns submitted in the last SECONDS.")  # fmt: skip
 @click.option("--output", type=click.Path(dir_okay=False, writable=True), required=True,
               help="The JSON Lines file to write ('-': standard output).")  # fmt: skip
@@ -209,7 +209,7 @@ def export(
 @main.command()
 @_common
 @_finished_filters
-@click.option("--older-than", "older_s", type=click.FloatRange(min=0), default=None,
+@click.option("--older-than", "older_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
               help="Only turns whose last save is older than SECONDS.")  # fmt: skip
 @click.option("--all", "everything", is_flag=True, help="Every finished turn (no filter).")
 @click.option("--dry-run", is_flag=True, help="Say what would go; remove nothing.")

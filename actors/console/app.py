@@ -48,7 +48,7 @@ from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.inbox import Inbox
 from store.keys import KeyLayout, check_turn_id
-from store.summaries import Cursor, TurnFilter
+from store.summaries import MAX_LOOKBACK_S, Cursor, TurnFilter
 from store.urls import redact_url
 from store.watch import watch_entries
 
@@ -293,8 +293,8 @@ def _since(raw: str | None) -> int:
     if not raw:
         return 0
     minutes = float(raw)
-    if not minutes > 0:
-        raise ValueError("since is a number of minutes > 0")
+    if not 0 < minutes * 60 <= MAX_LOOKBACK_S:  # NaN and inf fail it too
+        raise ValueError(f"since is a number of minutes from 0 to {MAX_LOOKBACK_S // 60:,}")
     return int((time.time() - minutes * 60) * 1000)
 
 

@@ -53,6 +53,15 @@ class LLMReply:
     """Why the reply stopped, as the endpoint said (``stop``, ``tool_calls``, ``length``)."""
 
 
+#: The slowest rate a limit may name, a minute: one a day. Slower ones overflow the limiter's
+#: arithmetic (at 1e-15 a minute its wait came out negative: "go now").
+MIN_PER_MINUTE = 1 / 1440
+#: The fastest rate a limit may name, a minute.
+MAX_PER_MINUTE = 1e9
+#: The most calls a burst or an in-flight limit may name.
+MAX_COUNT = 1_000_000
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     """What an endpoint allows, declared by the agent (``OpenAIChat(limits=...)``): every host
@@ -70,12 +79,20 @@ class ModelLimits:
     """Calls in flight at once; None: no limit."""
 
     def __post_init__(self) -> None:
-        for name in ("requests_per_minute", "tokens_per_minute", "max_in_flight"):
+        for name in ("requests_per_minute", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"ModelLimits.{name} must be > 0 (or None), got {value!r}")
-        if self.burst < 1:
-            raise ValueError(f"ModelLimits.burst must be >= 1, got {self.burst}")
+            if value is not None and not MIN_PER_MINUTE <= value <= MAX_PER_MINUTE:
+                raise ValueError(
+                    f"ModelLimits.{name} must be from {MIN_PER_MINUTE:.6g} (one a day) to "
+                    f"{MAX_PER_MINUTE:.0e} a minute (or None), got {value!r}"
+                )
+        if self.max_in_flight is not None and not 1 <= self.max_in_flight <= MAX_COUNT:
+            raise ValueError(
+                f"ModelLimits.max_in_flight must be from 1 to {MAX_COUNT:,} (or None), got "
+                f"{self.max_in_flight!r}"
+            )
+        if not 1 <= self.burst <= MAX_COUNT:
+            raise ValueError(f"ModelLimits.burst must be from 1 to {MAX_COUNT:,}, got {self.burst}")
 
 
 class Admission(Protocol):

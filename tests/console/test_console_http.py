@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from click.testing import CliRunner
 
+from actors.cli import main
 from actors.engine.config import Settings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -255,3 +257,18 @@ async def test_no_call_is_approved_before_its_question(
     assert await real_client.exists(keys.approval("nosuch-t000009")) == 0
     with pytest.raises(NotAwaitingApproval):
         await Approvals(real_client, keys).decide("nosuch-t000009", "0.0.abc", True)
+
+
+@pytest.mark.parametrize("since", ["1e400", "inf", "nan", "-1", "0", "1e12", "soon"])
+def test_a_filter_out_of_range_is_a_400_not_a_500(base: str, since: str) -> None:
+    status, body, _ = get(f"{base}/turns?since={since}")
+    assert status == 400 and body.startswith("bad filter"), (status, body[:200])
+
+
+async def test_the_cli_refuses_a_lookback_past_its_range(redis_url: str, keys: KeyLayout) -> None:
+    for verb, flag in (("turns", "--since"), ("purge", "--older-than")):
+        result = await asyncio.to_thread(
+            CliRunner().invoke, main,
+            [verb, "--redis-url", redis_url, "--namespace", keys.namespace, flag, "inf"],
+        )  # fmt: skip
+        assert result.exit_code == 2 and "inf" in result.output, (verb, result.output)

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from actors.engine.admission import schedule_of
+from actors.turn.llm import MIN_PER_MINUTE, ModelLimits
 from store.connection import StoreClient
 from store.keys import KeyLayout
 from store.limiter import (
@@ -170,3 +172,24 @@ async def test_the_registry_drops_what_outlived_its_state_and_skips_what_is_not_
     assert await any_client.zscore(keys.models(), gone) is None
     # named but its state expired (no admit labelled it): not shown
     assert await limiter.snapshot() == []
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"requests_per_minute": 1e-15}, {"requests_per_minute": 1e-20},
+     {"requests_per_minute": float("inf")}, {"requests_per_minute": float("nan")},
+     {"tokens_per_minute": 1e-12}, {"tokens_per_minute": 1e12}, {"burst": 0},
+     {"burst": 10**9}, {"max_in_flight": 0}, {"max_in_flight": 10**9}],
+)  # fmt: skip
+def test_a_limit_out_of_range_is_refused(kw: dict[str, float]) -> None:
+    """A rate slower than one a day overflowed the limiter's arithmetic (1e-15 a minute gave a
+    wait of -9.2e15 ms: every call went at once); refused when the agent is defined."""
+    with pytest.raises(ValueError, match="ModelLimits"):
+        ModelLimits(**kw)  # type: ignore[arg-type]
+
+
+async def test_the_slowest_allowed_rate_holds_calls_back_a_day(limiter: EndpointLimiter) -> None:
+    slowest = schedule_of(ModelLimits(requests_per_minute=MIN_PER_MINUTE), 60.0)
+    assert await limiter.admit(EP, "first", slowest, 1) == 0
+    wait = await limiter.admit(EP, "second", slowest, 1)
+    assert 86_000 < wait <= 86_400  # never negative, never "go now"
