@@ -386,11 +386,15 @@ class BatchExecutor:
                 partial(self.ledger.transition, turn_id, changes, epoch=None),
             )
         except StoreError as exc:
-            # The model still reads the results; the batch's checkpoint keeps them. Only a
-            # resume from before that checkpoint finds the calls dispatched (and re-runs those
-            # that are idempotent, else reports them outcome_unknown): true, as their results
-            # are lost then.
-            log.warning("turn %s: outcome of %s not journaled: %s", turn_id, list(changes), exc)
+            # The model still reads the results, and the checkpoint after the batch journals
+            # these outcomes too (handed over with the deferred ones), or the next one that
+            # lands: a finished turn's ledger holds every result its transcript does. Only a
+            # resume from before that finds the calls dispatched (and re-runs those that are
+            # idempotent, else reports them outcome_unknown): true, as their results are lost.
+            log.warning("turn %s: outcome of %s not journaled yet: %s", turn_id, list(changes), exc)
+            self._settles.extend(
+                Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items()
+            )
             return
         for key in changes:
             if not won[key]:

@@ -298,16 +298,18 @@ class LoopState:
             raise Released()
 
     async def _settle_alone(self, settles: tuple[Settle, ...]) -> None:
-        """Journal a batch's outcomes that no save carried. A failure is logged, not raised:
-        the model still reads the results and the next checkpoint keeps them; only a resume
-        from before it finds those calls dispatched (and re-runs an idempotent one, reports
-        another ``outcome_unknown``): true, as their results are lost then."""
+        """Journal a batch's outcomes that no save carried. A failure is logged, not raised,
+        and the outcomes wait for the next save (the final one at the latest), which carries
+        them: the model still reads the results meanwhile; only a resume from before that
+        save finds those calls dispatched (and re-runs an idempotent one, reports another
+        ``outcome_unknown``): true, as their results are lost then."""
         if not settles:
             return
         try:
             await self.deps.tools.settle(self.turn_id, settles)
         except StoreError as exc:
-            log.warning("turn %s: outcomes of a batch not journaled: %s", self.turn_id, exc)
+            log.warning("turn %s: outcomes of a batch not journaled yet: %s", self.turn_id, exc)
+            self._settles = (*settles, *self._settles)
 
     def _emit(self, event: LiveEvent) -> None:
         if self.deps.events is not None:

@@ -70,7 +70,7 @@ class ToolSteps(LoopState):
                 defer=self.settings.checkpoint_mid_turn, reply=journal,
             )
         )  # fmt: skip
-        self._settles = self.deps.tools.take_settles()
+        self._settles = (*self._settles, *self.deps.tools.take_settles())
         for i, res in enumerate(results):
             self._append(
                 Message(role="tool", tool_result=res), "tool", approval=decisions.get(i),
