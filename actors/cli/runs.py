@@ -44,6 +44,7 @@ from actors.harness.demo import DemoReport, run_demo
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
 from bus.errors import RecordNotFound
+from bus.outcomes import Outcome
 from bus.phase import Transition, TurnPhase
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
@@ -106,8 +107,12 @@ def _exit_unless_final(stats: RunStats) -> None:
             f"[red]quarantined ({len(stats.quarantined)}): {', '.join(stats.quarantined)}"
         )
     if stats.suspended:
+        how = ", ".join(
+            f"{n} {o.value}" for o, n in stats.outcomes.items()
+            if isinstance(o, Outcome) and o.suspended
+        )  # fmt: skip
         console.print(
-            f"[red]suspended as poison ({len(stats.suspended)}): {_few(stats.suspended)} "
+            f"[red]suspended ({how}): {_few(stats.suspended)} "
             "(phaseline inspect TURN says why; phaseline resume TURN runs it again)"
         )
     if stats.unfinished:

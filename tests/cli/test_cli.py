@@ -11,10 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.cli.runs import _exit_unless_final
 from actors.engine.run_stats import RunStats
 from actors.engine.scenario import load_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
+from actors.turn.run_result import TurnOutcome
 from bus.outcomes import Outcome
 from store.connection import connect
 from store.keys import KeyLayout
@@ -293,3 +295,15 @@ def test_the_redis_url_can_come_from_a_file_not_argv(
     url_file.write_text("")
     code, out = invoke("inspect", "x", "--redis-url-file", str(url_file))
     assert code == 2 and "is empty" in out
+
+
+def test_a_run_says_how_its_turns_were_suspended(capsys: pytest.CaptureFixture[str]) -> None:
+    """A turn parked because its agent changed is not "suspended as poison": the summary names
+    each suspension."""
+    stats = RunStats()
+    stats.add(TurnOutcome.parked("moved", Outcome.SUSPENDED_AGENT_CHANGED, 2))
+    stats.add(TurnOutcome.parked("bad", Outcome.SUSPENDED_POISON, 3))
+    with pytest.raises(SystemExit):
+        _exit_unless_final(stats)
+    said = capsys.readouterr().err
+    assert "1 suspended:agent_changed, 1 suspended:poison" in said and "moved, bad" in said

@@ -233,7 +233,7 @@ async def test_a_poison_turn_is_suspended_and_its_process_mates_complete(
     # 4: alone again after its backoff, dies in the same step; 5: suspended (exit 3: not every
     # turn is final). The stated bound: two deaths among others, two alone.
     assert codes == [-signal.SIGKILL] * 4 + [3], (codes, done.stderr[-2000:])
-    assert "suspended as poison (1): bad" in done.stdout + done.stderr
+    assert "suspended (1 suspended:poison): bad" in done.stdout + done.stderr
 
     store = RedisCheckpointStore(real_client, keys)
     bad = await store.load("bad")
