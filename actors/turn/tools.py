@@ -15,8 +15,13 @@ any exception of a tool, becomes an ``error`` result the model reads; the turn g
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
+import logging
+import threading
 import typing
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, overload
@@ -26,6 +31,8 @@ import pydantic
 import pydantic_core
 
 from bus.errors import ConfigError, ToolArgumentsError, ToolRaised, UnknownTool
+
+log = logging.getLogger(__name__)
 
 
 class EffectSink(Protocol):
@@ -181,6 +188,48 @@ def tool(
     return build if fn is None else build(fn)
 
 
+#: Sync tool calls whose caller stopped waiting (a timeout, a cancel) while their thread ran on.
+ABANDONED = Counter[str]()
+
+
+async def in_own_thread(name: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Run a sync tool in a daemon thread of its own: never queued behind other turns' calls
+    in a small shared pool, and never holding the process at exit when it does not return
+    (asyncio's pool joins its threads at shutdown; a thread cannot be stopped, only left).
+    A call given up while its thread runs is counted in :data:`ABANDONED` and logged."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if done.done():  # its caller gave up on it
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(value)
+
+    def work() -> None:
+        value, error = None, None
+        try:
+            value = context.run(fn, **kwargs)
+        except BaseException as exc:  # handed to the caller, whose boundary judges it
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name=f"tool {name}", daemon=True).start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        ABANDONED[name] += 1
+        log.warning(
+            "tool %s: its call was given up while its thread runs on (a thread cannot be "
+            "stopped; %d such calls of it so far)", name, ABANDONED[name],
+        )  # fmt: skip
+        raise
+
+
 async def within_boundary(body: Awaitable[str]) -> str:
     """Await a tool's body so that nothing it raises ends the process running it: an
     ``Exception`` passes as it is (the runner makes it the call's error), anything else
@@ -239,7 +288,7 @@ def _python_tool(f: Callable[..., Any], *, name: str, **rules: Any) -> ToolSpec:
         kwargs = {k: getattr(parsed, k) for k in fields}
         if ctx_param is not None:
             kwargs[ctx_param] = ctx
-        result = await f(**kwargs) if is_async else await asyncio.to_thread(f, **kwargs)
+        result = await f(**kwargs) if is_async else await in_own_thread(name, f, kwargs)
         return result if isinstance(result, str) else pydantic_core.to_json(result).decode()
 
     return ToolSpec(name, call, description=description, parameters=schema, **rules)

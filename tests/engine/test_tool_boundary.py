@@ -14,9 +14,12 @@ import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from actors.engine.engine_settings import EngineSettings
+from actors.engine.turn_engine import TurnEngine
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from tests.support.reference import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
 RAISER = "tests.support.agents:raiser"
@@ -78,3 +81,33 @@ async def test_a_tool_raising_base_exceptions_leaves_its_tool_worker_alive(
         assert after is not None and (await after.hello()).pid == before  # never restarted
     finally:
         await rt.shutdown()
+
+
+def test_a_sync_tool_that_never_returns_does_not_hold_the_process(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Its call times out, the turn answers, and ``run --in-process`` exits: the thread is left
+    running, not joined (asyncio's own pool held the process at exit for ever)."""
+    report = tmp_path / "run.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", redis_url,
+         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml"),
+         "--agent", "tests.support.agents:hanging", "--input", "go", "--turns", "2",
+         "--run-id", "hang", "--report", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(report.read_text())["outcomes"] == {"answered": 2}
+    assert "given up while its thread runs on" in done.stderr
+
+
+async def test_sync_tool_calls_of_a_batch_run_at_once(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """Eight sync calls meet at a barrier of eight: none waits for a free thread of a pool
+    sized for the cores (six here), which would time the barrier out."""
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
+    await engine.run_new("tests.support.agents:meeting", TurnInput(message="go"), ["meet"])
+    final = await engine.store.load("meet")
+    results = [m.tool_result for m in final.messages if m.tool_result is not None]
+    assert [r.status for r in results] == ["ok"] * 8, results

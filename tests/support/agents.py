@@ -465,3 +465,54 @@ raiser = Agent(
     model=lambda _ctx: RaisingModel(),
     tools=ToolRegistry([add, exits, interrupts, raises_base, cancels_itself, exits_in_a_thread]),
 )
+
+
+#: Eight calls of :func:`meets` must all run at once to pass their barrier.
+MEETING = threading.Barrier(8, timeout=20)
+
+
+@tool(idempotent=True)
+def meets(n: int) -> str:
+    """Wait at a barrier of eight (a sync tool, so in a thread).
+
+    Args:
+        n: Which of the eight.
+    """
+    MEETING.wait()
+    return f"met {n}"
+
+
+@tool(idempotent=True, timeout_s=1.0)
+def hangs() -> str:
+    """A sync tool that never returns."""
+    threading.Event().wait()
+    return "never"
+
+
+class BatchModel:
+    """Asks once for one batch of the given calls, then answers with what it read."""
+
+    def __init__(self, calls: tuple[ToolCall, ...]) -> None:
+        self.calls = calls
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        results = [m.tool_result for m in request.messages if m.tool_result is not None]
+        if not results:
+            return LLMReply(Message(role="assistant", text="calling", tool_calls=self.calls))
+        text = " | ".join(f"{r.name} {r.status}: {r.output}" for r in results)
+        return LLMReply(Message(role="assistant", text=text))
+
+
+#: Eight sync calls that pass only if they all run at once (not queued in a small pool).
+meeting = Agent(
+    model=lambda _ctx: BatchModel(
+        tuple(ToolCall(id=f"m{i}", name="meets", args={"n": i}) for i in range(8))
+    ),
+    tools=ToolRegistry([meets]),
+)
+#: A sync call that never returns: its turn goes on after the call's timeout, and the process
+#: exits when its work is done (the thread is left, not joined).
+hanging = Agent(
+    model=lambda _ctx: BatchModel((ToolCall(id="h", name="hangs", args={}),)),
+    tools=ToolRegistry([hangs]),
+)
