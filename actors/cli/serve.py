@@ -73,28 +73,38 @@ def serve(
             f"cluster {address}; submit with: phaseline submit --ray-address {address} "
             "--agent PATH --input TEXT"
         )
+        lost = False
         try:
             while not stops.first.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stops.first.wait(), SERVE_CHECK_S)  # the check period
-                if not stops.first.is_set() and not await rt.alive():
-                    raise click.ClickException(
-                        f"the deployment of namespace {ns!r} stopped under this serve (its "
-                        "supervisor is gone: the Ray cluster lost it, or another deployment took "
-                        "the namespace over); in-progress turns stay in Redis"
+                why = "" if stops.first.is_set() else await rt.stopped()
+                if why:
+                    raise _Lost(
+                        f"the deployment of namespace {ns!r} stopped under this serve: {why}; "
+                        "in-progress turns stay in Redis"
                     )
             if rt.owner is None:
                 console.print(f"leaving; the deployment of namespace {ns!r} keeps running")
                 return
             await _stop_serving(rt, settings, drain, stops)
+        except _Lost:
+            lost = True
+            raise
         finally:
-            await rt.shutdown()
+            # A deployment that lost its namespace is abandoned, not shut down: the namespace
+            # (and its hosts' generations in Redis) are another deployment's now.
+            await (rt.abandon() if lost else rt.shutdown())
             stops.restore()
 
     try:
         _run_with_url(go, settings)
     except KeyboardInterrupt:  # Ctrl-C while starting: nothing ran yet
         sys.exit(130)
+
+
+class _Lost(click.ClickException):
+    """The deployment stopped under ``serve`` (exit 1, saying why)."""
 
 
 #: How often ``serve`` checks that its deployment still runs.

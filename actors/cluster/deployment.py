@@ -121,6 +121,15 @@ class Deployment(BaseModel):
     def host_name(self, slot: int, generation: int) -> str:
         return f"{self.settings.redis.namespace}.{self.host_label(slot)}.g{generation}"
 
+    def is_host_name(self, name: str) -> bool:
+        """Whether ``name`` is a TurnActor's of this deployment (any slot, any generation)."""
+        prefix = f"{self.settings.redis.namespace}."
+        if not name.startswith(prefix):
+            return False
+        label, _, gen = name[len(prefix) :].rpartition(".g")
+        labels = {self.host_label(slot) for slot in self.slots()}
+        return label in labels and gen.isdigit()
+
     def tool_worker_name(self, pool: str, index: int) -> str:
         return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
 

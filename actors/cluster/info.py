@@ -98,6 +98,8 @@ class SupervisorInfo(_Info):
     """The deployment it runs, as JSON (``Deployment.from_wire``)."""
     node_id: str = ""
     """The Ray node it runs on (hex id)."""
+    lost: str = ""
+    """Why it stopped the deployment ("": it did not): another cluster took its namespace."""
 
 
 class MCPSessionInfo(_Info):

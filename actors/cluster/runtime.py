@@ -407,13 +407,24 @@ class Runtime:
                 continue
         return running
 
-    async def alive(self) -> bool:
-        """Whether the deployment's supervisor still answers."""
+    async def stopped(self) -> str:
+        """Why the deployment no longer runs ("" while it does): its supervisor is gone, or
+        stopped it because another Ray cluster took its namespace."""
         try:
-            await self.supervisor.hello(10)
+            info = await self.supervisor.hello(10)
         except (TimeoutError, ray.exceptions.RayActorError):
-            return False
-        return True
+            return "its supervisor is gone: the Ray cluster lost it"
+        return info.lost
+
+    async def abandon(self) -> None:
+        """End what is left of a deployment that lost its namespace: its supervisor (which
+        stopped every other actor of it already). The namespace, another's now, is left."""
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            await self.supervisor.stop()
+            self.supervisor.kill()
+        await self.client.aclose()
+        if self.owns_ray:
+            ray.shutdown()
 
     async def service_pid(self, role: str) -> int:
         """The process of a singleton role (``supervisor``, ``checkpoint``, ``watchdog``,

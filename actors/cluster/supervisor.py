@@ -47,7 +47,15 @@ from actors.cluster.placement import (
     strategy,
 )
 from actors.cluster.recovery_actor import RecoveryActor
-from actors.cluster.refs import ActorRef, HostRef, RayActor, ServiceRef, ToolWorkerRef, spawn
+from actors.cluster.refs import (
+    RAY_NAMESPACE,
+    ActorRef,
+    HostRef,
+    RayActor,
+    ServiceRef,
+    ToolWorkerRef,
+    spawn,
+)
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
@@ -99,6 +107,8 @@ class Supervisor:
         self._standbys: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._lost = ""
+        """Why this deployment stopped itself ("": it did not): its namespace was taken."""
         self.pools = PoolSizes(self.client, self.dep.keys, ttl_s=0)
         self._load: dict[int, HostInfo] = {}
         """The latest ``hello`` of each slot's host (its tool queue and calls in flight)."""
@@ -132,6 +142,7 @@ class Supervisor:
             watching=self._task is not None and not self._task.done(),
             deployment=self.dep.to_wire(),
             node_id=this_node(),
+            lost=self._lost,
         ).wire()
 
     async def stop(self) -> None:
@@ -139,10 +150,11 @@ class Supervisor:
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
-        gens = await self.hosts.generations()
-        for slot, gen in gens.items():
-            _kill(self.dep.host_name(slot, gen))
-            _kill(self.dep.host_name(slot, gen + 1))  # the standby
+        # The hosts by the names Ray has, not by the generations in Redis: after a takeover
+        # those are another deployment's, and this one's hosts would be left running.
+        for name in ray.util.list_named_actors(all_namespaces=True):
+            if name["namespace"] == RAY_NAMESPACE and self.dep.is_host_name(name["name"]):
+                _kill(name["name"])
         for role in services(self.dep):
             _kill(self.dep.name(role))
         _lo, hi = self.dep.settings.tools.bounds()
@@ -177,10 +189,11 @@ class Supervisor:
             self._holder = holder
         if await self.owners.renew(self._cluster, self._holder):
             return True
-        log.error(
-            "namespace %r is now held by %s; stopping this deployment (Ray cluster %s)",
-            self.dep.keys.namespace, holder.line() if holder else "another cluster", self._cluster,
-        )  # fmt: skip
+        self._lost = (
+            f"namespace {self.dep.keys.namespace!r} is now held by "
+            f"{holder.line() if holder else 'another cluster'}"
+        )
+        log.error("%s; stopping this deployment (Ray cluster %s)", self._lost, self._cluster)
         await self.stop()
         return False
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 from ray.cluster_utils import Cluster
 
 from actors.cluster.runtime import Runtime
@@ -178,7 +179,7 @@ async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
         code = await proc.wait()
     assert code == 0, out
     assert "stopping: 3 turns running" in out and "stopped: 3 turns left in progress" in out, out
-    assert not await client.alive()  # the owner stopped its deployment
+    assert await client.stopped()  # the owner stopped its deployment
     await client.detach()
     # they resume when the namespace is served again
     rt = await Runtime.start(settings, redis_url=redis_url, hosts=1)
@@ -188,6 +189,57 @@ async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
         assert all(r.counters.resume_attempts >= 1 for r in done.values())
     finally:
         await rt.shutdown()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_a_serve_whose_namespace_is_taken_stops_its_actors_and_exits_1(
+    redis_url: str, namespace: str, ray_cluster: Cluster, tmp_path: Path
+) -> None:
+    """Another cluster takes the namespace (this one's lease lapsed): the supervisor stops
+    every actor of its deployment, and ``serve`` says why and exits 1 (it used to print
+    nothing and keep running, its TurnActors alive)."""
+    config = tmp_path / "fast.toml"
+    config.write_text("[supervisor]\nowner_ttl_s = 2.0\nping_interval_s = 0.2\n")
+    proc = await asyncio.create_subprocess_exec(
+        PHASELINE, "serve", "--redis-url", redis_url, "--namespace", namespace,
+        "--config", str(config), "--ray-address", ray_cluster.address, "--hosts", "1", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[str] = []
+    async with asyncio.timeout(120):
+        while "serving" not in (line := (await proc.stdout.readline()).decode()):
+            assert line, "".join(seen)
+            seen.append(line)
+
+    def hosts() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"{namespace}.host0.")]  # fmt: skip
+
+    assert hosts()
+    client = connect(redis_url)
+    try:
+        owners = NamespaceOwner(client, KeyLayout(namespace), ttl_s=20)
+        holder = await owners.holder()  # None while the lease lapsed between two renewals
+        if holder is not None:
+            assert await owners.release(holder.owner)
+        thief = Holder("another-cluster", "t0ken", "elsewhere", 1, "thief serve")
+        assert (await owners.claim(thief)).claim is Claim.ACQUIRED
+        async with asyncio.timeout(120):
+            out = (await proc.stdout.read()).decode()
+            code = await proc.wait()
+        assert code == 1, out
+        assert "stopped under this serve" in out and "now held by thief serve" in out, out
+
+        async def hosts_gone() -> bool:
+            return not hosts()
+
+        await eventually(hosts_gone, timeout=30, what="the deployment's hosts to be stopped")
+        still = await owners.holder()  # abandoning gave nothing up: the thief's it stays
+        assert still is not None and still.owner == "t0ken"
+    finally:
+        await client.aclose()
 
 
 async def test_a_gone_in_process_holder_is_taken_over_at_once(
