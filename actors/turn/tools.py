@@ -20,9 +20,10 @@ import contextvars
 import inspect
 import logging
 import threading
+import time
 import typing
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, overload
 
@@ -188,6 +189,59 @@ def tool(
     return build if fn is None else build(fn)
 
 
+#: A stretch an async tool may run without awaiting before it is reported as blocking the
+#: event loop (every turn and call of the process waits while it runs).
+BLOCKING_S = 0.5
+#: Steps of async tools that held the event loop past :data:`BLOCKING_S`, by tool.
+BLOCKED = Counter[str]()
+
+
+class TimedSteps:
+    """Awaits an async tool's coroutine one step at a time, timing each stretch it runs
+    without awaiting: a step past :data:`BLOCKING_S` held the event loop (a ``time.sleep``, a
+    blocking client), stalling every other turn and call of the process, and is reported.
+    It cannot be stopped (a timeout fires only once the step yields), only made known."""
+
+    __slots__ = ("_coro", "_name")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self._coro = coro
+        self._name = name
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self._coro
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            started = time.perf_counter()
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as done:
+                self._timed(started)
+                return done.value
+            except BaseException:
+                self._timed(started)
+                raise
+            self._timed(started)
+            try:
+                value, error = (yield step), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in by the task: a cancel, most often
+                value, error = None, exc
+
+    def _timed(self, started: float) -> None:
+        held = time.perf_counter() - started
+        if held > BLOCKING_S:
+            BLOCKED[self._name] += 1
+            log.warning(
+                "tool %s held the event loop for %.1f s without awaiting: every turn and call "
+                "of this process waited meanwhile; make it await, or a plain function (which "
+                "runs in a thread of its own)", self._name, held,
+            )  # fmt: skip
+
+
 #: Sync tool calls whose caller stopped waiting (a timeout, a cancel) while their thread ran on.
 ABANDONED = Counter[str]()
 
@@ -288,7 +342,10 @@ def _python_tool(f: Callable[..., Any], *, name: str, **rules: Any) -> ToolSpec:
         kwargs = {k: getattr(parsed, k) for k in fields}
         if ctx_param is not None:
             kwargs[ctx_param] = ctx
-        result = await f(**kwargs) if is_async else await in_own_thread(name, f, kwargs)
+        if is_async:
+            result = await TimedSteps(f(**kwargs), name)
+        else:
+            result = await in_own_thread(name, f, kwargs)
         return result if isinstance(result, str) else pydantic_core.to_json(result).decode()
 
     return ToolSpec(name, call, description=description, parameters=schema, **rules)

@@ -6,16 +6,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
+from actors.turn.tools import BLOCKED
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
@@ -111,3 +114,18 @@ async def test_sync_tool_calls_of_a_batch_run_at_once(
     final = await engine.store.load("meet")
     results = [m.tool_result for m in final.messages if m.tool_result is not None]
     assert [r.status for r in results] == ["ok"] * 8, results
+
+
+async def test_an_async_tool_that_blocks_the_event_loop_is_reported(
+    real_client: aioredis.Redis, keys: KeyLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It stalls every turn of the process while it runs, and nothing can stop it; it is
+    named, with how long it held the loop (it used to pass in silence)."""
+    before = BLOCKED["hogs"]
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
+    with caplog.at_level(logging.WARNING, logger="actors.turn.tools"):
+        await engine.run_new("tests.support.agents:hogging", TurnInput(message="go"), ["hog"])
+    final = await engine.store.load("hog")
+    assert final.counters.outcome == "answered"
+    assert BLOCKED["hogs"] == before + 1
+    assert any("tool hogs held the event loop for 0.8 s" in r.message for r in caplog.records)

@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from actors.engine import scripted
@@ -515,4 +516,19 @@ meeting = Agent(
 hanging = Agent(
     model=lambda _ctx: BatchModel((ToolCall(id="h", name="hangs", args={}),)),
     tools=ToolRegistry([hangs]),
+)
+
+
+@tool(idempotent=True)
+async def hogs() -> str:
+    """An async tool that blocks the event loop (time.sleep instead of asyncio.sleep)."""
+    time.sleep(0.8)  # noqa: ASYNC251 (on purpose: the mistake this tool plays)
+    await asyncio.sleep(0)
+    return "done hogging"
+
+
+#: One loop-blocking async call: reported, not silent.
+hogging = Agent(
+    model=lambda _ctx: BatchModel((ToolCall(id="g", name="hogs", args={}),)),
+    tools=ToolRegistry([hogs]),
 )
