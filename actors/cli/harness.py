@@ -36,6 +36,9 @@ from actors.cli.runs import (
 )
 from actors.cluster.deployment import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
+from actors.console import ConsoleSettings, console_app
+from actors.console.access import new_token
+from actors.console.probes import probe_loopback, probe_token, served
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
@@ -43,7 +46,7 @@ from actors.harness.chaos import ChaosSettings, run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.chaos_runtime import chaos_runtime
-from actors.harness.targets import TARGETS, parse_targets
+from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
 
@@ -116,10 +119,15 @@ def chaos(
             ray_address=local.address if local else ray_address,
         ) as rt:  # fmt: skip
             with bar.progress:
-                return await run_chaos(
+                result = await run_chaos(
                     rt, server, cfg, nodes=local, cluster=cluster,
                     on_submitted=lambda n: None, on_done=bar.advance,
                 )  # fmt: skip
+            if ChaosTarget.BAD_INPUT in chosen:
+                result.verdict.bad_input_accepted += await asyncio.to_thread(
+                    console_probes, settings, settings.redis.url, result.turn_ids[0]
+                )
+            return result
 
     with (
         _scratch_store(settings, "chaos", redis_cluster=redis_cluster) as (server, rc, store),
@@ -137,6 +145,17 @@ def chaos(
             for example in examples:
                 out.print(Text.assemble((kind, "red"), " ", example), highlight=False)
         sys.exit(ExitStatus.ERROR)
+
+
+def console_probes(settings: Settings, url: str, turn_id: str) -> list[str]:
+    """What consoles on the run's Redis let through of an attacker's requests (none is
+    right): one on loopback without a token, one with a token (``actors.console.probes``)."""
+    found = []
+    with served(console_app(settings, ConsoleSettings(redis_url=url))) as base:
+        found += probe_loopback(base, turn_id)
+    with served(console_app(settings, ConsoleSettings(redis_url=url, token=new_token()))) as base:
+        found += probe_token(base)
+    return [f"console: {f}" for f in found]
 
 
 @main.command()
@@ -189,6 +208,7 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
     )
     for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
               "duplicate_side_effects", "orphaned_side_effects", "stale_writes_accepted",
+              "bad_input_accepted",
               "suspended_unexpectedly", "aborted", "outcome_unknown_results", "resumed_turns",
               "most_resumes_of_one_turn", "model_calls", "replies_adopted",
               "calls_repaid"):  # fmt: skip

@@ -53,6 +53,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.scenario import Fault as ModelFault
 from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import TurnEngine
+from actors.harness.bad_tools import RAISER, RAISING
 from actors.harness.chaos_report import ChaosReport, Fault
 from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after, read_moves
@@ -60,11 +61,13 @@ from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
 from actors.turn.run_result import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
+from bus.outcomes import Outcome
 from bus.phase import Transition
 from store.connection import connect
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
 from store.isolation import Isolation
+from store.records import TurnInput
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,8 @@ class ChaosMonkey:
         self.rivals: list[asyncio.Task[TurnOutcome]] = []
         self.aof_samples: deque[tuple[float, tuple[Path, int] | None]] = deque(maxlen=200)
         self._rival: TurnEngine | None = None
+        self.bad_ids: list[str] = []
+        """The bad-input turns submitted (``bad_input``)."""
 
     async def run(self) -> None:
         sampler = None
@@ -199,6 +204,7 @@ class ChaosMonkey:
     async def inject(self, target: ChaosTarget) -> Fault:
         """One fault of ``target``, as its handler makes it."""
         handlers: dict[ChaosTarget, Callable[[], Awaitable[Fault]]] = {
+            ChaosTarget.BAD_INPUT: self._bad_input,
             ChaosTarget.HOST: self._kill_host,
             ChaosTarget.FREEZE: self._freeze_host,
             ChaosTarget.TOOL: self._kill_tool_worker,
@@ -210,6 +216,14 @@ class ChaosMonkey:
         }
         handler = handlers.get(target)
         return await (handler() if handler is not None else self._kill_service(target))
+
+    async def _bad_input(self) -> Fault:
+        """Submit a turn whose tools raise what is not an ``Exception`` (judged at the end)."""
+        tid = f"chaos{self.cfg.seed}-bad{len(self.bad_ids)}"
+        at = self.now()
+        await self.rt.submit(RAISER, TurnInput(message="raise"), [tid])
+        self.bad_ids.append(tid)
+        return Fault(at, ChaosTarget.BAD_INPUT, tid, None, note="tools that raise BaseException")
 
     async def _kill_host(self) -> Fault:
         slot = self.rng.choice(self.rt.dep.slots())
@@ -421,6 +435,24 @@ async def _judged(rt: Runtime, ids: list[str], expected: Any, poisoned: frozense
             await witness.aclose()
 
 
+async def bad_turns_judged(rt: Runtime, ids: list[str]) -> list[str]:
+    """The bad-input turns that did not end as they must: answered, the good call ``ok`` and
+    each raising call an ``error`` of its own."""
+    wrong = []
+    for tid in ids:
+        try:
+            record = await rt.store.load(tid)
+        except PhaselineError as exc:
+            wrong.append(f"{tid}: {exc}")
+            continue
+        results = {m.tool_result.name: m.tool_result.status for m in record.messages
+                   if m.tool_result is not None}  # fmt: skip
+        want = {"echo": "ok", **dict.fromkeys(RAISING, "error")}
+        if record.counters.outcome is not Outcome.ANSWERED or results != want:
+            wrong.append(f"{tid}: outcome {record.counters.outcome}, results {results}")
+    return wrong
+
+
 def _config_of(rt: Runtime, cfg: ChaosSettings, *, cluster: bool) -> dict[str, Any]:
     """What the report says the run was."""
     return {
@@ -464,6 +496,7 @@ async def run_chaos(
     )
     try:
         await rt.wait(ids, timeout=max(600.0, cfg.duration_s * 4), on_done=on_done)
+        await rt.wait(monkey.bad_ids, timeout=120)
     except PhaselineError as exc:  # the verdict below reports what never finished
         log.error("chaos run: %s", exc)
     rivals = await monkey.rivals_done()
@@ -471,6 +504,7 @@ async def run_chaos(
         log.info("rival resumes ended: %s", dict(rivals))
     wall = time.monotonic() - started
     verdict = await _judged(rt, ids, expected, poisoned)
+    verdict.bad_input_accepted += await bad_turns_judged(rt, monkey.bad_ids)
     moves = await read_moves(rt.client, rt.dep.keys)
     recovered = recoveries(moves, monkey.faults, t0_unix)
     return ChaosReport(

@@ -40,6 +40,10 @@ class ChaosTarget(StrEnum):
     """Remove a whole Ray worker node, then add a fresh one."""
     REDIS_FAILOVER = "redis_failover"
     """SIGKILL a Redis Cluster primary; its replica takes over."""
+    BAD_INPUT = "bad_input"
+    """Submit a turn whose tools raise what is not an ``Exception`` (each call must fail alone,
+    the turn answer, nothing go down); ``phaseline chaos`` also probes a console on the run's
+    Redis (a rebound Host, a cross-site form, no token, an approval before its question)."""
 
 
 TARGETS = tuple(ChaosTarget)

@@ -160,6 +160,9 @@ class Verdict:
     """Turns with an effect the model was never told of: its call is not the one the
     transcript answered in that place."""
     stale_accepted: list[str] = field(default_factory=list)
+    bad_input_accepted: list[str] = field(default_factory=list)
+    """Bad input the deployment took as good, or that took something down: a bad-input turn
+    that did not answer with each raising call failed alone, a console probe let through."""
     suspended: list[str] = field(default_factory=list)
     """Turns parked as ``suspended:poison`` that were not poison turns."""
     aborted: list[str] = field(default_factory=list)
@@ -193,7 +196,7 @@ class Verdict:
         return not (
             self.lost or self.differ or self.meta_drift or self.in_progress
             or self.duplicate_effects or self.orphaned_effects or self.stale_accepted
-            or self.suspended
+            or self.bad_input_accepted or self.suspended
             or self.aborted or self.poison_escaped
         )  # fmt: skip
 
@@ -209,6 +212,7 @@ class Verdict:
             "duplicate_side_effects": len(self.duplicate_effects),
             "orphaned_side_effects": len(self.orphaned_effects),
             "stale_writes_accepted": len(self.stale_accepted),
+            "bad_input_accepted": len(self.bad_input_accepted),
             "suspended_unexpectedly": len(self.suspended),
             "aborted": len(self.aborted),
             "poison_turns": len(self.poison),
@@ -231,6 +235,7 @@ class Verdict:
                     ("duplicate_effects", self.duplicate_effects),
                     ("orphaned_effects", self.orphaned_effects),
                     ("stale_accepted", self.stale_accepted),
+                    ("bad_input_accepted", self.bad_input_accepted),
                     ("suspended", self.suspended), ("aborted", self.aborted),
                     ("poison_escaped", self.poison_escaped),
                 )

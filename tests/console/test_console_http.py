@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.cli.harness import console_probes
 from actors.engine.config import Settings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -272,3 +273,12 @@ async def test_the_cli_refuses_a_lookback_past_its_range(redis_url: str, keys: K
             [verb, "--redis-url", redis_url, "--namespace", keys.namespace, flag, "inf"],
         )  # fmt: skip
         assert result.exit_code == 2 and "inf" in result.output, (verb, result.output)
+
+
+def test_the_chaos_runs_console_probes_find_nothing_let_through(
+    redis_url: str, namespace: str
+) -> None:
+    """The probes ``phaseline chaos --targets bad_input`` sends (a rebound Host, a cross-site
+    form, no or a wrong token, an approval before its question) are all refused."""
+    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+    assert console_probes(settings, redis_url, "chaos1-t000000") == []

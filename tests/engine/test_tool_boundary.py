@@ -18,6 +18,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
+from actors.harness.bad_tools import RAISER, RAISING
 from actors.turn.tools import BLOCKED
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
@@ -25,13 +26,12 @@ from store.records import CheckpointRecord, TurnInput
 from tests.support.reference import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
-RAISER = "tests.support.agents:raiser"
-BAD = ("exits", "interrupts", "raises_base", "cancels_itself", "exits_in_a_thread")
+BAD = RAISING
 
 
 def assert_each_call_failed_alone(record: CheckpointRecord) -> None:
     results = {m.tool_result.name: m.tool_result for m in record.messages if m.tool_result}
-    assert results["add"].status == "ok" and results["add"].output == "5"
+    assert results["echo"].status == "ok" and results["echo"].output == "fine"
     for name in BAD:
         assert results[name].status == "error", (name, results[name])
         assert "the tool raised" in results[name].output, results[name].output

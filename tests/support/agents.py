@@ -409,65 +409,6 @@ group_ends = dataclasses.replace(
 )
 
 
-@tool
-async def exits(code: int = 3) -> str:
-    """Raise SystemExit, as a tool calling sys.exit would.
-
-    Args:
-        code: The exit status.
-    """
-    raise SystemExit(code)
-
-
-@tool
-async def interrupts() -> str:
-    """Raise KeyboardInterrupt."""
-    raise KeyboardInterrupt
-
-
-@tool
-async def raises_base() -> str:
-    """Raise a bare BaseException."""
-    raise BaseException("bare")
-
-
-@tool
-async def cancels_itself() -> str:
-    """Raise CancelledError though nobody cancelled it."""
-    raise asyncio.CancelledError
-
-
-@tool
-def exits_in_a_thread() -> str:
-    """A sync tool (run in a thread) that calls sys.exit."""
-    sys.exit(4)
-
-
-class RaisingModel:
-    """Asks once for a batch of one good call and every way a tool can raise what is not an
-    ``Exception``, then answers with what it read."""
-
-    async def complete(self, request: LLMRequest) -> LLMReply:
-        results = [m.tool_result for m in request.messages if m.tool_result is not None]
-        if not results:
-            names = ("exits", "interrupts", "raises_base", "cancels_itself", "exits_in_a_thread")
-            calls = (
-                ToolCall(id="c0", name="add", args={"a": 2, "b": 3}),
-                *(ToolCall(id=f"c{i + 1}", name=n, args={}) for i, n in enumerate(names)),
-            )
-            return LLMReply(Message(role="assistant", text="calling", tool_calls=calls))
-        text = " | ".join(f"{r.name} {r.status}: {r.output}" for r in results)
-        return LLMReply(Message(role="assistant", text=text))
-
-
-#: Tools that raise SystemExit, KeyboardInterrupt, BaseException or CancelledError: each must
-#: be its call's error, the process (a host, a ToolWorker) living on.
-raiser = Agent(
-    model=lambda _ctx: RaisingModel(),
-    tools=ToolRegistry([add, exits, interrupts, raises_base, cancels_itself, exits_in_a_thread]),
-)
-
-
 #: Eight calls of :func:`meets` must all run at once to pass their barrier.
 MEETING = threading.Barrier(8, timeout=20)
 

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import uvicorn
-
 from actors.console import ConsoleSettings, console_app
+from actors.console.probes import served
 from actors.engine.config import Settings
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -39,17 +29,5 @@ def serving(
             redis_url=redis_url, token=token, ray_address=ray_address, allowed_hosts=allowed_hosts
         ),
     )
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:  # its own flag: set once it listens
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the console did not start")
-        time.sleep(0.02)  # polling the server's started flag, with a deadline
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with served(app) as url:
+        yield url
