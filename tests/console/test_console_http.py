@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -282,3 +286,36 @@ def test_the_chaos_runs_console_probes_find_nothing_let_through(
     form, no or a wrong token, an approval before its question) are all refused."""
     settings = Settings.model_validate({"redis": {"namespace": namespace}})
     assert console_probes(settings, redis_url, "chaos1-t000000") == []
+
+
+def test_ui_never_prints_a_token_it_was_given(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A banner is copied into logs and screenshots: a token from a file (or the environment)
+    stays there; one ``ui`` made itself is shown, once, since nobody else has it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("a-token-from-a-file-0123456789\n")
+    for extra, shown in (
+        (["--token-file", str(token_file), "--host", "127.0.0.1"], False),
+        (["--host", "0.0.0.0"], True),
+    ):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.cli", "ui", "--redis-url", redis_url,
+             "--namespace", namespace, "--port", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "COLUMNS": "300"},
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            banner = ""
+            while "phaseline console on" not in banner:
+                line = proc.stdout.readline()
+                assert line, banner
+                banner += line
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        assert ("a-token-from-a-file" in banner) is False
+        assert ("?token=" in banner) is shown, banner
+        if not shown:
+            assert f"the one in {token_file}" in banner, banner
