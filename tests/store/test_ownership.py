@@ -146,13 +146,12 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
         await client.aclose()
 
 
-@pytest.mark.usefixtures("ray_cluster")
-async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
-    redis_url: str, namespace: str, ray_cluster: Cluster
-) -> None:
-    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+async def serving(
+    redis_url: str, namespace: str, ray_cluster: Cluster, *args: str
+) -> asyncio.subprocess.Process:
+    """``phaseline serve`` of one host on the session's Ray cluster, once it says it serves."""
     proc = await asyncio.create_subprocess_exec(
-        PHASELINE, "serve", "--redis-url", redis_url, "--namespace", namespace,
+        PHASELINE, "serve", "--redis-url", redis_url, "--namespace", namespace, *args,
         "--ray-address", ray_cluster.address, "--hosts", "1", cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "COLUMNS": "200"},
@@ -163,6 +162,16 @@ async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
         while "serving" not in (line := (await proc.stdout.readline()).decode()):
             assert line, "".join(seen)
             seen.append(line)
+    return proc
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
+    redis_url: str, namespace: str, ray_cluster: Cluster
+) -> None:
+    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+    proc = await serving(redis_url, namespace, ray_cluster)
+    assert proc.stdout is not None
     client = await Runtime.attach(settings, ray_address=None)
     sc = parse_scenario({"name": "slow", "rounds": 40, "tools_per_round": 1,
                          "llm_latency_ms": 200})  # fmt: skip
@@ -200,18 +209,8 @@ async def test_a_serve_whose_namespace_is_taken_stops_its_actors_and_exits_1(
     nothing and keep running, its TurnActors alive)."""
     config = tmp_path / "fast.toml"
     config.write_text("[supervisor]\nowner_ttl_s = 2.0\nping_interval_s = 0.2\n")
-    proc = await asyncio.create_subprocess_exec(
-        PHASELINE, "serve", "--redis-url", redis_url, "--namespace", namespace,
-        "--config", str(config), "--ray-address", ray_cluster.address, "--hosts", "1", cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+    proc = await serving(redis_url, namespace, ray_cluster, "--config", str(config))
     assert proc.stdout is not None
-    seen: list[str] = []
-    async with asyncio.timeout(120):
-        while "serving" not in (line := (await proc.stdout.readline()).decode()):
-            assert line, "".join(seen)
-            seen.append(line)
 
     def hosts() -> list[str]:
         return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
