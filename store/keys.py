@@ -74,7 +74,10 @@ from bus.errors import ConfigError
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID = r"[A-Za-z0-9_.:\-]{1,128}"
 _SESSION_ID = re.compile(_ID)
-_TURN_ID = re.compile(rf"{_ID}(/[0-9]{{1,9}})?")
+#: A turn id: 1-128 of ``[A-Za-z0-9_.:-]``, and ``/<n>`` for a session's n-th turn (what a
+#: URL route of a turn matches too).
+TURN_ID_PATTERN = rf"{_ID}(?:/[0-9]{{1,9}})?"
+_TURN_ID = re.compile(TURN_ID_PATTERN)
 _ENDPOINT = re.compile(r"[0-9a-f]{1,64}")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import (
@@ -47,7 +48,7 @@ from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.inbox import Inbox
-from store.keys import KeyLayout, check_turn_id
+from store.keys import TURN_ID_PATTERN, KeyLayout, check_turn_id
 from store.summaries import MAX_LOOKBACK_S, Cursor, TurnFilter
 from store.urls import redact_url
 from store.watch import watch_entries
@@ -310,16 +311,32 @@ async def _bad_turn_id(_request: Request, exc: Exception) -> Response:
     return PlainTextResponse(str(exc), 404)
 
 
+class TurnIdConvertor(Convertor[str]):
+    """A turn id in a URL, ``/<n>`` of a session's turn included: ``/turns/s7/1`` is turn
+    ``s7/1``'s page (a plain ``{turn_id}`` stopped at the slash, and the POST route took it)."""
+
+    regex = TURN_ID_PATTERN
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("turn", TurnIdConvertor())
+
+
 def console_app(settings: Settings, console: ConsoleSettings) -> Starlette:
     """The console over the namespace of ``settings``."""
     c = _Console(settings, console)
     routes = [
         Route("/", lambda _r: RedirectResponse("/turns", 307)),
         Route("/turns", c.turns),
-        Route("/turns/{turn_id}", c.turn),
-        Route("/turns/{turn_id}/parts", c.parts),
-        Route("/turns/{turn_id}/live", c.live),
-        Route("/turns/{turn_id}/{verb}", c.act, methods=["POST"]),
+        Route("/turns/{turn_id:turn}", c.turn),
+        Route("/turns/{turn_id:turn}/parts", c.parts),
+        Route("/turns/{turn_id:turn}/live", c.live),
+        Route("/turns/{turn_id:turn}/{verb}", c.act, methods=["POST"]),
         Route("/deployment", c.deployment),
         Route("/healthz", lambda _r: PlainTextResponse("ok")),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

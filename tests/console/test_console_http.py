@@ -319,3 +319,23 @@ def test_ui_never_prints_a_token_it_was_given(
         assert ("?token=" in banner) is shown, banner
         if not shown:
             assert f"the one in {token_file}" in banner, banner
+
+
+async def test_a_sessions_turn_has_its_page_and_its_actions(
+    base: str, real_client: aioredis.Redis, namespace: str
+) -> None:
+    """A session's turn id holds a slash (``s7/1``): its page, parts and actions answer (the
+    page used to be a 405, caught by the POST route of a verb)."""
+    engine = engine_of(real_client, namespace)
+    agent, turn_input = scenario()
+    spec, record = await engine.open_in_session(agent, turn_input, "s7")
+    assert record.turn_id == "s7/1"
+    status, page, _ = await aget(f"{base}/turns/s7/1")
+    assert status == 200 and "s7/1" in page
+    assert (await aget(f"{base}/turns/s7/1/parts"))[0] == 200
+    assert (await aget(f"{base}/turns/{urllib.parse.quote('s7/1', safe='')}"))[0] == 200
+    status, where = await apost(f"{base}/turns/s7/1/inject", {"text": "hi"}, origin=base)
+    assert status == 303 and where.startswith("/turns/s7/1?done=message")
+    await engine.start(record, spec)  # the message enters at its first boundary
+    final = await engine.store.load("s7/1")
+    assert any(m.text == "hi" for m in final.messages)
