@@ -14,14 +14,16 @@ millisecond (a run submits hundreds at once), so the cursor keeps the turn id to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import cast
 
 from bus.errors import RecordError
+from bus.events import BadBusEntry, decode_event
 from bus.outcomes import Outcome, OutcomeKind
-from bus.phase import TurnPhase
+from bus.phase import Transition, TurnPhase
 from store.codec import unpack_model
 from store.connection import StoreClient
 from store.failures import translated
@@ -35,6 +37,7 @@ __all__ = [
     "TurnFilter",
     "TurnPage",
     "TurnSummary",
+    "live_phases",
     "phase_counts",
     "summaries",
     "turn_page",
@@ -248,6 +251,30 @@ async def _candidates(
     return [(t, at) for at, t in heapq.nsmallest(n, fresh, key=lambda r: (-r[0], r[1]))]
 
 
+async def live_phases(
+    client: StoreClient, keys: KeyLayout, turn_ids: list[str], *, look_back: int = 50
+) -> dict[str, TurnPhase]:
+    """The phase each turn's last transition entered, for the running turns of a page (one
+    pipelined read of the last ``look_back`` entries of each live stream)."""
+    if not turn_ids:
+        return {}
+    with translated("read live phases"):
+        async with client.pipeline(transaction=False) as pipe:
+            for turn_id in turn_ids:
+                pipe.xrevrange(keys.live(turn_id), count=look_back)
+            streams = await pipe.execute()
+    found: dict[str, TurnPhase] = {}
+    for turn_id, entries in zip(turn_ids, streams, strict=True):
+        for _entry_id, fields in entries or []:
+            if fields.get(b"kind") == b"transition":
+                with contextlib.suppress(BadBusEntry):
+                    event = decode_event(fields)
+                    if isinstance(event, Transition):
+                        found[turn_id] = event.dst
+                break
+    return found
+
+
 async def turn_page(
     client: StoreClient,
     keys: KeyLayout,
@@ -267,7 +294,19 @@ async def turn_page(
     while len(rows) < limit and scanned < scan:
         batch = min(max(limit - len(rows), 50 if where.narrow else 0, 1), scan - scanned)
         found = await _candidates(client, keys, cursor, where.since_ms, batch)
-        for (turn_id, at), summary in zip(found, await summaries(client, keys, found), strict=True):
+        rows_read = await summaries(client, keys, found)
+        # A record's phase is its last checkpoint's; a running turn's last transition says
+        # where it is now (waiting for an approval, retrying), which a filter by phase means.
+        live = await live_phases(
+            client, keys, [s.turn_id for s in rows_read if s is not None and s.in_progress]
+        )
+        rows_read = [
+            s
+            if s is None or s.turn_id not in live
+            else dataclasses.replace(s, phase=live[s.turn_id])
+            for s in rows_read
+        ]
+        for (turn_id, at), summary in zip(found, rows_read, strict=True):
             scanned += 1
             cursor = Cursor(at, turn_id)
             if summary is None:

@@ -8,7 +8,6 @@ text is not a row (the transcript shows what was kept).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -30,11 +29,10 @@ from bus.events import (
 from bus.outcomes import ANSWER_OUTCOMES, Action
 from bus.phase import Transition, TurnPhase
 from store.connection import StoreClient
-from store.failures import translated
 from store.keys import KeyLayout
 from store.stream_reads import read_range
 
-__all__ = ["Row", "Timeline", "Tone", "live_phases", "read_timeline", "row_of"]
+__all__ = ["Row", "Timeline", "Tone", "read_timeline", "row_of"]
 
 #: Characters of an argument list, an output or a detail a row shows.
 DETAIL = 240
@@ -163,27 +161,3 @@ async def read_timeline(
         if row is not None:
             rows.append(row)
     return Timeline(rows, entries[-1][0] if entries else "0-0", phase)
-
-
-async def live_phases(
-    client: StoreClient, keys: KeyLayout, turn_ids: list[str], *, look_back: int = 50
-) -> dict[str, TurnPhase]:
-    """The phase each turn's last transition entered, for the running turns of a page (one
-    pipelined read of the last ``look_back`` entries of each live stream)."""
-    if not turn_ids:
-        return {}
-    with translated("read live phases"):
-        async with client.pipeline(transaction=False) as pipe:
-            for turn_id in turn_ids:
-                pipe.xrevrange(keys.live(turn_id), count=look_back)
-            streams = await pipe.execute()
-    found: dict[str, TurnPhase] = {}
-    for turn_id, entries in zip(turn_ids, streams, strict=True):
-        for _entry_id, fields in entries or []:
-            if fields.get(b"kind") == b"transition":
-                with contextlib.suppress(BadBusEntry):
-                    event = decode_event(fields)
-                    if isinstance(event, Transition):
-                        found[turn_id] = event.dst
-                break
-    return found

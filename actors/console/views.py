@@ -7,13 +7,12 @@ its live stream for the timeline, ``actors.cluster.status`` for the deployment).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
 from actors.cluster.runtime import Runtime
 from actors.cluster.status import DeploymentStatus, deployment_status
-from actors.console.timeline import Row, live_phases, read_timeline
+from actors.console.timeline import Row, read_timeline
 from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message, Usage
 from bus.outcomes import Outcome
@@ -72,11 +71,6 @@ async def list_view(
     scan: int,
 ) -> ListView:
     page = await turn_page(client, keys, where=where, after=after, limit=limit, scan=scan)
-    running = [r.turn_id for r in page.rows if r.in_progress]
-    live = await live_phases(client, keys, running)  # a record's phase is its checkpoint's
-    page = dataclasses.replace(
-        page, rows=[dataclasses.replace(r, phase=live.get(r.turn_id, r.phase)) for r in page.rows]
-    )
     with translated("count indexed turns"):
         async with client.pipeline(transaction=False) as pipe:
             for shard in keys.all_shards():

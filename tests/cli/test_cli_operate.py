@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
@@ -243,3 +244,38 @@ async def test_purge_all_keeps_suspended_turns_unless_their_suspension_is_named(
     code, text = await cli("purge", *at(redis_url, keys), "--outcome", "suspended:poison")
     assert code == 0 and "removed 1 " in text
     assert await real_client.exists(keys.turn("parked1")) == 0
+
+
+async def test_turns_shows_a_turn_waiting_for_an_approval_where_it_waits(
+    real_client: aioredis.Redis, keys: KeyLayout, redis_url: str
+) -> None:
+    """A record's phase is its last checkpoint's (``init`` before the first); ``turns`` shows
+    and filters by the phase the turn's last transition entered, as the console does."""
+    settings = Settings.model_validate({
+        "redis": {"namespace": keys.namespace}, "loop": {"strict": True},
+        "checkpoint": {"min_interval_s": 0}, "approvals": {"poll_s": 0.01},
+    })  # fmt: skip
+    engine = TurnEngine.from_settings(real_client, settings, watchdog=False)
+    agent, turn_input = scenario(rounds=1, require_approval=["echo"])
+    task = asyncio.ensure_future(engine.run_new(agent, turn_input, ["ask1"]))
+    try:
+
+        async def asked() -> bool:
+            return bool(await engine.approvals.pending("ask1"))
+
+        await eventually(asked, timeout=30, what="the approval question")
+        rows: list[dict[str, Any]] = []
+
+        async def listed_waiting() -> bool:  # its transition is published a moment later
+            code, text = await cli("turns", *at(redis_url, keys), "--phase",
+                                   "awaiting_approval", "--json")  # fmt: skip
+            assert code == 0, text
+            rows[:] = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+            return bool(rows)
+
+        await eventually(listed_waiting, timeout=30, what="the turn listed as waiting")
+        assert [r["turn_id"] for r in rows] == ["ask1"] and rows[0]["phase"] == "awaiting_approval"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
