@@ -491,6 +491,8 @@ async def run_chaos(
     t0_unix = time.time()
     monkey = ChaosMonkey(rt, server, cfg, nodes, cluster)
     started = monkey.t0
+    if ChaosTarget.BAD_INPUT in cfg.targets:  # once whatever the draws, then as they fall
+        monkey.faults.append(await monkey.inject(ChaosTarget.BAD_INPUT))
     await asyncio.gather(
         submit_over(rt, work_of, ids, cfg.duration_s / 2, on_submitted), monkey.run()
     )
