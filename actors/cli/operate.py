@@ -356,12 +356,18 @@ def approvals(
         return
     table = Table(title="calls waiting for a decision")
     for col in ("turn", "call", "tool", "arguments", "waiting"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "call", overflow="fold")  # a key is copied whole
     for tid, key, a in waiting:
         table.add_row(tid, key, a.tool or "?", escape(a.args[:CELL]), _age(a.asked_at_ms))
     out.print(table)
     if not waiting:
         console.print("[dim]nothing waits for a decision")
+
+
+def call_matches(key: str, given: str) -> bool:
+    """Whether a person's ``given`` names the call ``key`` (``<batch>.<index>.<digest>``): a
+    start of the whole key, or of its digest alone (what a person copies from a table)."""
+    return bool(given) and (key.startswith(given) or key.split(".", 2)[-1].startswith(given))
 
 
 def _decide(settings: Settings, turn_id: str, call: str, approve: bool, reason: str) -> None:
@@ -370,7 +376,7 @@ def _decide(settings: Settings, turn_id: str, call: str, approve: bool, reason: 
     async def go(client: StoreClient) -> tuple[str, bool]:
         desk = Approvals(client, _keys(settings))
         pending = await desk.pending(turn_id)
-        matches = [k for k in pending if k.startswith(call)]
+        matches = [k for k in pending if call_matches(k, call)]
         if len(matches) != 1:
             listed = ", ".join(pending) or "none"
             raise BadInput(
