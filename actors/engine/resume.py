@@ -333,8 +333,8 @@ def calls_since(entries: dict[str, LedgerEntry], batch: int) -> list[tuple[str, 
     order: what a refused journal may have run that the record does not hold."""
 
     def place(key: str) -> tuple[int, int]:
-        b, i, _ = key.split(".", 2)
-        return int(b), int(i)
+        b, i, _ = (*key.split(".", 2), "", "")[:3]
+        return (int(b), int(i)) if b.isdigit() and i.isdigit() else (-1, -1)  # not a call key
 
     return sorted(((k, e) for k, e in entries.items() if place(k)[0] >= batch),
                   key=lambda ke: place(ke[0]))  # fmt: skip

@@ -18,18 +18,19 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from actors.engine.engine_settings import EngineSettings
-from actors.engine.resume import LOST_REPLY_PREFIX
+from actors.engine.resume import LOST_REPLY_PREFIX, calls_since, lost_reply_note
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge
+from bus.messages import ToolResult
 from bus.outcomes import Outcome, SaveReason
 from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.effects import EffectCounters
 from store.keys import REPLY_FIELD, REPLY_REFUSED_FIELD, KeyLayout
 from store.ledger import ToolLedger, decode_reply
-from store.records import CheckpointRecord
+from store.records import CheckpointRecord, LedgerEntry
 from tests.engine.test_crash import spawn_run
 from tests.support.polling import eventually
 from tests.support.reference import FAST
@@ -279,3 +280,20 @@ async def test_a_journal_after_a_compaction_is_continued_from(
     verdict = await judge(real_client, keys, ["c1"], None)
     assert verdict.ok, verdict.as_dict()["examples"]
     assert len(await effects.counts("c1")) == 5 and verdict.calls_repaid == 0
+
+
+def test_a_refused_journals_note_names_each_call_since_the_record_in_order() -> None:
+    """And a field of the ledger that is no call key (a hand-made one) does not break it."""
+    said = ToolResult(call_id="c", name="echo", status="ok", output="hi")
+    ok = LedgerEntry(state="committed", name="echo", result=said)
+    entries = {
+        "1.1.bbbbbbbbbbbbbbbbbbbbbbbb": LedgerEntry(state="dispatched", name="send"),
+        "0.0.aaaaaaaaaaaaaaaaaaaaaaaa": ok,
+        "1.0.cccccccccccccccccccccccc": ok,
+        "junk": ok,
+    }
+    calls = calls_since(entries, 1)
+    assert [k for k, _ in calls] == ["1.0.cccccccccccccccccccccccc", "1.1.bbbbbbbbbbbbbbbbbbbbbbbb"]
+    note = lost_reply_note("why", calls)
+    assert note.startswith(LOST_REPLY_PREFIX) and "finished, ok: hi" in note
+    assert "send (call key 1.1.bbbbbbbbbbbbbbbbbbbbbbbb): outcome_unknown" in note
