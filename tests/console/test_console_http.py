@@ -126,6 +126,7 @@ async def test_a_turns_page_shows_transcript_ledger_and_timeline(
     assert "answered" in page and "counter_increment" in page
     assert "runs at most once" in page  # the timeline's tool row names the ledger rule
     assert "checkpoint 1 (tool_batch)" in page and "committed" in page
+    assert 'id="inject"' not in page and 'id="cancel"' not in page  # it ended: nothing to do
     status, parts, _ = await aget(f"{base}/turns/ui-t/parts")
     assert status == 200 and set(json.loads(parts)) == {"summary", "approvals", "transcript",
                                                          "ledger"}  # fmt: skip
@@ -332,6 +333,7 @@ async def test_a_sessions_turn_has_its_page_and_its_actions(
     assert record.turn_id == "s7/1"
     status, page, _ = await aget(f"{base}/turns/s7/1")
     assert status == 200 and "s7/1" in page
+    assert 'id="inject"' in page and 'id="cancel"' in page  # in progress: it may be told
     assert (await aget(f"{base}/turns/s7/1/parts"))[0] == 200
     assert (await aget(f"{base}/turns/{urllib.parse.quote('s7/1', safe='')}"))[0] == 200
     status, where = await apost(f"{base}/turns/s7/1/inject", {"text": "hi"}, origin=base)
