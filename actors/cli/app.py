@@ -65,6 +65,11 @@ class BadInput(click.ClickException):
     exit_code = ExitStatus.BAD_INPUT
 
 
+def count(n: int, noun: str) -> str:
+    """``1 turn``, ``3 turns``: how every verb says how many (``noun`` singular, ``s`` added)."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def _guard(fn: F) -> F:
     """Turn phaseline's typed errors into one clear line and a non-zero exit."""
 

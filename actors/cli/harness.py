@@ -22,6 +22,7 @@ from actors.cli.app import (
     _scratch_store,
     _settings,
     console,
+    count,
     main,
     out,
 )
@@ -203,7 +204,8 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
     data = result.as_dict()
     v = data["verdict"]
     table = Table(
-        title=f"chaos seed {cfg.seed}: {cfg.turns} turns, {len(result.faults)} faults",
+        title=f"chaos seed {cfg.seed}: {count(cfg.turns, 'turn')}, "
+        f"{count(len(result.faults), 'fault')}",
         show_header=False,
     )
     for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",

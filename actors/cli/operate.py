@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from actors.cli.app import BadInput, _common, _run, _settings, console, main, out, whoami
+from actors.cli.app import BadInput, _common, _run, _settings, console, count, main, out, whoami
 from actors.cluster.runtime import Runtime
 from actors.engine.cancel import Cancelled, request_cancel
 from actors.engine.config import Settings
@@ -203,7 +203,7 @@ def export(
         return written
 
     written = _run(go, settings)
-    console.print(f"[dim]exported {written} finished turns to {output}")
+    console.print(f"[dim]exported {count(written, 'finished turn')} to {output}")
 
 
 @main.command()
@@ -243,9 +243,9 @@ def purge(
 
     chosen, removed = _run(go, settings)
     if dry_run:
-        out.print(f"{chosen} finished turns would be removed", highlight=False)
+        out.print(f"{count(chosen, 'finished turn')} would be removed", highlight=False)
     else:
-        out.print(f"removed {removed} finished turns", highlight=False)
+        out.print(f"removed {count(removed, 'finished turn')}", highlight=False)
 
 
 # -- cancel and inject ------------------------------------------------------------------------

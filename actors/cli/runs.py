@@ -27,6 +27,7 @@ from actors.cli.app import (
     _run_with_url,
     _settings,
     console,
+    count,
     main,
     out,
 )
@@ -97,7 +98,7 @@ def _exit_unless_final(stats: RunStats) -> None:
     if stats.all_final:
         if stats.aborted:
             console.print(
-                f"[red]{stats.aborted} of {stats.turns} turns aborted "
+                f"[red]{stats.aborted} of {count(stats.turns, 'turn')} aborted "
                 "(phaseline inspect TURN says why)"
             )
             sys.exit(ExitStatus.ABORTED)
@@ -118,7 +119,7 @@ def _exit_unless_final(stats: RunStats) -> None:
     if stats.unfinished:
         shown = _few(stats.unfinished)
         console.print(
-            f"[red]{len(stats.unfinished)} of {stats.turns} turns not finished "
+            f"[red]{len(stats.unfinished)} of {count(stats.turns, 'turn')} not finished "
             f"(still in progress: phaseline resume continues them): {shown}"
         )
     sys.exit(ExitStatus.UNFINISHED)
@@ -456,7 +457,7 @@ def demo(
     with _ray_nodes(nodes, ray_address) as (address, _local):
         result = _run_on_ray(settings, hosts, address, go)
     data = result.as_dict()
-    title = f"demo {rid}: {turns} turns of {work.label} on {hosts} hosts"
+    title = f"demo {rid}: {count(turns, 'turn')} of {work.label} on {count(hosts, 'host')}"
     table = Table(title=title, show_header=False)
     for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
               "duplicate_side_effects", "orphaned_side_effects", "kills", "respawns", "wall_s",

@@ -19,6 +19,7 @@ from actors.cli.app import (
     _run_with_url,
     _settings,
     console,
+    count,
     main,
     note_interrupts,
     out,
@@ -136,11 +137,11 @@ async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _St
     before = {t: (await rt.store.load(t)).seq for t in await rt.store.list_in_progress()}
     grace = settings.supervisor.stop_grace_s
     if drain:
-        console.print(f"stopping: waiting for {len(before)} turns in progress to finish "
+        console.print(f"stopping: waiting for {count(len(before), 'turn')} in progress to finish "
                       "(Ctrl-C again stops now)")  # fmt: skip
     else:
-        console.print(f"stopping: {running} turns running get {grace:g} s to reach their next "
-                      "checkpoint (Ctrl-C again stops now)")  # fmt: skip
+        console.print(f"stopping: {count(running, 'turn')} running get {grace:g} s to reach "
+                      "their next checkpoint (Ctrl-C again stops now)")  # fmt: skip
 
     async def settled() -> bool:
         left = await rt.store.list_in_progress()
@@ -159,8 +160,8 @@ async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _St
             await asyncio.wait_for(stops.second.wait(), 0.5)  # the poll period
     left = len(await rt.store.list_in_progress())
     console.print(
-        f"stopped: {left} turns left in progress; they resume from their last checkpoints when "
-        f"namespace {settings.redis.namespace!r} is served again"
+        f"stopped: {count(left, 'turn')} left in progress; they resume from their last "
+        f"checkpoints when namespace {settings.redis.namespace!r} is served again"
         if left
         else "stopped: no turn left in progress"
     )

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from actors.cli import main
+from actors.cli.app import count
 from actors.cli.runs import _exit_unless_final
 from actors.engine.run_stats import RunStats
 from actors.engine.scenario import load_scenario
@@ -307,3 +308,8 @@ def test_a_run_says_how_its_turns_were_suspended(capsys: pytest.CaptureFixture[s
         _exit_unless_final(stats)
     said = capsys.readouterr().err
     assert "1 suspended:agent_changed, 1 suspended:poison" in said and "moved, bad" in said
+
+
+def test_counts_are_said_in_the_singular_for_one() -> None:
+    assert count(1, "turn") == "1 turn" and count(0, "turn") == "0 turns"
+    assert count(1200, "finished turn") == "1,200 finished turns"
