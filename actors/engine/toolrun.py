@@ -19,12 +19,7 @@ from actors.engine.mcp import mcp_registry
 from actors.turn.agent import Agent
 from actors.turn.loop_state import new_id
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec, within_boundary
-from bus.errors import (
-    StoreError,
-    StoreRefused,
-    ToolExecutorLost,
-    UnknownTool,
-)
+from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
 from bus.messages import ToolCall, ToolResult, ToolStatus
 from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model, unpack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
