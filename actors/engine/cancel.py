@@ -50,8 +50,14 @@ async def request_cancel(
         except RecordNotFound:
             raise TurnNotRunning(f"there is no turn {turn_id}", turn_id) from None
         outcome = record.counters.outcome
-        if record.in_progress or outcome is None or not outcome.suspended:
-            raise
+        if record.in_progress:
+            raise  # the inbox's answer raced a resume: say what it said
+        if outcome is None or not outcome.suspended:
+            raise TurnNotRunning(
+                f"turn {turn_id} is not in progress: it ended ({outcome}), so there is nothing "
+                "to cancel",
+                turn_id,
+            ) from None
     why = reason or "cancelled"
     counters = record.counters.model_copy(
         update={"outcome": Outcome.CANCELLED, "cancel_reason": why + (f" (by {by})" if by else "")}

@@ -128,7 +128,8 @@ async def test_cancel_and_inject_from_the_cli(
     code, text = await cli("inject", *at(redis_url, keys), "long", "too late")
     assert code == 2 and "not in progress" in text
     code, text = await cli("cancel", *at(redis_url, keys), "long")
-    assert code == 2 and "not in progress" in text
+    assert code == 2 and "ended (cancelled), so there is nothing to cancel" in text, text
+    assert "nothing would read" not in text  # the inject's words, not a cancel's
     code, text = await cli("cancel", *at(redis_url, keys), "no-such")
     assert code == 2 and "no turn no-such" in text
 
