@@ -419,12 +419,14 @@ class Runtime:
     async def abandon(self) -> None:
         """End what is left of a deployment that lost its namespace: its supervisor (which
         stopped every other actor of it already). The namespace, another's now, is left."""
+        await self._stop_actors()
+        await self.detach()
+
+    async def _stop_actors(self) -> None:
+        """Stop every actor of the deployment, then its supervisor."""
         with contextlib.suppress(ray.exceptions.RayActorError):
             await self.supervisor.stop()
             self.supervisor.kill()
-        await self.client.aclose()
-        if self.owns_ray:
-            ray.shutdown()
 
     async def service_pid(self, role: str) -> int:
         """The process of a singleton role (``supervisor``, ``checkpoint``, ``watchdog``,
@@ -459,7 +461,8 @@ class Runtime:
         return int(raw or 0)
 
     async def detach(self) -> None:
-        """Leave the deployment running (its turns go on); close this runtime's connections."""
+        """Close this runtime's connections (and Ray, if it started it), leaving the
+        deployment as it is: running, for a client (its turns go on)."""
         await self.client.aclose()
         if self.owns_ray:
             ray.shutdown()
@@ -474,11 +477,7 @@ class Runtime:
                      self.dep.keys.namespace, holder.line() if holder else "no one")  # fmt: skip
             await self.detach()
             return
-        try:
-            await self.supervisor.stop()
-            self.supervisor.kill()
-        except ray.exceptions.RayActorError:
-            pass
+        await self._stop_actors()
         try:
             with translated("forget host generations"):
                 await self.client.delete(self.dep.keys.hosts())
@@ -486,9 +485,7 @@ class Runtime:
                 await self.namespace_owner.release(holder.owner)
         except StoreError:
             pass
-        await self.client.aclose()
-        if self.owns_ray:
-            ray.shutdown()
+        await self.detach()
 
     def _owns(self, holder: Holder | None) -> bool:
         """Whether this runtime may stop the deployment (:func:`may_stop`)."""
