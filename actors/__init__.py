@@ -24,7 +24,8 @@ _EXPORTS = {
     "scripted_turn": "actors.engine.scripted",
     "load_agent": "actors.engine.agents",
     "OpenAIChat": "actors.engine.openai_chat",
-    "SessionSubmit": "actors.cluster.runtime",
+    "FrontDesk": "actors.engine.front_desk",
+    "SessionSubmit": "actors.engine.front_desk",
     "IfBusy": "store.sessions",
     "Cancelled": "actors.engine.cancel",
     # agents
@@ -101,6 +102,7 @@ __all__ = [
     "Counters",
     "FatalLLMError",
     "Finished",
+    "FrontDesk",
     "IfBusy",
     "InboxItem",
     "LLMClient",
@@ -160,11 +162,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from actors.cluster.runtime import Runtime, SessionSubmit
+    from actors.cluster.runtime import Runtime
     from actors.engine.agents import load_agent
     from actors.engine.builtin_tools import BUILTIN_TOOLS
     from actors.engine.cancel import Cancelled
     from actors.engine.config import Settings, load_settings
+    from actors.engine.front_desk import FrontDesk, SessionSubmit
     from actors.engine.openai_chat import OpenAIChat
     from actors.engine.run_stats import RunStats
     from actors.engine.scenario import Scenario, load_scenario

@@ -6,7 +6,8 @@ and each deployment's shutdown stops the other's turns. So a deployment claims t
 (``KeyLayout.owner``, a hash with a time to live) before it starts any actor::
 
     {ns}:{global}:owner   hash   cluster (Ray cluster id), owner (token of the process that
-                                 may stop it), host, pid, command, since (ms)
+                                 may stop it), host, pid, command, since (ms), auth (how its
+                                 Ray cluster authenticates: never the secret itself)
 
 * :meth:`NamespaceOwner.claim` takes a free namespace, or tells who holds it. A process of the
   same Ray cluster finds the deployment running and attaches to it as a client; one of another
@@ -14,6 +15,8 @@ and each deployment's shutdown stops the other's turns. So a deployment claims t
 * The deployment's Supervisor renews the lease (:meth:`NamespaceOwner.renew`) for as long as it
   runs, so the namespace stays held after the process that started it exits; a Supervisor that
   finds another cluster holding it stops its deployment.
+* A client finds the deployment here (:meth:`Holder.ray_address`): ``submit``, ``status``,
+  ``watch``, ``ui`` and ``cancel`` attach without being told where Ray is.
 * Only the owner token's holder stops the actors and releases the lease
   (:meth:`NamespaceOwner.release`). The owner of a deployment whose owning process is gone (same
   host, pid not running) may be replaced by a new process of that cluster (a takeover).
@@ -40,12 +43,33 @@ from store.keys import KeyLayout
 from store.lua import lua_script
 from store.replies import text
 
-__all__ = ["Claim", "ClaimResult", "Holder", "NamespaceOwner", "holding", "pid_running"]
+__all__ = [
+    "Claim",
+    "ClaimResult",
+    "Holder",
+    "NamespaceOwner",
+    "RayAuth",
+    "holding",
+    "pid_running",
+]
 
 log = logging.getLogger(__name__)
 
 #: The cluster id prefix of a process that runs turns itself, without a Ray deployment.
 IN_PROCESS = "in-process:"
+
+
+class RayAuth(StrEnum):
+    """How a deployment's Ray cluster authenticates a process that joins it."""
+
+    TOKEN = "token"
+    """Ray's token authentication (``ray start`` turns it on by default): a client needs the
+    cluster's token (``$RAY_AUTH_TOKEN``, the file ``$RAY_AUTH_TOKEN_PATH`` names, or
+    ``~/.ray/auth_token`` copied from the head node)."""
+    NONE = "none"
+    """None: anyone who reaches the cluster's address joins it."""
+    IN_PROCESS = ""
+    """No Ray cluster: the holder runs its turns in its own process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +88,32 @@ class Holder:
     """What it runs (``phaseline serve``, a program's name)."""
     since_ms: int = 0
     """Unix milliseconds of the claim (the server's clock)."""
+    auth: RayAuth = RayAuth.IN_PROCESS
+    """How its Ray cluster authenticates a client."""
+
+    @property
+    def ray_address(self) -> str | None:
+        """The GCS address a client joins the deployment's Ray cluster at (None: the holder
+        runs its turns in its own process)."""
+        if self.cluster.startswith(IN_PROCESS):
+            return None
+        return self.cluster.split(" ", 1)[0] or None
 
     @classmethod
-    def me(cls, cluster: str) -> Holder:
+    def me(cls, cluster: str, auth: RayAuth = RayAuth.IN_PROCESS) -> Holder:
         """This process, with a new owner token."""
         command = " ".join(
             ["phaseline", *sys.argv[1:2]] if sys.argv[0].endswith("phaseline") else sys.argv[:1]
         )
-        return cls(cluster, uuid.uuid4().hex, socket.gethostname(), os.getpid(), command or "?")
+        return cls(
+            cluster, uuid.uuid4().hex, socket.gethostname(), os.getpid(), command or "?",
+            auth=auth,
+        )  # fmt: skip
 
     def fields(self) -> list[str | int]:
         return [
             "cluster", self.cluster, "owner", self.owner, "host", self.host, "pid", self.pid,
-            "command", self.command, "since", self.since_ms,
+            "command", self.command, "since", self.since_ms, "auth", self.auth.value,
         ]  # fmt: skip
 
     def line(self) -> str:
@@ -166,7 +203,7 @@ class NamespaceOwner:
             reply = await self._claim(
                 keys=[self.keys.owner()],
                 args=[me.cluster, me.owner, me.host, me.pid, me.command, self.ttl_ms, replacing,
-                      "1" if cross else "0"],
+                      "1" if cross else "0", me.auth.value],
             )  # fmt: skip
         return list(reply)
 
@@ -198,6 +235,7 @@ def _holder(key: str, flat: Sequence[bytes | str]) -> Holder:
         return Holder(
             cluster=fields["cluster"], owner=fields["owner"], host=fields["host"],
             pid=int(fields["pid"]), command=fields["command"], since_ms=int(fields["since"]),
+            auth=RayAuth(fields.get("auth", "")),
         )  # fmt: skip
     except (KeyError, ValueError) as exc:
         raise RecordError(key, f"unreadable namespace owner {fields}: {exc}") from None
@@ -210,7 +248,7 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
     (:class:`NamespaceHeld` if a deployment or another process runs it), renewed every
     quarter of its time to live, released on the way out."""
     me = Holder.me(f"{IN_PROCESS}{socket.gethostname()}:{os.getpid()}")
-    me = Holder(me.cluster, me.owner, me.host, me.pid, command)
+    me = Holder(me.cluster, me.owner, me.host, me.pid, command)  # auth: in process
     result = await owners.claim(me)
     if result.claim is Claim.SAME_CLUSTER:  # this very process holds it already
         yield result.holder

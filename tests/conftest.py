@@ -130,7 +130,7 @@ def ray_cluster(openai_server: str) -> Iterator[Cluster]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from actors.cluster.deployment import RAY_NAMESPACE
+    from actors.cluster.refs import RAY_NAMESPACE
     from tests.support.agents import TEST_KEY_ENV
 
     os.environ["OPENAI_BASE_URL"] = openai_server

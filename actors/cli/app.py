@@ -19,15 +19,18 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from rich.console import Console
 
+from actors.cluster.joining import gcs_address
+from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings, load_settings
+from actors.engine.front_desk import FrontDesk
 from bus.errors import ConfigError, PhaselineError
 from store.connection import StoreClient
 from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
@@ -208,6 +211,33 @@ async def _with_client(
         return await coro_fn(client, url)
     finally:
         await client.aclose()
+
+
+@asynccontextmanager
+async def front_desk(
+    settings: Settings, client: StoreClient, ray_address: str | None = None, *, join: bool = True
+) -> AsyncIterator[FrontDesk]:
+    """The desk a verb works through: the deployment's when one serves the namespace (the one
+    on ``ray_address``, else, with ``join``, the one its owner record in Redis names; it also
+    tells the hosts at once), else Redis alone (a deployment honours the request later)."""
+    if ray_address is not None:
+        rt: Runtime | None = await Runtime.attach(settings, ray_address=ray_address)
+    elif join:
+        rt = await Runtime.find(settings, client)
+        if rt is not None:
+            console.print(
+                f"[dim]attached to the deployment of namespace {rt.keys.namespace!r} on Ray "
+                f"cluster {gcs_address()} (its owner record in Redis says where)"
+            )
+    else:
+        rt = None
+    if rt is None:
+        yield FrontDesk(client, settings)
+        return
+    try:
+        yield rt
+    finally:
+        await rt.detach()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

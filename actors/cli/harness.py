@@ -35,7 +35,7 @@ from actors.cli.runs import (
     _work_options,
     verdict_for,
 )
-from actors.cluster.deployment import ensure_ray
+from actors.cluster.joining import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
 from actors.console import ConsoleSettings, console_app
 from actors.console.access import new_token

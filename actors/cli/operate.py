@@ -1,38 +1,42 @@
-"""The operator's verbs on turns: list them, cancel, inject, and decide approvals.
+"""The operator's verbs on turns: list them, export and purge, cancel, inject, and decide
+approvals; each is a call of the front desk (``actors.engine.front_desk``).
 
 Each works against Redis alone (the durable request is honoured by whichever incarnation owns
-the turn), and with ``--ray-address`` also tells the deployment at once (a cancel then ends an
-in-flight model call instead of waiting for it).
+the turn); ``cancel`` also tells the deployment that serves the namespace at once (found from
+its owner record, or ``--ray-address``), so an in-flight model call ends instead of finishing.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import click
 from rich.markup import escape
 from rich.table import Table
 
-from actors.cli.app import BadInput, _common, _run, _settings, console, count, main, out, whoami
-from actors.cluster.runtime import Runtime
-from actors.engine.cancel import Cancelled, request_cancel
+from actors.cli.app import (
+    BadInput,
+    _common,
+    _run,
+    _settings,
+    console,
+    count,
+    front_desk,
+    main,
+    out,
+    whoami,
+)
+from actors.engine.cancel import Cancelled
 from actors.engine.config import Settings
-from bus.errors import ConfigError, RecordError, RecordNotFound
+from actors.engine.front_desk import FrontDesk, Waiting
 from bus.phase import TurnPhase
-from store.approvals import Approvals
-from store.archive import FinishedTurn
-from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import StoreClient
-from store.inbox import Inbox
-from store.keys import KeyLayout, check_turn_id
-from store.ledger import ToolLedger
-from store.records import Approval, CheckpointRecord
-from store.retention import TurnPurger
-from store.summaries import MAX_LOOKBACK_S, TurnFilter, TurnPage, TurnSummary, summaries, turn_page
+from store.keys import check_turn_id
+from store.summaries import MAX_LOOKBACK_S, TurnFilter, TurnPage
 
 __all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge", "turns"]
 
@@ -40,21 +44,12 @@ __all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge"
 CELL = 80
 
 
-def _keys(settings: Settings) -> KeyLayout:
-    return KeyLayout(settings.redis.namespace, settings.redis.shards)
-
-
-def _store(client: StoreClient, settings: Settings) -> RedisCheckpointStore:
-    return RedisCheckpointStore(
-        client, _keys(settings), durability=settings.redis.durability_policy()
-    )
-
-
 def _ray_address_option(what: str) -> Callable[[Any], Any]:
     return click.option(
         "--ray-address", default=None,
-        help=f"Also tell the deployment on this Ray cluster at once ({what}); without it the "
-             "durable request is honoured at the turn's next boundary.",
+        help=f"The deployment's Ray cluster ({what}); default: the one the namespace's owner "
+             "record in Redis names. With none, the durable request is honoured at the "
+             "turn's next boundary.",
     )  # fmt: skip
 
 
@@ -97,8 +92,8 @@ def turns(
         raise BadInput(str(exc)) from None
 
     async def go(client: StoreClient) -> TurnPage:
-        return await turn_page(client, _keys(settings), where=where, limit=limit,
-                               scan=max(5000, 20 * limit))  # fmt: skip
+        return await FrontDesk(client, settings).page(where, limit=limit,
+                                                      scan=max(5000, 20 * limit))  # fmt: skip
 
     page = _run(go, settings)
     if as_json:
@@ -127,40 +122,11 @@ def turns(
         console.print(f"[dim]stopped after {page.scanned:,} turns; older ones were not read")
 
 
-async def _load(store: RedisCheckpointStore, turn_id: str) -> CheckpointRecord | None:
-    """The turn's record, or None if it expired, was purged or is quarantined."""
-    try:
-        return await store.load(turn_id)
-    except (RecordError, RecordNotFound):
-        return None
-
-
 def _where(session: str | None, outcome: str | None, since_ms: int) -> TurnFilter:
     try:
         return TurnFilter(session=session, outcome=outcome, since_ms=since_ms)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-
-
-async def _finished(
-    client: StoreClient, store: RedisCheckpointStore, where: TurnFilter
-) -> AsyncIterator[TurnSummary]:
-    """Every finished turn of the index that ``where`` admits (read by summary: a record is
-    loaded only for the turns chosen)."""
-    batch: list[tuple[str, int]] = []
-
-    async def admitted() -> list[TurnSummary]:
-        rows = await summaries(client, store.keys, batch)
-        batch.clear()
-        return [r for r in rows if r is not None and not r.in_progress and where.admits(r)]
-
-    async for entry in store.iter_turns(since_ms=where.since_ms):
-        batch.append(entry)
-        if len(batch) == 500:
-            for row in await admitted():
-                yield row
-    for row in await admitted():
-        yield row
 
 
 def _finished_filters(fn: Any) -> Any:
@@ -190,17 +156,8 @@ def export(
     where = _where(session, outcome, since_ms)
 
     async def go(client: StoreClient) -> int:
-        store = _store(client, settings)
-        ledger = ToolLedger(client, _keys(settings))
-        written = 0
         with click.open_file(output, "w", encoding="utf-8") as sink:
-            async for row in _finished(client, store, where):
-                record = await _load(store, row.turn_id)
-                if record is not None and not record.in_progress:
-                    entries = await ledger.entries(row.turn_id)
-                    sink.write(FinishedTurn(record, entries).json_line())
-                    written += 1
-        return written
+            return await FrontDesk(client, settings).export(where, sink)
 
     written = _run(go, settings)
     console.print(f"[dim]exported {count(written, 'finished turn')} to {output}")
@@ -229,17 +186,9 @@ def purge(
     where = _where(session, outcome, 0)
 
     async def go(client: StoreClient) -> tuple[int, int]:
-        store = _store(client, settings)
-        purger = TurnPurger(client, _keys(settings))
-        chosen = [  # collected first: purging moves the pages
-            row.turn_id
-            async for row in _finished(client, store, where)
-            if (cutoff is None or row.updated_at_ms < cutoff)
-            and (row.outcome is None or not row.outcome.suspended or outcome is not None)
-        ]
-        if dry_run:
-            return len(chosen), 0
-        return len(chosen), sum([await purger.purge(t) for t in chosen])
+        desk = FrontDesk(client, settings)
+        chosen = await desk.purgeable(where, older_than_ms=cutoff)  # first: purging moves pages
+        return len(chosen), 0 if dry_run else await desk.purge(chosen)
 
     chosen, removed = _run(go, settings)
     if dry_run:
@@ -249,24 +198,6 @@ def purge(
 
 
 # -- cancel and inject ------------------------------------------------------------------------
-
-
-async def _tell(
-    settings: Settings, ray_address: str | None, act: Callable[[Runtime], Awaitable[Any]]
-) -> bool:
-    """Run ``act`` on the deployment at ``ray_address`` (False: none asked, or none there)."""
-    if ray_address is None:
-        return False
-    try:
-        rt = await Runtime.attach(settings, ray_address=ray_address)
-    except ConfigError as exc:
-        console.print(f"[yellow]{exc}; the request stays in Redis")
-        return False
-    try:
-        await act(rt)
-    finally:
-        await rt.detach()
-    return True
 
 
 @main.command()
@@ -287,10 +218,8 @@ def cancel(
     by = whoami()
 
     async def go(client: StoreClient) -> dict[str, Cancelled]:
-        if await _tell(settings, ray_address, lambda rt: _cancel_all(rt, turn_ids, reason, by)):
-            return dict.fromkeys(turn_ids, Cancelled.REQUESTED)
-        store, inbox = _store(client, settings), Inbox(client, _keys(settings))
-        return {t: await request_cancel(store, inbox, t, reason, by=by) for t in turn_ids}
+        async with front_desk(settings, client, ray_address) as desk:
+            return {t: await desk.cancel(t, reason, by=by) for t in turn_ids}
 
     for tid, done in _run(go, settings).items():
         out.print(
@@ -298,11 +227,6 @@ def cancel(
             else f"{tid}: cancel requested; it ends at its next boundary",
             highlight=False,
         )  # fmt: skip
-
-
-async def _cancel_all(rt: Runtime, turn_ids: tuple[str, ...], reason: str, by: str) -> None:
-    for tid in turn_ids:
-        await rt.cancel(tid, reason, by=by)
 
 
 @main.command()
@@ -316,12 +240,9 @@ def inject(
     """Send a running turn a user message: it enters the transcript at the turn's next
     boundary, exactly once (also after a crash). Refused for a turn that is not in progress."""
     settings = _settings(config_path, redis_url, namespace)
-    check_turn_id(turn_id)
-    if not text.strip():
-        raise BadInput("the message is empty")
 
     async def go(client: StoreClient) -> str:
-        item = await Inbox(client, _keys(settings)).push(turn_id, text, by=whoami())
+        item = await FrontDesk(client, settings).inject(turn_id, text, by=whoami())
         return item.message_id
 
     message_id = _run(go, settings)
@@ -344,50 +265,34 @@ def approvals(
     phaseline approve / deny TURN CALL (a unique start of the call key will do)."""
     settings = _settings(config_path, redis_url, namespace)
 
-    async def go(client: StoreClient) -> list[tuple[str, str, Approval]]:
-        desk = Approvals(client, _keys(settings))
-        ids = [turn_id] if turn_id else await _store(client, settings).list_in_progress()
-        return [(t, k, a) for t in ids for k, a in (await desk.pending(t)).items()]
+    async def go(client: StoreClient) -> list[Waiting]:
+        return await FrontDesk(client, settings).waiting(turn_id)
 
     waiting = _run(go, settings)
     if as_json:
-        for tid, key, a in waiting:
-            click.echo(json.dumps({"turn_id": tid, "call": key, **dump_model(a)}))
+        for w in waiting:
+            click.echo(json.dumps({"turn_id": w.turn_id, "call": w.call_key,
+                                   **dump_model(w.approval)}))  # fmt: skip
         return
     table = Table(title="calls waiting for a decision")
     for col in ("turn", "call", "tool", "arguments", "waiting"):
         table.add_column(col, no_wrap=col == "call", overflow="fold")  # a key is copied whole
-    for tid, key, a in waiting:
-        table.add_row(tid, key, a.tool or "?", escape(a.args[:CELL]), _age(a.asked_at_ms))
+    for w in waiting:
+        a = w.approval
+        table.add_row(w.turn_id, w.call_key, a.tool or "?", escape(a.args[:CELL]),
+                      _age(a.asked_at_ms))  # fmt: skip
     out.print(table)
     if not waiting:
         console.print("[dim]nothing waits for a decision")
 
 
-def call_matches(key: str, given: str) -> bool:
-    """Whether a person's ``given`` names the call ``key`` (``<batch>.<index>.<digest>``): a
-    start of the whole key, or of its digest alone (what a person copies from a table)."""
-    return bool(given) and (key.startswith(given) or key.split(".", 2)[-1].startswith(given))
-
-
 def _decide(settings: Settings, turn_id: str, call: str, approve: bool, reason: str) -> None:
-    check_turn_id(turn_id)
+    async def go(client: StoreClient) -> str:
+        return await FrontDesk(client, settings).decide(
+            turn_id, call, approve, by=whoami(), reason=reason
+        )
 
-    async def go(client: StoreClient) -> tuple[str, bool]:
-        desk = Approvals(client, _keys(settings))
-        pending = await desk.pending(turn_id)
-        matches = [k for k in pending if call_matches(k, call)]
-        if len(matches) != 1:
-            listed = ", ".join(pending) or "none"
-            raise BadInput(
-                f"turn {turn_id}: {len(matches)} waiting calls match {call!r} (waiting: {listed})"
-            )
-        (key,) = matches
-        return key, await desk.decide(turn_id, key, approve, by=whoami(), reason=reason)
-
-    key, decided = _run(go, settings)
-    if not decided:
-        raise BadInput(f"turn {turn_id}: call {key} was decided meanwhile")
+    key = _run(go, settings)
     verb = "approved" if approve else "denied"
     out.print(f"{turn_id} {key}: {verb}", highlight=False)
 

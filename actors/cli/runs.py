@@ -36,7 +36,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks
-from actors.engine.resume import reopen
+from actors.engine.front_desk import FrontDesk
 from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
 from actors.engine.shipped import scenario_path as shipped_scenario
@@ -47,9 +47,8 @@ from actors.harness.work import Work
 from bus.errors import RecordNotFound
 from bus.outcomes import Outcome
 from bus.phase import Transition, TurnPhase
-from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
-from store.keys import KeyLayout, check_turn_id
+from store.keys import check_turn_id
 from store.ownership import NamespaceOwner, holding
 from store.records import CheckpointRecord
 
@@ -224,7 +223,7 @@ async def _in_process(
 ) -> T:
     """Run ``work`` holding the namespace (``store.ownership``): no deployment may run it
     meanwhile, nor another command running turns in process."""
-    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    keys = settings.redis.key_layout()
     owners = NamespaceOwner(client, keys, ttl_s=settings.supervisor.owner_ttl_s)
     async with holding(owners, " ".join(["phaseline", *sys.argv[1:2]])):
         return await work(client)
@@ -298,9 +297,12 @@ def run(
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"run {rid}")
     named = ids[0] if turns == 1 else f"{ids[0]} … {ids[-1]}"
-    console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
+
+    def say_ids() -> None:  # once the namespace is this run's: a refused run names no turn
+        console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
 
     async def in_proc(client: StoreClient) -> RunStats:
+        say_ids()
         engine = TurnEngine.from_settings(
             client, settings, EngineHooks(on_transition=bar.on_transition)
         )
@@ -311,6 +313,7 @@ def run(
             await engine.aclose()
 
     async def on_ray(rt: Runtime) -> RunStats:
+        say_ids()
         started = time.monotonic()
         unusable: list[str] = []
         with bar.progress:
@@ -329,17 +332,15 @@ def run(
     _exit_unless_final(stats)
 
 
-async def _reopened(
-    store: RedisCheckpointStore, named: tuple[str, ...], namespace: str
-) -> list[str]:
+async def _reopened(desk: FrontDesk, named: tuple[str, ...]) -> list[str]:
     """The named turns that are (now, a suspended one reopened) in progress; the others are
-    reported as they are."""
+    reported as they are. A deployment's desk has its hosts adopt them now."""
     ids = []
     for tid in dict.fromkeys(named):
         try:
-            record = await reopen(store, tid)
+            (record,) = await desk.reopen([tid])
         except RecordNotFound:
-            raise BadInput(f"no turn {tid} in namespace {namespace!r}") from None
+            raise BadInput(f"no turn {tid} in namespace {desk.keys.namespace!r}") from None
         if record.in_progress:
             ids.append(tid)
         else:
@@ -360,16 +361,13 @@ def resume(
     """Resume every in-progress turn in the store, or just the TURN_IDs (a suspended one too:
     after a fix, it runs again), and run them to the end."""
     settings = _settings(config_path, redis_url, namespace)
-    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
     for tid in named:
         check_turn_id(tid)
 
-    async def chosen(store: RedisCheckpointStore) -> list[str]:
-        return await _reopened(store, named, keys.namespace)
-
     async def in_proc(client: StoreClient) -> RunStats:
-        store = RedisCheckpointStore(client, keys)
-        ids = await chosen(store) if named else None
+        desk = FrontDesk(client, settings)
+        store = desk.store
+        ids = await _reopened(desk, named) if named else None
         bar = _Bar(len(ids if ids is not None else await store.list_in_progress()), "resume")
         engine = TurnEngine.from_settings(
             client, settings, EngineHooks(on_transition=bar.on_transition)
@@ -387,8 +385,7 @@ def resume(
         started = time.monotonic()
         errors: list[str] = []
         if named:
-            ids = await chosen(rt.store)
-            await rt.adopt(ids)
+            ids = await _reopened(rt, named)
         else:
             scan = await rt.store.load_in_progress()
             ids = [r.turn_id for r in scan.records]

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import click
@@ -18,6 +17,7 @@ from actors.cli.app import (
     _run_with_url,
     _settings,
     console,
+    front_desk,
     main,
     out,
     whoami,
@@ -25,18 +25,15 @@ from actors.cli.app import (
 from actors.cli.views import _exit_for, _render
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent, load_agent
-from actors.engine.cancel import queue_behind
 from actors.engine.config import Settings
+from actors.engine.front_desk import FrontDesk
 from actors.engine.run_stats import new_run_id
-from actors.engine.submission import new_turns, session_turn
 from actors.harness.live import LiveView
-from bus.errors import ConfigError, SessionBusy, TurnExists
-from store.checkpoint import RedisCheckpointStore
+from bus.errors import ConfigError, TurnExists
 from store.connection import StoreClient
-from store.inbox import Inbox
-from store.keys import KeyLayout, check_session_id, check_turn_id
-from store.records import QueuedTurn, TurnInput
-from store.sessions import IfBusy, Sessions
+from store.keys import check_session_id, check_turn_id
+from store.records import TurnInput
+from store.sessions import IfBusy
 from store.watch import watch_turn
 
 
@@ -67,9 +64,9 @@ def _check_naming(session: str | None, turn_id: str | None) -> None:
                    "turn (refused while that one still runs).")  # fmt: skip
 @click.option("--turn-id", default=None, help="Id of the turn (default: random).")
 @click.option("--ray-address", default=None,
-              help="Hand the turn to the deployment running on this Ray cluster ('auto': the "
-                   "local one; see phaseline serve). Without it the turn is only written to "
-                   "Redis: a running deployment adopts it, phaseline resume runs it.")  # fmt: skip
+              help="Hand the turn to the deployment on this Ray cluster (default: the one the "
+                   "namespace's owner record in Redis names, if any). With none, the turn is "
+                   "only written to Redis: phaseline serve or resume runs it.")  # fmt: skip
 @click.option("--if-busy", type=click.Choice([p.value for p in IfBusy]), default="reject",
               show_default=True,
               help="With --session, while its turn runs: refuse; queue this message to open "
@@ -84,7 +81,7 @@ def submit(
     """Submit one turn of an agent and print its id (on stdout, for scripts); a message queued
     behind a session's running turn prints nothing there (stderr says where it waits)."""
     settings = _settings(config_path, redis_url, namespace)
-    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    keys = settings.redis.key_layout()
     _check_naming(session, turn_id)
     if not input_text.strip():
         raise BadInput("--input is empty")
@@ -97,16 +94,14 @@ def submit(
     sub = _Submission(agent_path, turn_input, session, turn_id, policy, whoami())
 
     async def go(client: StoreClient) -> str | None:
-        if ray_address is None:
-            tid = await _write(client, settings, sub)
-            if tid is not None:
+        async with front_desk(settings, client, ray_address) as desk:
+            tid = await _send(desk, sub)
+            if tid is not None and not isinstance(desk, Runtime):
                 console.print(
-                    f"[dim]turn {tid} is in Redis: a deployment of namespace {keys.namespace!r} "
-                    f"adopts it within {settings.supervisor.adopt_interval_s:g} s; phaseline "
-                    f"resume {tid} runs it here"
+                    f"[dim]turn {tid} is in Redis; no deployment serves namespace "
+                    f"{keys.namespace!r} now: phaseline serve runs it, phaseline resume {tid} "
+                    "runs it here"
                 )
-        else:
-            tid = await _hand_to_deployment(settings, ray_address, sub)
         if tid is None:
             return None
         out.print(tid, highlight=False)
@@ -160,52 +155,20 @@ class _Submission:
     """Who sends it (``user@host``)."""
 
 
-async def _write(client: StoreClient, settings: Settings, sub: _Submission) -> str | None:
-    """Write the turn (or the session's queued message) in Redis for a deployment to adopt;
-    its turn id, None when queued behind a running turn."""
-    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
-    store = RedisCheckpointStore(client, keys, durability=settings.redis.durability_policy())
+async def _send(desk: FrontDesk, sub: _Submission) -> str | None:
+    """Submit through the desk (a deployment's, which hands the turn to its host now, or
+    Redis alone); the turn id, None when queued behind a session's running turn."""
     if sub.session is None:
-        tid = sub.turn_id or new_run_id()
-        await store.submit(*new_turns(sub.agent, sub.turn_input, [tid])[0])
-        return tid
-    sessions = Sessions(store)
-    try:
-        spec, _ = await sessions.open(
-            sub.session, session_turn(sub.agent, sub.turn_input, sub.session)
-        )
-        return spec.turn_id
-    except SessionBusy as busy:
-        if sub.policy is IfBusy.REJECT:
-            raise
-        queued = QueuedTurn(agent=sub.agent, input=sub.turn_input,
-                            at_ms=int(time.time() * 1000), by=sub.by)  # fmt: skip
-        place, opened = await queue_behind(
-            sessions, Inbox(client, keys), sub.session, busy.turn_id, queued,
-            interrupt=sub.policy is IfBusy.INTERRUPT,
-        )  # fmt: skip
-        _say_queued(sub.session, busy.turn_id, place)
-        return None if opened is None else opened[0].turn_id
-
-
-async def _hand_to_deployment(settings: Settings, ray_address: str, sub: _Submission) -> str | None:
-    """Submit through the deployment running at ``ray_address``; the turn id (None: queued)."""
-    rt = await Runtime.attach(settings, ray_address=ray_address)
-    try:
-        if sub.session is not None:
-            sent = await rt.submit_in_session(
-                sub.agent, sub.turn_input, sub.session, if_busy=sub.policy, by=sub.by
-            )
-            if sent.turn_id is None:
-                _say_queued(sub.session, sent.queued_behind or "?", sent.place)
-            return sent.turn_id
-        ids = [sub.turn_id] if sub.turn_id else [new_run_id()]
-        created = await rt.submit(sub.agent, sub.turn_input, ids)
-        if not created:
+        ids = [sub.turn_id or new_run_id()]
+        if not await desk.submit(sub.agent, sub.turn_input, ids):
             raise BadInput(f"turn {ids[0]} already exists")
-        return created[0]
-    finally:
-        await rt.detach()
+        return ids[0]
+    sent = await desk.submit_in_session(
+        sub.agent, sub.turn_input, sub.session, if_busy=sub.policy, by=sub.by
+    )
+    if sent.turn_id is None:
+        _say_queued(sub.session, sent.queued_behind or "?", sent.place)
+    return sent.turn_id
 
 
 async def _converse(rt: Runtime, sid: str, agent_path: str, current: list[str]) -> None:
@@ -231,6 +194,19 @@ async def _converse(rt: Runtime, sid: str, agent_path: str, current: list[str]) 
         (tid,) = await rt.submit(agent_path, line, session=sid)
         current[:] = [tid]
         await _render(rt.watch(tid), LiveView(out))
+
+
+async def _serving(
+    settings: Settings, client: StoreClient, ray_address: str | None
+) -> Runtime | None:
+    """The deployment serving the namespace (on ``ray_address``, else where its owner record
+    says), if one does."""
+    if ray_address is None:
+        return await Runtime.find(settings, client)
+    try:
+        return await Runtime.attach(settings, ray_address=ray_address)
+    except ConfigError:  # that cluster runs none: this chat starts one there
+        return None
 
 
 @main.command()
@@ -264,13 +240,12 @@ def chat(
     )
     current: list[str] = []
 
-    async def go(_client: StoreClient, url: str) -> None:
-        try:
-            rt = await Runtime.attach(settings, ray_address=ray_address)
-            started = False
-        except ConfigError:
-            rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
-            started = True
+    async def go(client: StoreClient, url: str) -> None:
+        found = await _serving(settings, client, ray_address)
+        started = found is None
+        rt = found or await Runtime.start(
+            settings, redis_url=url, hosts=hosts, ray_address=ray_address
+        )
         left_running = False
         try:
             await _converse(rt, sid, agent_path, current)

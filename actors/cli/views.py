@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
@@ -14,9 +13,20 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from actors.cli.app import BadInput, ExitStatus, _common, _run, _settings, console, main, out
+from actors.cli.app import (
+    BadInput,
+    ExitStatus,
+    _common,
+    _run,
+    _settings,
+    console,
+    front_desk,
+    main,
+    out,
+)
 from actors.cluster.runtime import Runtime
 from actors.cluster.status import deployment_status
+from actors.engine.front_desk import FrontDesk
 from actors.harness.live import LiveView
 from actors.harness.status_view import render
 from actors.turn.poison import evidence
@@ -24,10 +34,9 @@ from bus.errors import RecordNotFound
 from bus.events import WatchEvent
 from bus.outcomes import ANSWER_OUTCOMES, Outcome
 from bus.phase import TurnPhase
-from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
 from store.connection import StoreClient
-from store.keys import KeyLayout, check_turn_id
+from store.keys import check_turn_id
 from store.records import CheckpointRecord
 from store.watch import watch_turn
 
@@ -45,8 +54,7 @@ def inspect(
     check_turn_id(turn_id)
 
     async def go(client: StoreClient) -> Any:
-        keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
-        return await RedisCheckpointStore(client, keys).load(turn_id)
+        return await FrontDesk(client, settings).store.load(turn_id)
 
     record = _run(go, settings)
     if as_json:
@@ -153,7 +161,7 @@ def watch(
     notes, and a marker where a new owner resumed it after a crash. Ctrl-C stops watching;
     the turn goes on. Exits 0 for an answered turn, 1 for one that ended otherwise."""
     settings = _settings(config_path, redis_url, namespace)
-    keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+    keys = settings.redis.key_layout()
     check_turn_id(turn_id)
     view = LiveView(out, phases=phases)
 
@@ -173,14 +181,15 @@ def watch(
 
 @main.command()
 @_common
-@click.option("--ray-address", default="auto", show_default=True,
-              help="The Ray cluster the deployment runs on.")  # fmt: skip
+@click.option("--ray-address", default=None,
+              help="The Ray cluster the deployment runs on (default: the one the namespace's "
+                   "owner record in Redis names).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON (for scripts).")
 @click.option("--watch", "every", type=click.FloatRange(0.5, 3600), default=None,
               help="Refresh every this many seconds until Ctrl-C.")  # fmt: skip
 def status(
     redis_url: str | None, namespace: str | None, config_path: str | None,
-    ray_address: str, as_json: bool, every: float | None,
+    ray_address: str | None, as_json: bool, every: float | None,
 ) -> None:  # fmt: skip
     """One screen of a running deployment (phaseline serve): hosts with generation and turns
     held, turns per phase, tool worker pools with queue depth and calls/s, MCP servers,
@@ -189,20 +198,23 @@ def status(
     if as_json and every is not None:
         raise BadInput("--json prints one sample; drop --watch")
 
-    async def go() -> None:
-        rt = await Runtime.attach(settings, ray_address=ray_address)
-        try:
+    async def go(client: StoreClient) -> None:
+        async with front_desk(settings, client, ray_address) as desk:
+            if not isinstance(desk, Runtime):
+                raise BadInput(
+                    f"no deployment serves namespace {settings.redis.namespace!r} (nothing "
+                    "holds it, or a command that runs turns in its own process does): start "
+                    "one with phaseline serve"
+                )
             if as_json:
-                out.print_json(json.dumps((await deployment_status(rt)).as_dict()))
+                out.print_json(json.dumps((await deployment_status(desk)).as_dict()))
                 return
             if every is None:
-                out.print(render(await deployment_status(rt)))
+                out.print(render(await deployment_status(desk)))
                 return
-            with Live(render(await deployment_status(rt)), console=out) as live:
+            with Live(render(await deployment_status(desk)), console=out) as live:
                 while True:
-                    live.update(render(await deployment_status(rt, sample_s=every)))
-        finally:
-            await rt.detach()
+                    live.update(render(await deployment_status(desk, sample_s=every)))
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(go())
+        _run(go, settings)

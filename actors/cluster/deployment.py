@@ -11,10 +11,9 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.cluster.refs import RAY_NAMESPACE, HostRef
+from actors.cluster.refs import HostRef
 from actors.engine.agents import load_agent
 from actors.engine.config import Settings
 from store.connection import StoreClient
@@ -26,13 +25,6 @@ from store.replies import text
 def actor_name(namespace: str, role: str) -> str:
     """Ray actor name of a singleton role of the deployment of a key namespace."""
     return f"{namespace}.{role}"
-
-
-def ray_cluster_id() -> str:
-    """This process's Ray cluster: its GCS address and session name (a new session each time a
-    cluster starts, so two clusters at one address differ)."""
-    ctx = ray.get_runtime_context()
-    return f"{ctx.gcs_address} {ctx.get_session_name()}"
 
 
 def pool_name(resources: Mapping[str, float]) -> str:
@@ -85,7 +77,7 @@ class Deployment(BaseModel):
 
     @property
     def keys(self) -> KeyLayout:
-        return KeyLayout(self.settings.redis.namespace, self.settings.redis.shards)
+        return self.settings.redis.key_layout()
 
     def name(self, role: str) -> str:
         """Ray actor name of a singleton role (``supervisor``, ``checkpoint``, ...)."""
@@ -198,20 +190,3 @@ class HostDirectory:
             if handle is not None:
                 out[slot] = handle
         return out
-
-
-def ensure_ray(address: str | None = None) -> bool:
-    """Start a private local Ray (or join ``address``) unless one is up; True if this started
-    it. Without an address Ray is started, never joined: ``ray.init()`` alone would join any
-    cluster ``ray start`` left on the machine, and leave this deployment (its Redis password
-    included) in someone else's cluster."""
-    if ray.is_initialized():
-        return False
-    ray.init(
-        address=address or "local",
-        namespace=RAY_NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return address is None

@@ -3,7 +3,8 @@ owns it, who attaches as a client, who may stop it."""
 
 from __future__ import annotations
 
-from actors.cluster.deployment import Deployment, ray_cluster_id
+from actors.cluster.deployment import Deployment
+from actors.cluster.joining import ray_auth, ray_cluster_id
 from actors.cluster.refs import named
 from store.connection import StoreClient
 from store.ownership import Claim, Holder, NamespaceOwner
@@ -16,7 +17,7 @@ async def claim_namespace(client: StoreClient, dep: Deployment) -> Holder | None
     None when this Ray cluster's deployment runs it under a live owner (attach as a client).
     A deployment whose supervisor is gone, or whose owner process is gone, is taken over."""
     owners = NamespaceOwner(client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s)
-    me = Holder.me(ray_cluster_id())
+    me = Holder.me(ray_cluster_id(), ray_auth())
     result = await owners.claim(me)
     if result.claim is Claim.ACQUIRED:
         return me

@@ -15,51 +15,37 @@ import signal
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import ray
 
-from actors.cluster.deployment import Deployment, HostDirectory, actor_name, ensure_ray, pool_name
+from actors.cluster.deployment import Deployment, HostDirectory, actor_name, pool_name
 from actors.cluster.info import HostInfo
+from actors.cluster.joining import ensure_ray
 from actors.cluster.namespace_claim import claim_namespace, may_stop
 from actors.cluster.placement import singleton_options
 from actors.cluster.refs import HostRef, ServiceRef, SupervisorRef, ToolWorkerRef, spawn
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
-from actors.engine.cancel import Cancelled, queue_behind, request_cancel
 from actors.engine.config import Settings
-from actors.engine.submission import new_turns, session_turn
-from bus.errors import ConfigError, PhaselineError, SessionBusy, StoreError, TurnExists
+from actors.engine.front_desk import FrontDesk
+from bus.errors import ConfigError, PhaselineError, StoreError
 from bus.events import WatchEvent
-from store.approvals import Approvals
-from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.failures import translated
 from store.finals import wait_final
-from store.inbox import Inbox
-from store.ownership import Holder, NamespaceOwner
-from store.records import Approval, CheckpointRecord, InboxItem, QueuedTurn, TurnInput
-from store.sessions import IfBusy, Sessions
+from store.ownership import Holder, NamespaceOwner, RayAuth
+from store.records import CheckpointRecord, TurnInput
 from store.urls import redact_url
 from store.watch import watch_turn
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class SessionSubmit:
-    """What a message to a session became."""
-
-    turn_id: str | None = None
-    """The turn it opened (None: queued)."""
-    queued_behind: str | None = None
-    """The running turn it waits for, when queued."""
-    place: int = 0
-    """Its place in the session's queue (1: next), when queued."""
-
-
-class Runtime:
-    """A handle on one deployment: its owner's (which may stop it) or a client's."""
+class Runtime(FrontDesk):
+    """A handle on one deployment: its owner's (which may stop it) or a client's. The
+    operator's verbs are the front desk's; a runtime also tells the hosts at once (a new turn
+    is handed to its slot's host, a cancel ends an in-flight model call, a reopened turn is
+    adopted now)."""
 
     def __init__(
         self,
@@ -70,8 +56,8 @@ class Runtime:
         *,
         owner: Holder | None = None,
     ):
+        super().__init__(client, dep.settings, keys=dep.keys)
         self.dep = dep
-        self.client = client
         self.supervisor = supervisor
         self.owns_ray = owns_ray
         self._checked: set[str] = set()
@@ -82,10 +68,6 @@ class Runtime:
         self.namespace_owner = NamespaceOwner(
             client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s
         )
-        self.store = RedisCheckpointStore(client, dep.keys, atomic=dep.settings.checkpoint.atomic)
-        self.inbox = Inbox(client, dep.keys)
-        self.approvals = Approvals(client, dep.keys)
-        self.sessions = Sessions(self.store)
         self.hosts = HostDirectory(dep, client)
 
     @classmethod
@@ -137,11 +119,29 @@ class Runtime:
         return cls(running, client, supervisor, owns_ray, owner=owner)
 
     @classmethod
-    async def attach(cls, settings: Settings, *, ray_address: str | None) -> Runtime:
+    async def find(cls, settings: Settings, client: StoreClient) -> Runtime | None:
+        """Join the deployment that serves ``settings``' namespace, wherever its Ray cluster
+        is: the namespace's owner record in Redis (reached by ``client``) holds the cluster's
+        address and whether it wants a token (see :mod:`actors.cluster.joining`). None when
+        no deployment on Ray serves it (nothing holds it, or a process that runs its turns in
+        itself does). :class:`ConfigError` when the recorded cluster cannot be joined."""
+        owners = NamespaceOwner(
+            client, settings.redis.key_layout(), ttl_s=settings.supervisor.owner_ttl_s
+        )
+        holder = await owners.holder()
+        if holder is None or holder.ray_address is None:
+            return None
+        return await cls.attach(settings, ray_address=holder.ray_address, auth=holder.auth)
+
+    @classmethod
+    async def attach(
+        cls, settings: Settings, *, ray_address: str | None, auth: RayAuth | None = None
+    ) -> Runtime:
         """Join the deployment of ``settings``' namespace that already runs on the Ray cluster
         at ``ray_address`` (``phaseline serve``); nothing is started. :class:`ConfigError` if
-        there is none. Leave it with :meth:`detach`, which stops nothing."""
-        owns_ray = ensure_ray(ray_address)
+        there is none. Leave it with :meth:`detach`, which stops nothing. ``auth``: whether
+        the cluster wants a token, if known (:meth:`find` knows)."""
+        owns_ray = ensure_ray(ray_address, auth=auth)
         namespace = settings.redis.namespace
         supervisor = SupervisorRef.named(actor_name(namespace, "supervisor"))
         if supervisor is None:
@@ -159,85 +159,10 @@ class Runtime:
 
     # -- turns --------------------------------------------------------------------------------
 
-    async def submit(
-        self,
-        agent: str,
-        turn_input: TurnInput | str,
-        turn_ids: Iterable[str] = (),
-        *,
-        session: str | None = None,
-    ) -> list[str]:
-        """Create turns of ``agent`` (an import path) on ``turn_input`` in Redis and hand each
-        to its host slot; returns the new ones. A bad agent or input is a ConfigError here,
-        before anything is written.
-
-        With ``session``, one turn is opened in that session instead (its id is
-        ``<session>/<n>``): it starts from the previous turn's final transcript, and is
-        refused with :class:`SessionBusy` while that turn is still running (send the running
-        turn a message with :meth:`inject` instead).
-
-        Idempotent without a session: a turn that already exists is left alone, so a
-        submission cut short by a Redis failure can simply be repeated. Any other failure
-        raises after the turns that were created have been handed over.
-        """
-        if isinstance(turn_input, str):
-            turn_input = TurnInput(message=turn_input)
+    async def _vet(self, agent: str, turn_input: TurnInput) -> None:
+        """A host of the deployment can start the agent, and its tools' pools run."""
         await self._check_on_a_host(agent, turn_input)
-        ids = list(turn_ids)
-        if session is not None:
-            if ids:
-                raise ConfigError("a session names its own turns: give turn_ids or session")
-            self._check_pools(agent)
-            spec, _ = await self.sessions.open(session, session_turn(agent, turn_input, session))
-            await self._hand_over([spec.turn_id])
-            return [spec.turn_id]
-        turns = new_turns(agent, turn_input, ids)
         self._check_pools(agent)
-        created: list[str] = []
-        failure: StoreError | None = None
-        for (spec, _), result in zip(turns, await self.store.submit_many(turns), strict=True):
-            if isinstance(result, TurnExists):
-                continue
-            if isinstance(result, StoreError):
-                failure = failure or result
-                continue
-            created.append(spec.turn_id)
-        await self._hand_over(created)
-        if failure is not None:
-            raise failure
-        return created
-
-    async def submit_in_session(
-        self,
-        agent: str,
-        turn_input: TurnInput | str,
-        session: str,
-        *,
-        if_busy: IfBusy = IfBusy.REJECT,
-        by: str = "",
-    ) -> SessionSubmit:
-        """Open the session's next turn; while its running turn has not ended, ``if_busy``
-        says what happens: refused (:class:`SessionBusy`), queued behind it, or the running
-        turn cancelled and the new one queued to open from its final transcript."""
-        if isinstance(turn_input, str):
-            turn_input = TurnInput(message=turn_input)
-        try:
-            (opened,) = await self.submit(agent, turn_input, session=session)
-            return SessionSubmit(turn_id=opened)
-        except SessionBusy as busy:
-            if if_busy is IfBusy.REJECT:
-                raise
-            running = busy.turn_id
-        queued = QueuedTurn(agent=agent, input=turn_input, at_ms=int(time.time() * 1000), by=by)
-        interrupt = if_busy is IfBusy.INTERRUPT
-        place, now_open = await queue_behind(
-            self.sessions, self.inbox, session, running, queued, interrupt=interrupt
-        )
-        if interrupt:
-            await self._tell_cancel(running)
-        if now_open is not None:
-            await self._hand_over([now_open[0].turn_id])
-        return SessionSubmit(queued_behind=running, place=place)
 
     async def _check_on_a_host(self, agent: str, turn_input: TurnInput) -> None:
         """Refuse (:class:`ConfigError`) an agent that one of the deployment's hosts cannot
@@ -261,8 +186,12 @@ class Runtime:
             )
         self._checked.add(agent)
 
-    async def _hand_over(self, turn_ids: Sequence[str]) -> None:
-        """Give new turns to their slots' hosts (a slot being replaced adopts them later)."""
+    async def _hand_over(self, turn_ids: Sequence[str], *, adopted: bool = False) -> None:
+        """Give new turns to their slots' hosts (a slot being replaced adopts them later); a
+        reopened turn (``adopted``) is adopted by its slot's host now."""
+        if adopted:
+            await self.adopt(turn_ids)
+            return
         by_slot: dict[int, list[str]] = defaultdict(list)
         for tid in turn_ids:
             by_slot[self.dep.slot_of(tid)].append(tid)
@@ -309,38 +238,12 @@ class Runtime:
             except ray.exceptions.RayActorError:
                 log.warning("host slot %d died while adopting; its successor adopts", slot)
 
-    async def inject(self, turn_id: str, text_: str, *, message_id: str | None = None) -> InboxItem:
-        """Queue a user message; it enters the turn at its next boundary, exactly once.
-        :class:`TurnNotRunning` for a turn that is not in progress."""
-        return await self.inbox.push(turn_id, text_, message_id=message_id)
-
-    async def cancel(self, turn_id: str, reason: str = "", *, by: str = "") -> Cancelled:
-        """Cancel a turn: durable (its owner, or the incarnation that resumes it, ends it
-        ``cancelled`` at its next boundary), and its host is told now, which cancels an
-        in-flight model call. A suspended turn ends at once. :class:`TurnNotRunning` for one
-        that already ended."""
-        done = await request_cancel(self.store, self.inbox, turn_id, reason, by=by)
-        if done is Cancelled.REQUESTED:
-            await self._tell_cancel(turn_id)
-        return done
-
     async def _tell_cancel(self, turn_id: str) -> None:
         """Tell the turn's host of its cancel now (the request is already in its inbox)."""
         host = await self.hosts.handle(self.dep.slot_of(turn_id))
         if host is not None:  # else, or if it fails: the next incarnation reads the inbox
             with contextlib.suppress(TimeoutError, ray.exceptions.RayActorError):
                 await host.cancel_turn(turn_id, 10)
-
-    async def pending_approvals(self, turn_id: str) -> dict[str, Approval]:
-        """The turn's calls waiting for a decision, by call key (tool, arguments, when)."""
-        return await self.approvals.pending(turn_id)
-
-    async def decide(
-        self, turn_id: str, call_key: str, approve: bool, *, by: str = "", reason: str = ""
-    ) -> bool:
-        """Approve or deny a waiting tool call; False if it was already decided. Who and why
-        stay with the turn (the tool result's meta)."""
-        return await self.approvals.decide(turn_id, call_key, approve, by=by, reason=reason)
 
     async def wait(
         self,

@@ -36,8 +36,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.checkpoint_actor import CheckpointActor
-from actors.cluster.deployment import Deployment, HostDirectory, ray_cluster_id, worker_options
+from actors.cluster.deployment import Deployment, HostDirectory, worker_options
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
+from actors.cluster.joining import ray_cluster_id
 from actors.cluster.metrics import metrics
 from actors.cluster.placement import (
     alive_nodes,

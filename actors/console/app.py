@@ -1,9 +1,9 @@
 """The console's ASGI app: routes, forms and the live stream of a turn's page.
 
 Server-rendered (Jinja2 templates shipped in the package, one small script for the live page;
-no build step). Every action goes through the API the CLI uses: ``Approvals.decide``,
-``Inbox.push``, ``request_cancel`` (or ``Runtime.cancel`` when attached, which also ends an
-in-flight model call), ``reopen`` then ``Runtime.adopt`` for a suspended turn.
+no build step). Every action is a call of the front desk the CLI uses
+(``actors.engine.front_desk``): the deployment's when the console is attached to one (a cancel
+then also ends an in-flight model call, a resumed turn is adopted at once), else Redis alone.
 """
 
 from __future__ import annotations
@@ -38,17 +38,15 @@ from actors.cluster.runtime import Runtime
 from actors.console.access import Access, AccessMiddleware
 from actors.console.timeline import row_of
 from actors.console.views import deployment_view, list_view, turn_view
-from actors.engine.cancel import Cancelled, request_cancel
+from actors.engine.cancel import Cancelled
 from actors.engine.config import Settings
-from actors.engine.resume import reopen
+from actors.engine.front_desk import FrontDesk
 from bus.errors import ConfigError, PhaselineError, RecordError, RecordNotFound
 from bus.events import Checkpointed, Finished, ToolReturned
 from bus.phase import Transition, TurnPhase
-from store.approvals import Approvals
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
-from store.inbox import Inbox
-from store.keys import TURN_ID_PATTERN, KeyLayout, check_turn_id
+from store.keys import TURN_ID_PATTERN, check_turn_id
 from store.summaries import MAX_LOOKBACK_S, Cursor, TurnFilter
 from store.urls import redact_url
 from store.watch import watch_entries
@@ -73,7 +71,10 @@ class ConsoleSettings:
     """The token every request must carry (None: none, loopback only)."""
     ray_address: str | None = None
     """Attach to the deployment on this Ray cluster (the deployment page's live figures, a
-    cancel that ends an in-flight model call, a resume picked up at once); None: Redis only."""
+    cancel that ends an in-flight model call, a resume picked up at once); None: the one the
+    namespace's owner record names, if ``join`` (else Redis only)."""
+    join: bool = True
+    """Without ``ray_address``, attach to the deployment the owner record names, if any."""
     page_size: int = 50
     """Turns per page of the list."""
     scan: int = 1000
@@ -111,30 +112,45 @@ class _Console:
     def __init__(self, settings: Settings, console: ConsoleSettings) -> None:
         self.settings = settings
         self.console = console
-        self.keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+        self.keys = settings.redis.key_layout()
         self.templates = _templates()
         self.client: StoreClient | None = None
         self.runtime: Runtime | None = None
+        self.front: FrontDesk | None = None
         self.redis_url = ""
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        own: StoreClient | None = None
         if self.console.ray_address is not None:
             self.runtime = await Runtime.attach(self.settings, ray_address=self.console.ray_address)
-            self.client = self.runtime.client
+        else:
+            # Each open live page holds a connection in a blocking read: room for many.
+            own = self.settings.redis.connect(self.console.redis_url, max_connections=512)
+            if self.console.join:
+                self.runtime = await Runtime.find(self.settings, own)
+        if self.runtime is not None:
+            self.client, self.front = self.runtime.client, self.runtime
             self.redis_url = self.runtime.dep.redis_url
             self.keys = self.runtime.dep.keys  # the deployment's layout (its shard count)
+            log.warning("console attached to the deployment of namespace %r",
+                        self.keys.namespace)  # fmt: skip
         else:
-            self.redis_url = self.console.redis_url
-            # Each open live page holds a connection in a blocking read: room for many.
-            self.client = self.settings.redis.connect(self.redis_url, max_connections=512)
+            assert own is not None
+            self.client, self.redis_url = own, self.console.redis_url
+            self.front = FrontDesk(own, self.settings, keys=self.keys)
         try:
             yield
         finally:
+            if own is not None:
+                await own.aclose()
             if self.runtime is not None:
                 await self.runtime.detach()
-            elif self.client is not None:
-                await self.client.aclose()
+
+    @property
+    def desk(self) -> FrontDesk:
+        assert self.front is not None, "used outside the app's lifespan"
+        return self.front
 
     @property
     def redis(self) -> StoreClient:
@@ -258,32 +274,22 @@ class _Console:
             key = form.get("call_key", "")
             if not key:
                 raise ValueError("which call? (no call key)")
-            decided = await Approvals(self.redis, self.keys).decide(
-                turn_id, key, verb == "approve", by=by, reason=reason
-            )
-            if not decided:
-                raise ValueError(f"call {key} was decided already")
+            key = await self.desk.decide(turn_id, key, verb == "approve", by=by, reason=reason)
             return f"{'approved' if verb == 'approve' else 'denied'} {key}"
         if verb == "inject":
             message = form.get("text", "").strip()
             if not message or len(message) > MAX_TEXT:
                 raise ValueError(f"a message is 1 to {MAX_TEXT:,} characters")
-            item = await Inbox(self.redis, self.keys).push(turn_id, message, by=by)
+            item = await self.desk.inject(turn_id, message, by=by)
             return f"message {item.message_id} queued: it enters at the turn's next boundary"
         if verb == "cancel":
-            if self.runtime is not None:
-                ended = await self.runtime.cancel(turn_id, reason, by=by)
-            else:
-                store = RedisCheckpointStore(self.redis, self.keys)
-                ended = await request_cancel(store, Inbox(self.redis, self.keys), turn_id,
-                                             reason, by=by)  # fmt: skip
+            ended = await self.desk.cancel(turn_id, reason, by=by)
             return "cancelled" if ended is Cancelled.ENDED else "cancel requested"
         if verb == "resume":
-            record = await reopen(RedisCheckpointStore(self.redis, self.keys), turn_id)
+            (record,) = await self.desk.reopen([turn_id])
             if not record.in_progress:
                 raise ValueError(f"the turn ended already ({record.counters.outcome})")
             if self.runtime is not None:
-                await self.runtime.adopt([turn_id])
                 return "resumed"
             return "back in progress: the deployment's next adopt runs it"
         raise ValueError(f"no action {verb!r}")

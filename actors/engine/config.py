@@ -96,6 +96,10 @@ class RedisSettings(_Section):
         parse_durability(text)
         return text
 
+    def key_layout(self) -> KeyLayout:
+        """The namespace's key layout (its shard count): the one way a verb builds it."""
+        return KeyLayout(self.namespace, self.shards)
+
     def durability_policy(self) -> Durability:
         """The parsed :attr:`durability` setting."""
         return parse_durability(self.durability, timeout_ms=self.durability_timeout_ms)

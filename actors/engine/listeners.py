@@ -17,7 +17,6 @@ from actors.engine.telemetry import TurnTracer
 from bus.events import LiveEvent
 from bus.phase import Transition
 from store.connection import StoreClient
-from store.keys import KeyLayout
 from store.streams import BufferedPublisher, RedisBus
 
 __all__ = ["Listeners"]
@@ -54,7 +53,7 @@ class Listeners:
         if on_event is not None:
             out.events.append(on_event)
         if publish:
-            keys = KeyLayout(settings.redis.namespace, settings.redis.shards)
+            keys = settings.redis.key_layout()
             out.publisher = BufferedPublisher(RedisBus(client, keys, live=settings.events.live()))
             out.transitions.append(out.publisher.add)
             out.events.append(out.publisher.add)

@@ -129,7 +129,7 @@ class TurnEngine:
         )  # fmt: skip
         engine = cls(
             client,
-            KeyLayout(settings.redis.namespace, settings.redis.shards),
+            settings.redis.key_layout(),
             EngineSettings.of(settings, watchdog=watchdog),
             dataclasses.replace(
                 hooks, on_transition=listeners.on_transition(), on_event=listeners.on_event()

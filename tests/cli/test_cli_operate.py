@@ -91,7 +91,7 @@ async def test_an_approval_is_listed_then_decided_from_the_cli(
     (row,) = [json.loads(line) for line in text.splitlines()]
     assert (row["turn_id"], row["call"], row["tool"]) == ("gate", key, "echo") and row["args"]
     code, text = await cli("approve", *at(redis_url, keys), "gate", "zz-no-such-call")
-    assert code == 2 and "0 waiting calls match" in text
+    assert code == 2 and "no call is waiting as" in text
     digest = key.split(".", 2)[2]  # what a person copies from the table, without "0.0."
     code, text = await cli("deny", *at(redis_url, keys), "gate", digest[:8], "--reason", "not now")
     assert code == 0 and "denied" in text, text

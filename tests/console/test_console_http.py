@@ -259,7 +259,7 @@ async def test_no_call_is_approved_before_its_question(
     nothing is written for it."""
     url = f"{base}/turns/nosuch-t000009/approve"
     status, where = await apost(url, {"call_key": "0.0.abc"}, origin=base)
-    assert status == 303 and "problem=" in where and "not+waiting" in where
+    assert status == 303 and "problem=" in where and "is+waiting+as" in where
     assert await real_client.exists(keys.approval("nosuch-t000009")) == 0
     with pytest.raises(NotAwaitingApproval):
         await Approvals(real_client, keys).decide("nosuch-t000009", "0.0.abc", True)
