@@ -191,12 +191,28 @@ class NamespaceOwner:
                 return ClaimResult(Claim.ACQUIRED, await self.holder() or me)
             holder = _holder(key, reply[1:])
         if holder.cluster != me.cluster:
-            raise NamespaceHeld(
-                f"namespace {self.keys.namespace!r} is served by {holder.line()}; join that "
-                "deployment (--ray-address with its Ray cluster) or use another --namespace",
-                holder.line(),
-            )
+            raise self._held(holder)
         return ClaimResult(Claim.SAME_CLUSTER, holder)
+
+    async def refuse_if_held(self) -> None:
+        """:class:`NamespaceHeld` if anyone but a gone in-process holder (whom a claim takes
+        over) holds the namespace: what a claim from a new Ray cluster would answer."""
+        holder = await self.holder()
+        if holder is not None and not (holder.cluster.startswith(IN_PROCESS) and holder.is_gone()):
+            raise self._held(holder)
+
+    def _held(self, holder: Holder) -> NamespaceHeld:
+        join = (
+            "phaseline submit, status, ui and cancel attach to it by themselves (its Ray "
+            "address is in this record)"
+            if holder.ray_address
+            else "wait for it to finish"
+        )
+        return NamespaceHeld(
+            f"namespace {self.keys.namespace!r} is served by {holder.line()}; {join}, or use "
+            "another --namespace",
+            holder.line(),
+        )
 
     async def _claim_script(self, me: Holder, replacing: str, *, cross: bool) -> list[bytes | str]:
         with translated(f"claim namespace {self.keys.namespace}"):

@@ -83,6 +83,9 @@ def _prepare_join(address: str, auth: RayAuth | None) -> None:
     an address where nothing answers, or a token cluster without a token at hand."""
     if os.environ.get(AUTH_MODE) is None and token_at_hand():
         os.environ[AUTH_MODE] = "token"
+        # Ray's native config read the variable when ray was imported: read it again (what
+        # Ray's own ``ray start --head`` does when it turns token mode on).
+        ray._raylet.Config.initialize("")  # type: ignore[attr-defined]
     if auth is RayAuth.TOKEN and not token_at_hand():
         raise ConfigError(f"the Ray cluster at {address} wants its token and none is here: "
                           f"{TOKEN_HELP}")  # fmt: skip

@@ -92,7 +92,6 @@ class Runtime(FrontDesk):
         holder and nothing starts."""
         for path in agents:
             load_agent(path)  # a bad path is a ConfigError here, not in the supervisor
-        owns_ray = ensure_ray(ray_address)
         dep = Deployment(
             redis_url=redis_url,
             settings=settings.with_telemetry_env(),  # hosts on other nodes lack this env
@@ -101,9 +100,15 @@ class Runtime(FrontDesk):
             agents=tuple(agents),
         )
         client = settings.redis.connect(redis_url)
+        owns_ray = False
         try:
             with translated(f"cannot reach Redis at {redact_url(redis_url)}"):
                 await client.ping()
+            if ray_address is None and not ray.is_initialized():
+                # A private Ray would be a cluster of its own: a held namespace is refused now,
+                # not after the seconds Ray takes to start.
+                await NamespaceOwner(client, dep.keys, ttl_s=1).refuse_if_held()
+            owns_ray = ensure_ray(ray_address)
             owner = await claim_namespace(client, dep)
         except PhaselineError:
             await client.aclose()

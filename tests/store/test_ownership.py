@@ -25,9 +25,7 @@ from store.connection import StoreClient, connect
 from store.keys import KeyLayout
 from store.ownership import Claim, Holder, NamespaceOwner
 from tests.support.polling import eventually
-
-ROOT = Path(__file__).resolve().parents[2]
-PHASELINE = str(Path(sys.executable).parent / "phaseline")
+from tests.support.processes import PHASELINE, ROOT, phaseline
 
 
 def holder(cluster: str, token: str, pid: int = 1) -> Holder:
@@ -78,24 +76,6 @@ async def test_a_lapsed_lease_is_taken_by_the_next_claim(
     assert await owners.renew("cluster-a", holder("cluster-a", "tok-a")) is False
 
 
-async def _phaseline(*args: str, until: str | None = None) -> tuple[int, str]:
-    """Run the CLI in its own process (a client as a user starts one); with ``until``, send it
-    SIGINT once that text is printed."""
-    proc = await asyncio.create_subprocess_exec(
-        PHASELINE, *args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    seen: list[str] = []
-    async with asyncio.timeout(180):
-        while line := (await proc.stdout.readline()).decode():
-            seen.append(line)
-            if until is not None and until in line:
-                proc.send_signal(signal.SIGINT)
-                until = None
-        return await proc.wait(), "".join(seen)
-
-
 @pytest.mark.usefixtures("ray_cluster")
 async def test_clients_beside_the_owner_leave_its_deployment_running(
     redis_url: str, namespace: str, ray_cluster: Cluster, tmp_path: Path
@@ -110,27 +90,27 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
     try:
         assert rt.owner is not None
         # a run on the same Ray cluster attaches: its turns run, its end stops nothing
-        code, out = await _phaseline(
+        code, out = await phaseline(
             "run", *where, "--ray-address", ray_cluster.address, "--scenario", str(scenario),
             "--turns", "3", "--hosts", "1", "--run-id", "client",
         )  # fmt: skip
         assert code == 0 and "answered" in out, out
         # status and watch look, and leave it running
-        code, out = await _phaseline("status", *where, "--ray-address", ray_cluster.address)
+        code, out = await phaseline("status", *where, "--ray-address", ray_cluster.address)
         assert code == 0 and "host0" in out, out
-        code, out = await _phaseline("watch", *where, "client-t000000")
+        code, out = await phaseline("watch", *where, "client-t000000")
         assert code == 0 and "answered" in out, out
-        code, out = await _phaseline("turns", *where, "--json")
+        code, out = await phaseline("turns", *where, "--json")
         listed = {json.loads(line)["turn_id"] for line in out.splitlines() if line.startswith("{")}
         assert code == 0 and {f"client-t00000{i}" for i in range(3)} <= listed, out
         # a second serve on the cluster attaches too; Ctrl-C leaves
-        code, out = await _phaseline(
+        code, out = await phaseline(
             "serve", *where, "--ray-address", ray_cluster.address, "--hosts", "1",
             until="serving",
         )  # fmt: skip
         assert code == 0 and "attached" in out, out
         # a run that starts its own Ray is refused, naming the owner
-        code, out = await _phaseline("run", *where, "--scenario", str(scenario), "--turns", "1")
+        code, out = await phaseline("run", *where, "--scenario", str(scenario), "--turns", "1")
         assert code == 2 and "is served by" in out and f"pid {os.getpid()}" in out, out
         # the owner's deployment still runs turns
         sc = parse_scenario({"name": "after", "rounds": 1, "tools_per_round": 1})
