@@ -11,7 +11,6 @@ import sys
 import time
 
 import click
-import ray
 
 from actors.cli.app import (
     _appendfsync,
@@ -25,10 +24,13 @@ from actors.cli.app import (
     out,
     raise_if_signalled,
 )
+from actors.cluster.joining import gcs_address, ray_auth
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
+from bus.errors import StoreError
 from store.connection import StoreClient
 from store.embedded import EmbeddedRedis
+from store.ownership import RayAuth
 from store.urls import redact_url
 
 
@@ -53,8 +55,8 @@ def serve(
     running ones get [supervisor] stop_grace_s to reach their next checkpoint (--drain: to
     finish), then it says how many are left in progress (they resume when the namespace is
     served again). A serve that finds its namespace already served on this Ray cluster
-    attaches to it instead, and leaving stops nothing. Submit with phaseline submit
-    --ray-address ..., follow turns with phaseline watch."""
+    attaches to it instead, and leaving stops nothing. Submit with phaseline submit (it finds
+    the deployment from Redis), follow turns with phaseline watch; a replaced host is said."""
     settings = _settings(config_path, redis_url, namespace)
     ns = settings.redis.namespace
 
@@ -63,22 +65,31 @@ def serve(
             settings, redis_url=url, hosts=hosts, ray_address=ray_address, agents=agents
         )
         stops = _StopSignals()  # after Ray's start: its core worker sets a SIGTERM handler
-        address = ray.get_runtime_context().gcs_address
+        address = gcs_address()
         if rt.owner is None:
             console.print(
                 f"attached to the deployment of namespace {ns!r} already running on this Ray "
                 "cluster (this serve is a client of it: leaving stops nothing)"
             )
+        changes = _HostChanges(rt)
+        await changes.report()  # the generations now: what the first check compares with
         console.print(
             f"serving namespace {ns!r}: {rt.dep.hosts} hosts on Redis {redact_url(url)}, Ray "
-            f"cluster {address}; submit with: phaseline submit --ray-address {address} "
-            "--agent PATH --input TEXT"
+            f"cluster {address}; submit with: phaseline submit --agent PATH --input TEXT "
+            "(clients find this deployment from its owner record in Redis"
+            + (
+                ", and need this machine's ~/.ray/auth_token on theirs)"
+                if ray_auth() is RayAuth.TOKEN
+                else ")"
+            )
         )
         lost = False
         try:
             while not stops.first.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stops.first.wait(), SERVE_CHECK_S)  # the check period
+                if not stops.first.is_set():
+                    await changes.report()
                 why = "" if stops.first.is_set() else await rt.stopped()
                 if why:
                     raise _Lost(
@@ -102,6 +113,31 @@ def serve(
         _run_with_url(go, settings)
     except KeyboardInterrupt:  # Ctrl-C while starting: nothing ran yet
         sys.exit(130)
+
+
+class _HostChanges:
+    """Says when the supervisor replaced a host (a new generation of its slot): an operator
+    watching ``serve`` sees the crashes its deployment absorbs."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.seen: dict[int, int] | None = None
+
+    async def report(self) -> None:
+        try:
+            now = await self.rt.hosts.generations()
+        except StoreError as exc:  # Redis away for a moment: the next check reads again
+            console.print(f"[yellow]cannot read the hosts' generations: {exc}")
+            return
+        if self.seen is not None:
+            for slot, generation in sorted(now.items()):
+                if generation > self.seen.get(slot, generation):
+                    console.print(
+                        f"{self.rt.dep.host_label(slot)} replaced (generation {generation}): its "
+                        "turns resume from their last checkpoints; "
+                        f"{await self.rt.respawns()} replacements so far"
+                    )
+        self.seen = now
 
 
 class _Lost(click.ClickException):

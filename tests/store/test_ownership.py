@@ -181,6 +181,39 @@ async def test_sigterm_on_serve_stops_cleanly_and_says_what_is_left(
 
 
 @pytest.mark.usefixtures("ray_cluster")
+async def test_serve_says_when_a_host_is_replaced(
+    redis_url: str, namespace: str, ray_cluster: Cluster
+) -> None:
+    """A host's crash is absorbed (its turns resume), and the operator watching serve is told
+    (12 replacements under load used to pass without a line)."""
+    settings = Settings.model_validate({"redis": {"namespace": namespace}})
+    proc = await serving(redis_url, namespace, ray_cluster)
+    assert proc.stdout is not None
+    client = await Runtime.attach(settings, ray_address=None)
+    try:
+        await client.kill_host(0)
+        seen: list[str] = []
+
+        async def said() -> str:
+            while "host0 replaced" not in (line := (await proc.stdout.readline()).decode()):
+                assert line, "".join(seen)
+                seen.append(line)
+            return line
+
+        try:
+            line = await asyncio.wait_for(said(), 120)
+        except TimeoutError:
+            status = await client.host_info(isolation=True)
+            raise AssertionError(f"{''.join(seen)}\n{status}") from None
+        assert "(generation 1)" in line and "1 replacements so far" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(120):
+            await proc.wait()
+        await client.detach()
+
+
+@pytest.mark.usefixtures("ray_cluster")
 async def test_a_serve_whose_namespace_is_taken_stops_its_actors_and_exits_1(
     redis_url: str, namespace: str, ray_cluster: Cluster, tmp_path: Path
 ) -> None:
