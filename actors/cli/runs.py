@@ -33,7 +33,7 @@ from actors.cli.app import (
 )
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
-from actors.engine.agents import check_agent
+from actors.engine.agents import check_agent, refuse_unrunnable
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks
 from actors.engine.front_desk import FrontDesk
@@ -302,6 +302,7 @@ def run(
         console.print(f"[dim]turns {named} (phaseline inspect / watch TURN_ID)")
 
     async def in_proc(client: StoreClient) -> RunStats:
+        refuse_unrunnable(agent, turn_input)
         say_ids()
         engine = TurnEngine.from_settings(
             client, settings, EngineHooks(on_transition=bar.on_transition)

@@ -27,6 +27,7 @@ __all__ = [
     "check_agent",
     "load_agent",
     "noted_agent",
+    "refuse_unrunnable",
 ]
 
 
@@ -117,6 +118,15 @@ def check_agent(path: str, turn_input: TurnInput) -> Agent:
     agent = load_agent(path)
     agent.check_input(turn_input)
     return agent
+
+
+def refuse_unrunnable(path: str, turn_input: TurnInput) -> None:
+    """:class:`ConfigError` if a turn of this agent cannot start in this process, which is to
+    run it (:func:`agent_problem`): refused before anything is written, or it would wait for
+    ever in ``init``."""
+    problem = agent_problem(path, turn_input)
+    if problem:
+        raise ConfigError(f"{problem}; this process runs the turns, so none was written")
 
 
 def agent_problem(path: str, turn_input: TurnInput) -> str:

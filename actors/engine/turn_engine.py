@@ -22,6 +22,7 @@ from actors.engine.agents import (
     agent_fingerprint,
     load_agent,
     noted_agent,
+    refuse_unrunnable,
 )
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks, EngineSettings
@@ -223,7 +224,10 @@ class TurnEngine:
         return await self.start(record, spec)
 
     async def run_new(self, agent: str, turn_input: TurnInput, turn_ids: Iterable[str]) -> RunStats:
-        """Submit and run turns concurrently; returns the stats of this batch."""
+        """Submit and run turns concurrently; returns the stats of this batch. An agent that
+        cannot start in this process (a variable its model needs unset here) is refused with
+        :class:`ConfigError` before anything is written: its turns would wait for ever."""
+        refuse_unrunnable(agent, turn_input)
         turns = await self._submit(agent, turn_input, turn_ids)
         return await self._run_all(
             [self.start(record, spec, inbox_len=n) for spec, record, n in turns]

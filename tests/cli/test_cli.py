@@ -217,6 +217,22 @@ def test_run_an_agent_by_import_path(redis_url: str, namespace: str, tmp_path: P
     assert json.loads(report.read_text())["outcomes"] == {"answered": 2}
 
 
+def test_an_agent_that_cannot_start_here_is_refused_before_a_turn_is_written(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example agent without its API key: ``run --in-process`` used to write the turn,
+    exit 3 and leave it ``running (init)`` for ever."""
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    where = ["--redis-url", redis_url, "--namespace", namespace]
+    code, out = invoke("run", "--in-process", *where, "--agent",
+                       "actors.examples.assistant:agent", "--input", "hi")  # fmt: skip
+    assert code == 2 and "OPENAI_API_KEY" in out and "none was written" in out, out
+    assert "phaseline inspect / watch" not in out  # no turn id was named
+    code, out = invoke("turns", *where, "--json")
+    assert code == 0 and "{" not in out, out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
