@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 import actors
 from actors.engine.shipped import scenario_path
@@ -33,16 +34,31 @@ def test_every_export_resolves_and_is_listed() -> None:
     assert issubclass(actors.StaleOwner, actors.PhaselineError)
 
 
-def test_the_readme_program_runs(redis_url: str, tmp_path: Path) -> None:
+def test_the_readme_program_runs_from_an_empty_directory(tmp_path: Path) -> None:
+    """Outside the checkout, with no Redis URL anywhere: the program finds (here: starts) the
+    embedded server every CLI verb uses, and the shipped scenario by its name. It used to need
+    ``$PHASELINE_REDIS_URL`` and the checkout's ``configs/`` as its working directory."""
     program = tmp_path / "hello.py"
     program.write_text(readme_program())
-    env = {**os.environ, "PHASELINE_REDIS_URL": redis_url}
+    env = {k: v for k, v in os.environ.items() if k != "PHASELINE_REDIS_URL"}
+    env["PHASELINE_DATA_DIR"] = str(tmp_path / "redis")  # a server of its own, started by it
     done = subprocess.run(
-        [sys.executable, str(program)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, str(program)], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["answered", "33", "messages"]
+    assert not (tmp_path / "redis" / "url").exists() or _stopped(tmp_path / "redis")
+
+
+def _stopped(data_dir: Path) -> bool:
+    """The embedded server the program started was stopped with its deployment."""
+    url = (data_dir / "url").read_text().strip()
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except redis.RedisError:
+        return True
+    return False
 
 
 def test_shipped_scenarios_are_found_by_name() -> None:

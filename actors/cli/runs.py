@@ -39,7 +39,6 @@ from actors.engine.engine_settings import EngineHooks
 from actors.engine.front_desk import FrontDesk
 from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
-from actors.engine.shipped import scenario_path as shipped_scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.verdict import VerdictMode
@@ -252,7 +251,7 @@ def _work(scenario_path: str | None, agent_path: str | None, input_text: str | N
         assert scenario_path is not None
         if input_text is not None:
             raise BadInput("--input goes with --agent; a scenario carries its own prompt")
-        work = Work.scripted(load_scenario(shipped_scenario(scenario_path)))
+        work = Work.scripted(load_scenario(scenario_path))
         check_agent(work.agent, work.turn_input)
         return work
     if not input_text:

@@ -31,6 +31,7 @@ from actors.engine.front_desk import FrontDesk
 from bus.errors import ConfigError, PhaselineError, StoreError
 from bus.events import WatchEvent
 from store.connection import StoreClient
+from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
 from store.failures import translated
 from store.finals import wait_final
 from store.ownership import Holder, NamespaceOwner, RayAuth
@@ -55,8 +56,11 @@ class Runtime(FrontDesk):
         owns_ray: bool,
         *,
         owner: Holder | None = None,
+        server: EmbeddedRedis | None = None,
     ):
         super().__init__(client, dep.settings, keys=dep.keys)
+        self._server = server
+        """The embedded Redis this runtime started (stopped with the deployment)."""
         self.dep = dep
         self.supervisor = supervisor
         self.owns_ray = owns_ray
@@ -75,13 +79,16 @@ class Runtime(FrontDesk):
         cls,
         settings: Settings,
         *,
-        redis_url: str,
+        redis_url: str | None = None,
         hosts: int = 2,
         ray_address: str | None = None,
         effects_url: str | None = None,
         agents: Sequence[str] = (),
     ) -> Runtime:
-        """Start a private local Ray (or join ``ray_address``) and bring the deployment up.
+        """Start a private local Ray (or join ``ray_address``) and bring the deployment up, on
+        ``redis_url`` (else ``[redis] url`` of the settings, else the embedded server on
+        ``[redis] data_dir``, as every CLI verb finds it; started if none runs, and stopped
+        with the deployment).
         ``agents`` lists the import paths of agents whose tools need Ray resources (each
         resource shape gets its ToolWorker pool); any agent whose tools need none runs without
         being listed.
@@ -92,6 +99,13 @@ class Runtime(FrontDesk):
         holder and nothing starts."""
         for path in agents:
             load_agent(path)  # a bad path is a ConfigError here, not in the supervisor
+        server = None
+        redis_url = redis_url or settings.redis.url
+        if redis_url is None:
+            redis_url, server = attach_or_start(
+                settings.redis.data_path(),
+                appendfsync=appendfsync_for(settings.redis.durability_policy()),
+            )
         dep = Deployment(
             redis_url=redis_url,
             settings=settings.with_telemetry_env(),  # hosts on other nodes lack this env
@@ -114,6 +128,8 @@ class Runtime(FrontDesk):
             await client.aclose()
             if owns_ray:
                 ray.shutdown()
+            if server is not None:
+                server.stop()
             raise
         supervisor = SupervisorRef(
             spawn(Supervisor, dep.name("supervisor"), dep.to_wire(), **singleton_options())
@@ -121,7 +137,7 @@ class Runtime(FrontDesk):
         info = await supervisor.ensure()
         running = Deployment.from_wire(info.deployment)
         await _check_running(client, dep, running, owner)
-        return cls(running, client, supervisor, owns_ray, owner=owner)
+        return cls(running, client, supervisor, owns_ray, owner=owner, server=server)
 
     @classmethod
     async def find(cls, settings: Settings, client: StoreClient) -> Runtime | None:
@@ -374,6 +390,12 @@ class Runtime(FrontDesk):
         await self.client.aclose()
         if self.owns_ray:
             ray.shutdown()
+            self._stop_server()  # nothing of the deployment is left to use it
+
+    def _stop_server(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
     async def shutdown(self) -> None:
         """Stop every actor of the deployment and give its namespace up, then Ray if this
@@ -394,6 +416,7 @@ class Runtime(FrontDesk):
         except StoreError:
             pass
         await self.detach()
+        self._stop_server()
 
     def _owns(self, holder: Holder | None) -> bool:
         """Whether this runtime may stop the deployment (:func:`may_stop`)."""

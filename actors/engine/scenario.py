@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from actors.engine.shipped import scenario_path
 from actors.engine.tomlfile import describe, read_toml
 from bus.errors import ConfigError
 from store.codec import RECORD_BYTES_CEILING
@@ -104,5 +105,7 @@ def parse_scenario(data: dict[str, Any], *, source: str = "scenario") -> Scenari
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file; every failure is a :class:`ConfigError`."""
-    return parse_scenario(read_toml(path, "scenario"), source=str(path))
+    """Read and validate a scenario file, or a shipped one named by its stem (``tool_loop``,
+    from any directory); every failure is a :class:`ConfigError`."""
+    found = scenario_path(str(path))
+    return parse_scenario(read_toml(found, "scenario"), source=str(found))
