@@ -412,8 +412,9 @@ def resume(
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
 @_nodes_option
 @click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
-              help="SIGKILL host 0 once this fraction of the turns has finished "
-                   "(0: as soon as they are submitted).")  # fmt: skip
+              help="SIGKILL host 0 once this fraction of the turns has durable progress (a "
+                   "checkpoint past submission), while they run (0: as soon as they are "
+                   "submitted).")  # fmt: skip
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
 @_verdict_option
 @_report_option

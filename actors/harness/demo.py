@@ -17,6 +17,21 @@ from dataclasses import dataclass, field
 from actors.cluster.runtime import Runtime
 from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
+from store.summaries import summaries
+
+#: Seconds between two looks at the turns' progress while the kill waits.
+POLL_S = 0.2
+
+
+async def _under_way(rt: Runtime, ids: list[str], kill_at: float) -> None:
+    """Return once ``kill_at`` of the turns have saved a checkpoint past submission (or
+    ended): at 0, at once."""
+    due = kill_at * len(ids)
+    while True:
+        rows = await summaries(rt.client, rt.keys, [(t, 0) for t in ids])
+        if sum(1 for r in rows if r is None or r.seq >= 1 or not r.in_progress) >= due:
+            return
+        await asyncio.sleep(POLL_S)  # the poll period
 
 
 @dataclass(slots=True)
@@ -67,35 +82,32 @@ async def run_demo(
     mode: VerdictMode = VerdictMode.EXACT,
     on_kill: Callable[[int], None] | None = None,
 ) -> DemoReport:
-    """``on_kill`` hears the pid of the host just killed, before Ray's own report of the death
-    reaches the driver (the CLI says it is the demo's kill)."""
+    """Run ``ids`` and SIGKILL host 0 once ``kill_at`` of them have durable progress (their
+    first checkpoint), while they run: the kill used to wait for that share of turns to
+    *finish*, and concurrent turns of one scenario finish together, so on a fast machine it
+    came when nothing was left to resume. ``on_kill`` hears the pid of the host just killed,
+    before Ray's own report of the death reaches the driver (the CLI says it is the demo's
+    kill)."""
     expected = await expected_for(mode, rt.client, work, f"{rt.dep.keys.namespace}-ref")
     started = time.monotonic()
-    done = 0
-    due = asyncio.Event()
     kills: list[dict[str, float | int]] = []
+    finished: list[str] = []
 
-    def check() -> None:
-        if done >= kill_at * len(ids):
-            due.set()
-
-    def finished(turn_id: str) -> None:
-        nonlocal done
-        done += 1
+    def done(turn_id: str) -> None:
+        finished.append(turn_id)
         on_done(turn_id)
-        check()
 
     await rt.submit(work.agent, work.turn_input, ids)
-    check()  # at kill_at 0 the kill is due at once, with every turn in flight
-    waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=finished))
-    kill_due = asyncio.ensure_future(due.wait())
+    waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=done))
+    kill_due = asyncio.ensure_future(_under_way(rt, ids, kill_at))
     await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
     kill_due.cancel()
     if not waiter.done():
         pid = await rt.kill_host(0)
         if on_kill is not None:
             on_kill(pid)
-        kills.append({"slot": 0, "pid": pid, "at_s": round(time.monotonic() - started, 2)})
+        kills.append({"slot": 0, "pid": pid, "at_s": round(time.monotonic() - started, 2),
+                      "finished_before": len(finished)})  # fmt: skip
     await waiter
     wall = time.monotonic() - started
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
