@@ -362,7 +362,7 @@ class Settings(_Section):
         try:
             redis_settings = RedisSettings.model_validate({**self.redis.model_dump(), **values})
         except ValidationError as exc:
-            raise ConfigError(f"invalid Redis settings:\n{describe(exc)}") from None
+            raise ConfigError(f"invalid Redis settings:\n{describe(exc, RedisSettings)}") from None
         return self.model_copy(update={"redis": redis_settings})
 
 
@@ -373,4 +373,4 @@ def load_settings(path: str | Path | None) -> Settings:
     try:
         return Settings.model_validate(read_toml(path, "config"))
     except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid config:\n{describe(exc)}") from None
+        raise ConfigError(f"{path}: invalid config:\n{describe(exc, Settings)}") from None

@@ -101,7 +101,7 @@ def parse_scenario(data: dict[str, Any], *, source: str = "scenario") -> Scenari
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: invalid scenario:\n{describe(exc)}") from None
+        raise ConfigError(f"{source}: invalid scenario:\n{describe(exc, Scenario)}") from None
 
 
 def load_scenario(path: str | Path) -> Scenario:

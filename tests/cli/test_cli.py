@@ -49,7 +49,10 @@ def test_every_shipped_scenario_and_config_is_valid() -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('name = "x"\nroundz = 3\n', "roundz"),
+        (
+            'name = "x"\nroundz = 3\n',
+            "roundz: Extra inputs are not permitted (did you mean 'rounds'?)",
+        ),
         ("rounds = 3\n", "name"),
         ('name = "x"\nrounds = -1\n', "rounds"),
         ('name = "x"\n[[faults]]\nat_call = 1\nkind = "explode"\n', "kind"),
@@ -168,6 +171,9 @@ def test_resume_quarantines_a_wrong_type_key_and_resumes_the_rest(
         ("[checkpoint]\nactors = 0\n", "checkpoint.actors"),
         ("[checkpoint]\nbatches_in_flight = 0\n", "checkpoint.batches_in_flight"),
         ("[redis]\nshards = 4\n[checkpoint]\nactors = 8\n", "more than [redis] shards = 4"),
+        ("[checkpoint]\nmin_intervl_s = 1\n", "(did you mean 'min_interval_s'?)"),
+        ('[redis]\nnamspace = "x"\n', "redis.namspace: Extra inputs are not permitted (did you"),
+        ("[nosuch]\nx = 1\n", "nosuch: Extra inputs are not permitted\n"),
     ],
 )
 def test_bad_configs_are_refused_with_exit_2(tmp_path: Path, config: str, message: str) -> None:
