@@ -1,10 +1,11 @@
-"""Running a deployment: ``serve`` (until a signal, optionally draining) and ``redis`` (the
-embedded server)."""
+"""Running things: ``serve`` (a deployment, until a signal, optionally draining), ``redis``
+(the embedded server) and ``model-server`` (a real model on this machine)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import click
 
 from actors.cli.app import (
+    BadInput,
     _appendfsync,
     _common,
     _run_with_url,
@@ -26,6 +28,7 @@ from actors.cli.app import (
 )
 from actors.cluster.joining import gcs_address, ray_auth
 from actors.cluster.runtime import Runtime
+from actors.engine import local_model
 from actors.engine.config import Settings
 from bus.errors import StoreError
 from store.connection import StoreClient
@@ -238,3 +241,27 @@ def redis_cmd(
         pass
     finally:
         server.stop()
+
+
+@main.command("model-server")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--ctx", "n_ctx", type=click.IntRange(512, 32768), default=2048, show_default=True,
+              help="Context window, in tokens.")  # fmt: skip
+@click.option("--threads", type=click.IntRange(1, 256), default=2, show_default=True)
+def model_server(port: int, host: str, n_ctx: int, threads: int) -> None:
+    """Serve a real model on this machine, from any directory: llama.cpp's OpenAI-compatible
+    server with SmolLM2-135M-Instruct (the llm extra; nothing is downloaded). It runs in the
+    foreground until Ctrl-C; point the example agent at it with the variables it prints."""
+    missing = local_model.available()
+    if missing is not None:
+        raise BadInput(missing)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    console.print(
+        f"llama.cpp's server on {url}, model {local_model.MODEL_ALIAS!r}; for the example "
+        f"agent: export OPENAI_BASE_URL={url} PHASELINE_MODEL={local_model.MODEL_ALIAS}",
+        highlight=False,
+    )
+    argv = local_model.command(port, host=host, n_ctx=n_ctx, threads=threads)
+    sys.stderr.flush()
+    os.execv(argv[0], argv)  # the server is this process: a signal reaches it, not a wrapper
