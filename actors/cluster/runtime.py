@@ -203,7 +203,8 @@ class Runtime(FrontDesk):
         if problem:
             raise ConfigError(
                 f"{problem} (on a host of the deployment: every Ray node needs the agent's "
-                "module importable and its variables set; see docs/OPERATIONS.md, "What every Ray node needs")"
+                "module importable and its variables set; see docs/OPERATIONS.md, 'What every "
+                "Ray node needs')"
             )
         self._checked.add(agent)
 

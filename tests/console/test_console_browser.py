@@ -83,6 +83,12 @@ async def test_the_list_shows_a_runs_turns(
     await expect(page.locator("#indexed")).to_have_text("3")
     for turn_id in ("web-a", "web-b", "web-c"):
         await expect(page.get_by_role("link", name=turn_id)).to_be_visible()
+    await page.set_viewport_size(
+        {"width": 360, "height": 800}
+    )  # a narrow window: 1,234 stays whole
+    cells = page.locator("#turns td.num")
+    for i in range(await cells.count()):
+        assert await cells.nth(i).evaluate("e => getComputedStyle(e).whiteSpace") == "nowrap"
     await page.get_by_role("link", name="web-b").click()
     await expect(page.locator("h1")).to_contain_text("web-b")
     await expect(page.locator("#status")).to_have_text("answered")
@@ -129,6 +135,31 @@ async def test_an_approval_made_on_the_page_lets_its_turn_go_on(
     assert result.status == "ok"
     await expect(page.locator("#status")).to_have_text("answered", timeout=20_000)
     await expect(page.locator("#part-transcript")).to_contain_text("approved by console@")
+
+
+async def test_a_sessions_turn_is_reached_from_the_list_and_approved_on_its_page(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str, browser: Browser
+) -> None:
+    """``web7/1`` holds a slash: its link, its page and its Approve all work (its page was a
+    405 before: the POST route of a verb caught it)."""
+    engine = engine_of(real_client, keys.namespace)
+    agent, turn_input = scenario(rounds=1, require_approval=["echo"])
+    spec, record = await engine.open_in_session(agent, turn_input, "web7")
+    task = asyncio.ensure_future(engine.start(record, spec))
+
+    async def asked() -> str | None:
+        return engine.pending_approval("web7/1")
+
+    key = await eventually(asked, timeout=10, what="the approval request")
+    page = await browser.new_page()
+    await page.goto(f"{base}/turns?session=web7")
+    await page.get_by_role("link", name="web7/1").click()
+    await expect(page.locator("h1")).to_contain_text("web7/1")
+    await page.locator(f"#approvals tr[data-call='{key}'] button.approve").click()
+    await expect(page.locator("#flash")).to_contain_text("approved")
+    assert page.url.split("?")[0].endswith("/turns/web7/1")
+    await asyncio.wait_for(task, 30)
+    await expect(page.locator("#status")).to_have_text("answered", timeout=20_000)
 
 
 async def test_pages_stay_whole_with_ten_thousand_turns_in_the_store(

@@ -112,6 +112,7 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
         # a run that starts its own Ray is refused, naming the owner
         code, out = await phaseline("run", *where, "--scenario", str(scenario), "--turns", "1")
         assert code == 2 and "is served by" in out and f"pid {os.getpid()}" in out, out
+        assert "phaseline inspect / watch" not in out  # it names no turn it did not write
         # the owner's deployment still runs turns
         sc = parse_scenario({"name": "after", "rounds": 1, "tools_per_round": 1})
         await rt.submit(*scripted_turn(sc), ["after-1"])
