@@ -73,4 +73,4 @@ def test_status_of_a_running_deployment(redis_url: str, namespace: str) -> None:
 def test_status_without_a_deployment_exits_2(namespace: str) -> None:
     result = CliRunner().invoke(main, ["status", "--namespace", namespace])
     assert result.exit_code == 2
-    assert "no deployment of namespace" in result.stderr
+    assert "no deployment serves namespace" in result.stderr

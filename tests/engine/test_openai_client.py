@@ -20,7 +20,7 @@ from actors.engine.submission import session_tokens
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
-from bus.errors import BudgetExhausted
+from bus.errors import BudgetExhausted, ConfigError
 from bus.outcomes import Outcome
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
@@ -293,13 +293,20 @@ async def test_a_missing_api_key_leaves_the_turn_for_a_host_that_has_it_then_sus
     real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(TEST_KEY_ENV)
-    stats, record = await run(real_client, keys, KEYED, ask(1), "nokey")
-    assert stats.unfinished == ["nokey"] and record.in_progress
+    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
+    # This process runs what it submits: refused before anything is written.
+    with pytest.raises(ConfigError, match=f"\\${TEST_KEY_ENV} is not set here.*none was written"):
+        await engine.run_new(KEYED, ask(1), ["nokey"])
+    assert await real_client.exists(keys.turn("nokey"), keys.spec("nokey")) == 0
+    # Submitted by a client for hosts elsewhere, then started on one without the key: the
+    # host leaves it for another, with the reason.
+    spec, record = (await engine.submit_many(KEYED, ask(1), ["nokey"]))[0]
+    await engine.start(record, spec)
+    record = await engine.store.load("nokey")
+    assert record.in_progress
     error = record.counters.last_error
     assert error is not None and error.source == "agent" and record.counters.agent_failures == 1
     assert f"${TEST_KEY_ENV} is not set here" in error.message and "cannot run on" in error.message
-    engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
-    spec = await engine.store.load_spec("nokey")
     for _ in range(2):  # two more hosts without the key: the turn is parked, with its reason
         done = await engine.start(await engine.store.load("nokey"), spec)
     parked = await engine.store.load("nokey")
