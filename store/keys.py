@@ -16,7 +16,8 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
     {ns}:{s<N>}:live:<turn_id>      stream  what a watcher of the turn sees (bus.events
                                             WatchEvent), capped, expires a day after its last
-                                            entry (store.streams)
+                                            entry or with its finished turn (store.streams,
+                                            store.retention)
     {ns}:{s<N>}:session:<session>   hash    a session's turn count and latest turn id
                                             (store.sessions)
     {ns}:{s<N>}:queue:<session>     list    a session's next turns, waiting for the one that

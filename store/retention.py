@@ -4,10 +4,13 @@ A turn's keys (``store.keys``: record, bodies, spec, ledger, effects, inbox, app
 expired before: 34-50 KB per finished turn, for ever. With ``[retention] finished_ttl_s`` set,
 the save that ends a turn (``store/lua/checkpoint_save.lua``) sets that time to live on all of
 them and on its session's hash, in the same atomic step as the final record, and trims the
-shard's turns index of turns submitted longer ago: nothing of the turn outlives the rest. A
-suspended turn is not finished and keeps its keys; the live stream has its own day-long life,
-the shard streams their length caps. A session's hash is made persistent again when its next
-turn opens (``store.sessions``), so a running session never expires under its turn.
+shard's turns index of turns submitted longer ago: nothing of the turn outlives the rest. Its
+live stream (what a watcher saw: text, tool arguments and results) gets the same time to live,
+and an event published after the final save (the buffered publisher may send the last ones
+later) never gives it longer than its record has left (``store/lua/events_publish.lua``). A
+suspended turn is not finished and keeps its keys; the shard-wide streams keep their length
+caps. A session's hash is made persistent again when its next turn opens
+(``store.sessions``), so a running session never expires under its turn.
 
 ``phaseline purge`` removes finished turns now (``purge_turn.lua``: only a record that is not
 in progress, with every key of the turn and its index entry, in one step).
@@ -29,13 +32,15 @@ __all__ = ["Retention", "TurnPurger", "retained_keys"]
 
 def retained_keys(keys: KeyLayout, turn_id: str) -> list[str]:
     """The keys a finished turn leaves besides its record and bodies, in the save script's
-    order: spec, ledger, effects, inbox, approvals, and its session's hash (the record's key
-    again for a turn of no session, so the script's key count stays fixed)."""
+    order: spec, ledger, effects, inbox, approvals, its session's hash (the record's key
+    again for a turn of no session, so the script's key count stays fixed) and its live
+    stream."""
     session = turn_id.partition("/")[0] if "/" in turn_id else None
     return [
         keys.spec(turn_id), keys.tools(turn_id), keys.effects(turn_id), keys.inbox(turn_id),
         keys.approval(turn_id),
         keys.session(session) if session is not None else keys.turn(turn_id),
+        keys.live(turn_id),
     ]  # fmt: skip
 
 

@@ -8,8 +8,9 @@ Streams are capped (``XADD MAXLEN ~``). :class:`MemoryBus` has the same interfac
 
 A turn's live stream (``KeyLayout.live``) gets a copy of its transitions and status events
 plus what only a watcher wants (text deltas, tool calls and results, restart markers, the
-final answer); ``store.watch`` reads it. It is capped and expires a day after its last entry:
-it is advisory, the checkpoint record is the truth.
+final answer); ``store.watch`` reads it. It is capped and expires a day after its last entry,
+or with its finished turn's keys (``store.retention``): it is advisory, the checkpoint record
+is the truth.
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ class RedisBus:
         for e in events:
             key = self.keys.live(e.turn_id)
             if key not in index:
-                keys.append(key)
-                index[key] = len(keys)  # Lua counts from 1
+                keys += (key, self.keys.turn(e.turn_id))
+                index[key] = len(keys) - 1  # Lua counts from 1
             fields = encode_event(e)
             args += (index[key], int(isinstance(e, Transition | StatusEvent)), len(fields))
             for name, value in fields.items():

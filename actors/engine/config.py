@@ -228,7 +228,8 @@ class EventSettings(_Section):
     """Entries kept per turn (older ones are trimmed); 0 turns live streams off (watchers
     then see only the final answer)."""
     live_ttl_s: int = Field(default=86_400, ge=1)
-    """Seconds a turn's live stream is kept after its last entry."""
+    """Seconds a turn's live stream is kept after its last entry; a finished turn's expires
+    with its other keys (``[retention] finished_ttl_s``) if that comes first."""
 
     def live(self) -> LiveStreams:
         return LiveStreams(maxlen=self.live_maxlen, ttl_s=self.live_ttl_s)
@@ -262,7 +263,7 @@ class HostSettings(_Section):
 class RetentionSettings(_Section):
     finished_ttl_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     """Seconds a finished turn's data (record, transcript, spec, ledger, effects, inbox,
-    approvals, its session) lives after its final save; 0: for ever. A week by default:
+    approvals, live stream, its session) lives after its final save; 0: for ever. A week by default:
     long enough to inspect, watch and export a turn, short enough that Redis memory tracks the
     load (docs/OPERATIONS.md sizes it). Suspended turns are kept until resumed or purged."""
     on_finish: str = Field(default="", pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$")

@@ -2,8 +2,8 @@
 --
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
 --       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
---       session hash (the record key again for a turn of no session), shard turns index,
---       shard phase counts hash
+--       session hash (the record key again for a turn of no session), live stream,
+--       shard turns index, shard phase counts hash (store/save_script.py, save_call)
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
 --       first), puts (n), drops (m),
@@ -27,8 +27,9 @@
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
 -- to the agent's totals in the shard's usage hash, and counts the outcome there
 -- ('outcome|<outcome>'): once per turn, with the record.
--- A save that ends the turn with a time to live sets it on every key of the turn (and its
--- session's), and trims the shard's turns index and events stream of what is older than that.
+-- A save that ends the turn with a time to live sets it on every key of the turn (its live
+-- stream and its session's hash too), and trims the shard's turns index and events stream of
+-- what is older than that.
 -- An accepted save moves the turn in the shard's phase counts (in-progress turns per phase of
 -- their latest record): out of the stored record's phase if that was in progress, into its own
 -- if it is.
@@ -104,22 +105,22 @@ end
 local was = stored[3] == '1' and stored[4] or false
 local now = ARGV[6] == '1' and ARGV[4] or false
 if was ~= now then
-  if was then redis.call('HINCRBY', KEYS[13], was, -1) end
-  if now then redis.call('HINCRBY', KEYS[13], now, 1) end
+  if was then redis.call('HINCRBY', KEYS[14], was, -1) end
+  if now then redis.call('HINCRBY', KEYS[14], now, 1) end
 end
 if submission then
   redis.call('SET', KEYS[6], ARGV[8])
   for i = first, #ARGV, 2 do  -- the index orders turns by their first record's updated_at
-    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[12], ARGV[i + 1], ARGV[3]) end
+    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[13], ARGV[i + 1], ARGV[3]) end
   end
 end
 if ttl > 0 then
-  for i = 6, 11 do redis.call('PEXPIRE', KEYS[i], ttl) end
+  for i = 6, 12 do redis.call('PEXPIRE', KEYS[i], ttl) end
   redis.call('PEXPIRE', record, ttl)
   redis.call('PEXPIRE', bodies, ttl)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', '(' .. (now - ttl))
+  redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', '(' .. (now - ttl))
   redis.call('XTRIM', KEYS[3], 'MINID', '~', now - ttl)  -- the shard's checkpoint events too
 end
 return {'ok', id, redis.call('LLEN', KEYS[9])}

@@ -3,14 +3,17 @@
 -- XADD per event and stream.
 --
 -- KEYS[1]   the shard's bus stream             ({ns}:{sN}:bus)
--- KEYS[2..] live streams of the shard's turns  ({ns}:{sN}:live:<id>)
+-- KEYS[2..] per turn of the batch, its live stream and its checkpoint record
+--           ({ns}:{sN}:live:<id>, {ns}:{sN}:turn:<id>)
 -- ARGV[1]   the bus stream's approximate cap
 -- ARGV[2]   a live stream's approximate cap (0: live streams are off)
 -- ARGV[3]   seconds a live stream lives after its last event
 -- ARGV[4..] per event, in order: the index in KEYS of its live stream, 1 if it goes to the
 --           bus too (else 0), its number of fields n, then n field, value pairs
--- Answers the number of events. Every key shares the shard's hash tag, so this runs unchanged
--- on Redis Cluster.
+-- Answers the number of events. A live stream never outlives its record's retention: a record
+-- with a time to live (a finished turn's, store/retention.py) caps its stream's, so an event
+-- published after the final save does not keep the turn's content a day longer. Every key
+-- shares the shard's hash tag, so this runs unchanged on Redis Cluster.
 local live_on = ARGV[2] ~= '0'
 local i, events = 4, 0
 while i <= #ARGV do
@@ -26,6 +29,14 @@ while i <= #ARGV do
   i = last + 1
 end
 if live_on then
-  for k = 2, #KEYS do redis.call('EXPIRE', KEYS[k], ARGV[3]) end
+  local ttl_ms = tonumber(ARGV[3]) * 1000
+  for k = 2, #KEYS, 2 do
+    local left = redis.call('PTTL', KEYS[k + 1])
+    if left > 0 and left < ttl_ms then
+      redis.call('PEXPIRE', KEYS[k], left)
+    else
+      redis.call('PEXPIRE', KEYS[k], ttl_ms)
+    end
+  end
 end
 return events
