@@ -46,6 +46,7 @@ async def test_a_finished_turn_leaves_no_key_once_its_retention_is_over(
         "turn", "bodies", "spec", "tools", "inbox", "approval", "live", "session"
     }, left  # fmt: skip
     assert all(0 < ttl <= TTL_S * 1000 for ttl in left.values()), left
+
     async def expired() -> bool:
         return not await turn_keys()
 
