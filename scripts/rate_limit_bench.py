@@ -2,16 +2,17 @@
 
 200 concurrent turns of a 2-round tool agent (3 model calls each, 600 requests) against the
 tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
-it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``). Each variant is one
-``phaseline run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
-(``tests.support.agents:http_json``) and declared
+it: 429 at once, with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each accepted
+call answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
+generation times vary). Each variant is one ``phaseline run`` (in process, and on a local Ray
+with 2 hosts), with the limit undeclared (``tests.support.agents:http_json``) and declared
 (``tests.support.agents:http_limited_bench``). Reported per variant: outcomes, wall time
-against the ideal (requests beyond the burst divided by the rate: 50 s), the endpoint's
-accepted and refused requests.
+against the ideal (requests beyond the burst divided by the rate, 50 s, plus the last call's
+latency), the endpoint's accepted and refused requests; then the rows as a Markdown table.
 
-Run from a checkout: ``.venv/bin/python scripts/rate_limit_bench.py [--turns 200] [--tree DIR]
-[--only in_process] [--report FILE]``; ``--tree`` runs another checkout's ``phaseline`` (the
-same command before and after a change).
+Run from a checkout: ``.venv/bin/python scripts/rate_limit_bench.py [--turns 200]
+[--latencies 0,200,2000] [--tree DIR] [--only in_process] [--report FILE]``; ``--tree`` runs
+another checkout's ``phaseline`` (the same command before and after a change).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RPM, BURST, ROUNDS = 600, 100, 2
+#: Each accepted call's latency is drawn uniformly within this fraction around the row's.
+SPREAD = 0.5
 AGENTS = {
     "undeclared": "tests.support.agents:http_json",
     "declared": "tests.support.agents:http_limited_bench",
@@ -43,9 +46,12 @@ def _call(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
         return dict(json.loads(reply.read()))
 
 
-def run_variant(tree: Path, base: str, mode: str, agent: str, turns: int) -> dict[str, object]:
+def run_variant(
+    tree: Path, base: str, mode: str, agent: str, turns: int, latency_ms: int
+) -> dict[str, object]:
     _call(f"{base}/_limit", {"rpm": RPM, "burst": BURST, "headers": True})  # a full bucket
-    script = {"rounds": ROUNDS, "tool": "add", "quote": False}
+    script = {"rounds": ROUNDS, "tool": "add", "quote": False, "latency_ms": latency_ms,
+              "latency_spread": SPREAD}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "run.json"
         cmd = [
@@ -66,13 +72,14 @@ def run_variant(tree: Path, base: str, mode: str, agent: str, turns: int) -> dic
         data = json.loads(report.read_text()) if report.exists() else {}
     seen = _call(f"{base}/_stats")
     requests = turns * (ROUNDS + 1)
-    ideal = max(0, requests - BURST) / (RPM / 60)
+    ideal = max(0, requests - BURST) / (RPM / 60) + latency_ms / 1000
     accepted, refused = int(seen["accepted"]), int(seen["refused"])  # type: ignore[call-overload]
     return {
         "exit": done.returncode,
         "outcomes": data.get("outcomes"),
         "run_wall_s": data.get("wall_s"),
         "command_wall_s": round(wall, 1),
+        "latency_ms": latency_ms,
         "ideal_s": ideal,
         "wall_over_ideal": round(float(data["wall_s"]) / ideal, 2) if data and ideal else None,
         "accepted": accepted,
@@ -87,6 +94,7 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, default=ROOT)
     parser.add_argument("--only", choices=sorted(MODES), default=None)
     parser.add_argument("--agents", default=",".join(AGENTS))
+    parser.add_argument("--latencies", default="0,200,2000", help="ms per call, one row each")
     parser.add_argument("--report", type=Path, default=None)
     args = parser.parse_args()
     with socket.socket() as s:
@@ -107,14 +115,36 @@ def main() -> None:
                                       "burst": BURST}  # fmt: skip
         for mode in [args.only] if args.only else list(MODES):
             for name in args.agents.split(","):
-                figures[f"{mode}/{name}"] = fig = run_variant(
-                    args.tree, base, mode, AGENTS[name], args.turns
-                )
-                print(f"{mode}/{name}: {json.dumps(fig)}", flush=True)
+                for latency in (int(ms) for ms in args.latencies.split(",")):
+                    figures[f"{mode}/{name}/{latency}ms"] = fig = run_variant(
+                        args.tree, base, mode, AGENTS[name], args.turns, latency
+                    )
+                    print(f"{mode}/{name}/{latency}ms: {json.dumps(fig)}", flush=True)
     finally:
         endpoint.terminate()
     if args.report:
         args.report.write_text(json.dumps(figures, indent=2) + "\n")
+    print(table(figures))
+
+
+def table(figures: dict[str, object]) -> str:
+    """The rows as docs/BENCHMARKS.md shows them."""
+    lines = [
+        "| where | limit | latency | outcomes | wall | ideal | wall / ideal | refused / accepted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, fig in figures.items():
+        if not isinstance(fig, dict):
+            continue
+        mode, limit, _ = key.split("/")
+        where = "in process" if mode == "in_process" else "Ray, 2 hosts"
+        outcomes = ", ".join(f"{n} {o}" for o, n in (fig["outcomes"] or {}).items())
+        lines.append(
+            f"| {where} | {limit} | {fig['latency_ms']} ms | {outcomes} (exit {fig['exit']}) "
+            f"| {fig['run_wall_s']} s | {fig['ideal_s']:.1f} s | {fig['wall_over_ideal']} "
+            f"| {fig['refused']} / {fig['accepted']} ({fig['refused_per_accepted']}) |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

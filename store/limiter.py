@@ -17,7 +17,9 @@ seconds and which cost it 37 µs of CPU per checkpoint save in the bench's throu
 
 A declared limit (requests and tokens per minute, calls in flight) is kept by the schedules; a
 provider's 429 pauses the endpoint for everyone for the time it asked (:meth:`pause`), declared
-limits or not. Waiting calls are served in the order they were first held back. Nothing here
+limits or not, and an endpoint that declared no rate is then spaced at the rate its refusals
+show it accepts (:meth:`pause`). Waiting calls are served in the order they were first held
+back. Nothing here
 knows the model client: it deals in numbers, ``actors.engine.admission`` binds them to an
 agent's ``ModelLimits``.
 """
@@ -48,6 +50,16 @@ HOLD_SLACK_MS = 30_000
 WAITER_GRACE_MS = 10_000
 #: How long an endpoint's keys live after its last call (the scripts ``PEXPIRE`` them).
 STATE_KEEP_MS = 3_600_000
+#: How long a spacing set by a provider's refusals takes to halve (``model_admit.lua``): how
+#: fast an endpoint that allows more than the last estimate is found again. Shorter finds it
+#: sooner and meets more refusals on the way.
+GAP_HALF_LIFE_MS = 20_000
+#: How long a spacing must have held before the calls sent under it measure the provider's
+#: rate (``model_pause.lua``): over a shorter time, one call more or less is a large error.
+ESTIMATE_MIN_MS = 2_000
+#: How long it may have held at most: longer, the provider's bucket may have refilled past
+#: what it holds while calls went slower than it allows, and the count says too little.
+ESTIMATE_MAX_MS = 60_000
 #: How often a process calling an endpoint names it in the registry again. An entry older than
 #: this and :data:`STATE_KEEP_MS` together outlived the state it named and is dropped.
 REGISTER_EVERY_S = 600.0
@@ -113,7 +125,7 @@ class EndpointLimiter:
         args: list[str | int | float] = [
             ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
             max(0, tokens), schedule.max_in_flight, schedule.hold_ms, WAITER_GRACE_MS,
-            label or endpoint, STATE_KEEP_MS,
+            label or endpoint, STATE_KEEP_MS, GAP_HALF_LIFE_MS,
         ]  # fmt: skip
         with translated(f"admit a call to model endpoint {endpoint}"):
             wait_ms = await self._admit(
@@ -134,14 +146,20 @@ class EndpointLimiter:
                 args=[ticket, schedule.token_ms, token_delta],
             )
 
-    async def pause(self, endpoint: str, seconds: float) -> None:
-        """The provider refused a call for its rate limit and asked to wait ``seconds``: no
-        host sends it anything before then."""
+    async def pause(self, endpoint: str, seconds: float, sent_s_ago: float) -> None:
+        """The provider refused a call for its rate limit and asked to wait ``seconds`` (0:
+        it did not say): no host sends it anything before then, and an endpoint that declared
+        no rate is spaced at the rate it was measured to accept (``model_pause.lua``).
+        ``sent_s_ago``: when the refused call was admitted, which says whether it went under
+        the current spacing."""
         with translated(f"pause model endpoint {endpoint}"):
             await self._pause(
                 keys=[self.keys.model_limit(endpoint)],
-                args=[max(1, int(seconds * 1000)), STATE_KEEP_MS],
-            )
+                args=[
+                    max(1, int(seconds * 1000)), STATE_KEEP_MS, max(0, int(sent_s_ago * 1000)),
+                    ESTIMATE_MIN_MS, ESTIMATE_MAX_MS, GAP_HALF_LIFE_MS,
+                ],
+            )  # fmt: skip
 
     async def snapshot(self) -> list[EndpointState]:
         """Every endpoint with a limiter state in this namespace, as it is now."""

@@ -47,6 +47,7 @@ from actors.harness.chaos import ChaosSettings, run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.chaos_runtime import chaos_runtime
+from actors.harness.links import outside_links
 from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
@@ -93,6 +94,8 @@ def chaos(
         embedded=settings.redis.url is None and not redis_cluster,
         nodes=nodes > 1 and ray_address is None,
         cluster=redis_cluster,
+        local=ray_address is None,
+        http=work.scenario is None,
     )
     if poison > turns:
         raise BadInput(f"--poison {poison} is more than --turns {turns}")
@@ -115,15 +118,20 @@ def chaos(
         local: LocalNodes | None,
     ) -> ChaosReport:
         assert settings.redis.url is not None
-        async with chaos_runtime(
-            settings, redis_url=settings.redis.url, hosts=hosts, targets=chosen,
-            ray_address=local.address if local else ray_address,
-        ) as rt:  # fmt: skip
-            with bar.progress:
-                result = await run_chaos(
-                    rt, server, cfg, nodes=local, cluster=cluster,
-                    on_submitted=lambda n: None, on_done=bar.advance,
-                )  # fmt: skip
+        with outside_links(
+            chosen, redis_url=settings.redis.url, slots=hosts + 1, http=work.scenario is None,
+            seed=seed,
+        ) as links:  # fmt: skip
+            async with chaos_runtime(
+                settings, redis_url=settings.redis.url, hosts=hosts, targets=chosen,
+                ray_address=local.address if local else ray_address,
+                host_routes=links.routes(hosts + 1) if links else (),
+            ) as rt:  # fmt: skip
+                with bar.progress:
+                    result = await run_chaos(
+                        rt, server, cfg, nodes=local, cluster=cluster, links=links,
+                        on_submitted=lambda n: None, on_done=bar.advance,
+                    )  # fmt: skip
             if ChaosTarget.BAD_INPUT in chosen:
                 result.verdict.bad_input_accepted += await asyncio.to_thread(
                     console_probes, settings, settings.redis.url, result.turn_ids[0]

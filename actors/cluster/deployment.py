@@ -52,6 +52,20 @@ def worker_options(resources: Mapping[str, float]) -> dict[str, Any]:
     }
 
 
+class HostRoute(BaseModel):
+    """How one host slot reaches Redis and its model endpoints when not as the others do: the
+    chaos target ``partition`` sends each host through proxies of its own, to cut one host off
+    while the rest of the deployment keeps its links."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    redis_url: str | None = None
+    """The Redis URL the slot's TurnActors use; None: the deployment's."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables set in the slot's TurnActor process before it runs a turn (``OPENAI_BASE_URL``:
+    the model endpoint its agents call)."""
+
+
 class Deployment(BaseModel):
     """Everything an actor needs to find Redis, its settings and its peers."""
 
@@ -71,9 +85,19 @@ class Deployment(BaseModel):
     """Import paths of agents whose tools need Ray resources: their resource shapes get
     ToolWorker pools. Tools without resources run on the default pool, which always exists."""
 
-    def connect(self, *, max_connections: int = 64) -> StoreClient:
-        """A client of :attr:`redis_url` (a cluster's if ``[redis] cluster``)."""
-        return self.settings.redis.connect(self.redis_url, max_connections=max_connections)
+    host_routes: tuple[HostRoute, ...] = ()
+    """Per host slot (the isolation slot last), how it reaches Redis and its model endpoints;
+    empty: as the rest of the deployment does."""
+
+    def connect(self, *, max_connections: int = 64, slot: int | None = None) -> StoreClient:
+        """A client of :attr:`redis_url` (a cluster's if ``[redis] cluster``), or of host
+        ``slot``'s route to it."""
+        url = self.route(slot).redis_url if slot is not None else None
+        return self.settings.redis.connect(url or self.redis_url, max_connections=max_connections)
+
+    def route(self, slot: int) -> HostRoute:
+        """How host ``slot`` reaches Redis and its model endpoints."""
+        return self.host_routes[slot] if slot < len(self.host_routes) else HostRoute()
 
     @property
     def keys(self) -> KeyLayout:

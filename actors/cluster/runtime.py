@@ -18,7 +18,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import ray
 
-from actors.cluster.deployment import Deployment, HostDirectory, actor_name, pool_name
+from actors.cluster.deployment import (
+    Deployment,
+    HostDirectory,
+    HostRoute,
+    actor_name,
+    pool_name,
+)
 from actors.cluster.info import HostInfo
 from actors.cluster.joining import ensure_ray
 from actors.cluster.namespace_claim import claim_namespace, may_stop
@@ -84,6 +90,7 @@ class Runtime(FrontDesk):
         ray_address: str | None = None,
         effects_url: str | None = None,
         agents: Sequence[str] = (),
+        host_routes: Sequence[HostRoute] = (),
     ) -> Runtime:
         """Start a private local Ray (or join ``ray_address``) and bring the deployment up, on
         ``redis_url`` (else ``[redis] url`` of the settings, else the embedded server on
@@ -91,7 +98,8 @@ class Runtime(FrontDesk):
         with the deployment).
         ``agents`` lists the import paths of agents whose tools need Ray resources (each
         resource shape gets its ToolWorker pool); any agent whose tools need none runs without
-        being listed.
+        being listed. ``host_routes``: per host slot, how it reaches Redis and its model
+        endpoints when not as the rest of the deployment does (a chaos run's partitions).
 
         The namespace is claimed first (``store.ownership``): if this Ray cluster already runs
         its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
@@ -112,6 +120,7 @@ class Runtime(FrontDesk):
             hosts=hosts,
             effects_url=effects_url,
             agents=tuple(agents),
+            host_routes=tuple(host_routes),
         )
         client = settings.redis.connect(redis_url)
         owns_ray = False

@@ -75,7 +75,8 @@ class TurnActor:
         self.incarnation = uuid.uuid4().hex
         self.node_id = this_node()  # an actor never moves
         self.isolating = slot == self.dep.isolation_slot
-        self.client = self.dep.connect(max_connections=128)
+        os.environ.update(self.dep.route(slot).env)  # its process is its own
+        self.client = self.dep.connect(max_connections=128, slot=slot)
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )

@@ -51,5 +51,5 @@ class RedisAdmission(Admission):
             return  # nothing held: no place in flight, no token schedule
         await self.limiter.settle(endpoint, ticket, schedule_of(limits, 0), token_delta)
 
-    async def pause(self, endpoint: str, seconds: float) -> None:
-        await self.limiter.pause(endpoint, seconds)
+    async def pause(self, endpoint: str, seconds: float, sent_s_ago: float) -> None:
+        await self.limiter.pause(endpoint, seconds, sent_s_ago)

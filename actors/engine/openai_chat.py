@@ -52,6 +52,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -265,15 +266,17 @@ class OpenAIChatClient:
                 retry_after_s=wait,
             )
         used: int | None = None
+        sent = time.monotonic()
         try:
             reply = await self._complete(request)
             if reply.usage is not None:
                 used = reply.usage.total
             return reply
         except RateLimitedLLMError as exc:
-            if exc.retry_after_s:  # the provider's word holds every host back
-                with _advisory("pause"):
-                    await admission.pause(self.endpoint_id, exc.retry_after_s)
+            with _advisory("pause"):  # the provider's word holds every host back
+                await admission.pause(
+                    self.endpoint_id, exc.retry_after_s or 0.0, time.monotonic() - sent
+                )
             raise
         finally:
             delta = 0 if used is None else used - estimate

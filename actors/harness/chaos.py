@@ -18,6 +18,13 @@ target kind and a victim at random intervals and kills it, while turns keep arri
   Redis Cluster; its replica takes over while turns pause on its slots, then the killed node is
   started again and rejoins as a replica (as an operator's restart brings it back). Side
   effects are counted on a witness server outside the cluster, as for ``power_loss``;
+* ``provider``: a storm at the model endpoint, through a fault proxy in front of it
+  (``actors.harness.provider_proxy``): for one to three seconds every request meets 429s with
+  ``retry-after``, 529s, 5xx, replies cut mid-way, hangs until the client gives up, or a dead
+  endpoint; every call of the run also waits a log-normal latency (median 200 ms);
+* ``partition``: one host's link to Redis, or to the model endpoint, is cut for two to six
+  seconds (its bytes held, as a cut link holds them), then restored, while every other process
+  keeps its links (``actors.harness.links``);
 * ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
   the namespace is) claims and runs a few in-progress turns of a random host while that host
   still runs them: the two race on every dispatch and save until one is fenced.
@@ -55,6 +62,8 @@ from actors.engine.scenario import Scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.bad_tools import RAISER, RAISING
 from actors.harness.chaos_report import ChaosReport, Fault
+from actors.harness.links import Links
+from actors.harness.provider_proxy import ProviderFault
 from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after, read_moves
 from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
@@ -129,8 +138,10 @@ class ChaosMonkey:
         cfg: ChaosSettings,
         nodes: LocalNodes | None = None,
         cluster: EmbeddedCluster | None = None,
+        links: Links | None = None,
     ) -> None:
         self.rt = rt
+        self.links = links
         self.server = server
         self.nodes = nodes
         self.cluster = cluster
@@ -213,6 +224,8 @@ class ChaosMonkey:
             ChaosTarget.REDIS_FAILOVER: self._redis_failover,
             ChaosTarget.POWER_LOSS: self._power_loss,
             ChaosTarget.REDIS: self._restart_redis,
+            ChaosTarget.PROVIDER: self._provider_storm,
+            ChaosTarget.PARTITION: self._partition,
         }
         handler = handlers.get(target)
         return await (handler() if handler is not None else self._kill_service(target))
@@ -247,6 +260,46 @@ class ChaosMonkey:
         return Fault(
             at, ChaosTarget.FREEZE, rt.dep.host_label(slot), pid, affected,
             note="stopped until replaced",
+        )  # fmt: skip
+
+    async def _provider_storm(self) -> Fault:
+        """One to three seconds of one provider fault; the requests it met are counted."""
+        provider = self.links.provider if self.links is not None else None
+        if provider is None:
+            raise ConfigError("no provider proxy stands in front of the model endpoint")
+        fault = self.rng.choice(list(ProviderFault))
+        seconds = self.rng.uniform(1.0, 3.0)
+        before = provider.landed[fault]
+        at = self.now()
+        provider.storm(fault, seconds)
+        await asyncio.sleep(seconds)  # the storm's length: the fault itself
+        hit = provider.landed[fault] - before
+        return Fault(
+            at, ChaosTarget.PROVIDER, f"model endpoint: {fault}", None,
+            note=f"{seconds:.1f} s, {hit} requests met it", skipped=hit == 0,
+        )  # fmt: skip
+
+    async def _partition(self) -> Fault:
+        """Cut one host's link to Redis or to the model for two to six seconds."""
+        if self.links is None or not self.links.hosts:
+            raise ConfigError("the hosts were not started behind links of their own")
+        slot = self.rng.randrange(len(self.links.hosts))
+        host = self.links.hosts[slot]
+        cuttable = [("redis", host.redis)] + ([("model", host.model)] if host.model else [])
+        what, link = self.rng.choice(cuttable)
+        affected = await self._affected(slot)
+        seconds = self.rng.uniform(2.0, 6.0)
+        caught = link.held_connections
+        at = self.now()
+        await asyncio.to_thread(link.cut)
+        try:
+            await asyncio.sleep(seconds)  # the partition's length: the fault itself
+        finally:
+            await asyncio.to_thread(link.restore)
+        return Fault(
+            at, ChaosTarget.PARTITION, f"{self.rt.dep.host_label(slot)} - {what}", None,
+            affected, note=f"cut {seconds:.1f} s; {link.held_connections - caught} new "
+            "connections held",
         )  # fmt: skip
 
     async def _kill_tool_worker(self) -> Fault:
@@ -476,6 +529,7 @@ async def run_chaos(
     *,
     nodes: LocalNodes | None = None,
     cluster: EmbeddedCluster | None = None,
+    links: Links | None = None,
     on_submitted: Callable[[int], None],
     on_done: Callable[[str], None],
 ) -> ChaosReport:
@@ -489,7 +543,7 @@ async def run_chaos(
         return poison if tid in poisoned else cfg.work
 
     t0_unix = time.time()
-    monkey = ChaosMonkey(rt, server, cfg, nodes, cluster)
+    monkey = ChaosMonkey(rt, server, cfg, nodes, cluster, links)
     started = monkey.t0
     if ChaosTarget.BAD_INPUT in cfg.targets:  # once whatever the draws, then as they fall
         monkey.faults.append(await monkey.inject(ChaosTarget.BAD_INPUT))
@@ -509,8 +563,14 @@ async def run_chaos(
     verdict.bad_input_accepted += await bad_turns_judged(rt, monkey.bad_ids)
     moves = await read_moves(rt.client, rt.dep.keys)
     recovered = recoveries(moves, monkey.faults, t0_unix)
+    config = _config_of(rt, cfg, cluster=cluster is not None)
+    if links is not None and links.provider is not None:
+        config["provider_requests"] = {
+            "forwarded": links.provider.forwarded,
+            **{str(fault): n for fault, n in links.provider.landed.items()},
+        }
     return ChaosReport(
-        config=_config_of(rt, cfg, cluster=cluster is not None),
+        config=config,
         verdict=verdict,
         faults=monkey.faults,
         wall_s=wall,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from actors.cluster.deployment import HostRoute
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.harness.targets import WITNESSED, ChaosTarget
@@ -26,10 +27,12 @@ async def chaos_runtime(
     hosts: int,
     ray_address: str | None,
     targets: Sequence[ChaosTarget],
+    host_routes: Sequence[HostRoute] = (),
 ) -> AsyncIterator[Runtime]:
     """A deployment for a chaos run, shut down after it. When a target can lose Redis writes
     (:data:`WITNESSED`), side effects are counted on a witness server outside the Redis under
-    test, so a lost counter cannot hide a duplicate."""
+    test, so a lost counter cannot hide a duplicate. ``host_routes``: each host slot's own
+    links (``actors.harness.links``)."""
     sup = settings.supervisor.model_copy(update={"adopt_interval_s": ADOPT_INTERVAL_S})
     tuned = settings.model_copy(update={"supervisor": sup})
     witnessed = any(t in WITNESSED for t in targets)
@@ -37,7 +40,7 @@ async def chaos_runtime(
     with witness_cm as witness:
         rt = await Runtime.start(
             tuned, redis_url=redis_url, hosts=hosts, ray_address=ray_address,
-            effects_url=None if witness is None else witness.url,
+            effects_url=None if witness is None else witness.url, host_routes=host_routes,
         )  # fmt: skip
         try:
             yield rt

@@ -119,8 +119,10 @@ class Admission(Protocol):
         """The admitted call ended (``token_delta``: tokens used minus estimated)."""
         ...
 
-    async def pause(self, endpoint: str, seconds: float) -> None:
-        """The provider refused a call for its rate limit: hold every host back this long."""
+    async def pause(self, endpoint: str, seconds: float, sent_s_ago: float) -> None:
+        """The provider refused a call for its rate limit: hold every host back ``seconds``
+        (0: the provider did not say) and learn its rate; the call was admitted
+        ``sent_s_ago``."""
         ...
 
 

@@ -4,7 +4,8 @@
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit): tat_req, tat_tok (ms, GCRA
 --          theoretical arrival times), paused_until (ms), gap_ms and gap_at (the spacing a
---          provider's refusals set, model_pause.lua), label, back:<ticket> (ms by which a
+--          provider's refusals set, model_pause.lua), regime_at and regime_sent (when that
+--          spacing was set, calls admitted since), label, back:<ticket> (ms by which a
 --          waiter said it would ask again)
 -- KEYS[2]  the endpoint's waiting line, a zset: ticket -> ms of its first refusal
 -- KEYS[3]  the endpoint's calls in flight, a zset: ticket -> ms its hold expires
@@ -18,13 +19,15 @@
 -- ARGV[8]  ms a waiter may be late asking again before it leaves the line (it ended or died)
 -- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
 -- ARGV[10] ms the endpoint's keys live after its last call (store/limiter.py, STATE_KEEP_MS)
+-- ARGV[11] ms in which a spacing set by refusals halves (store/limiter.py, GAP_HALF_LIFE_MS)
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
 -- request and token schedules have room (GCRA: one minute of tokens may go at once), a place
 -- in flight is free, and no one who waited longer is still waiting: the line is served in the
 -- order of first refusal, so new calls do not starve old ones. Returns 0 when admitted (the
 -- schedules advance, the ticket takes a place in flight), else the ms to wait before asking
--- again (the ticket keeps its place in the line).
+-- again (the ticket keeps its place in the line). An admitted call is counted in
+-- regime_sent, the calls sent under the current spacing (model_pause.lua reads it).
 local state, line, flight = KEYS[1], KEYS[2], KEYS[3]
 local ticket = ARGV[1]
 local req_ms, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -50,23 +53,28 @@ redis.call('ZREMRANGEBYSCORE', flight, '-inf', now)
 local wait = 0
 local paused = tonumber(redis.call('HGET', state, 'paused_until') or '0')
 if paused > now then wait = paused - now end
--- after a provider's refusal, calls to an endpoint that declared no request rate go one at a
--- time at least gap apart (a declared rate already spaces them: a rare refusal under it only
--- pauses); the gap halves every 30 s from the end of the pause, forgotten below 5 ms
+-- after a provider's refusal, calls to an endpoint that declared no request rate go at most
+-- one per gap (the provider's rate as model_pause.lua measured it), with half a second of
+-- them allowed at once so a waiter that asks late does not lose its slot (a declared rate
+-- already spaces them: a rare refusal under it only pauses); the gap halves every ARGV[11] ms
+-- from the end of the pause, forgotten below 5 ms
 local gap = tonumber(redis.call('HGET', state, 'gap_ms') or '0')
 if req_ms > 0 then gap = 0 end
 if gap > 0 then
   local gap_at = tonumber(redis.call('HGET', state, 'gap_at') or '0')
-  if now > gap_at then gap = gap * 0.5 ^ ((now - gap_at) / 30000) end
+  if now > gap_at then gap = gap * 0.5 ^ ((now - gap_at) / tonumber(ARGV[11])) end
   if gap < 5 then
     redis.call('HDEL', state, 'gap_ms', 'gap_at')
     gap = 0
   end
 end
 local step = math.max(req_ms, gap)
-if gap > req_ms then burst = 1 end
+if gap > req_ms then burst = math.max(1, math.min(10, math.floor(500 / gap))) end
+-- the schedule starts again at the pause's end, without what it saved up before: the
+-- provider's bucket was empty when it refused
 local tat_req = math.max(tonumber(redis.call('HGET', state, 'tat_req') or '0'), now)
 if step > 0 then
+  tat_req = math.max(tat_req, paused + step * (burst - 1))
   wait = math.max(wait, tat_req - step * (burst - 1) - now)
 end
 local tat_tok = math.max(tonumber(redis.call('HGET', state, 'tat_tok') or '0'), now)
@@ -89,6 +97,7 @@ if wait <= 0 then
   if step > 0 then redis.call('HSET', state, 'tat_req', tat_req + step) end
   if tok_ms > 0 then redis.call('HSET', state, 'tat_tok', tat_tok + cost) end
   if max_flight > 0 then redis.call('ZADD', flight, now + hold_ms, ticket) end
+  redis.call('HINCRBY', state, 'regime_sent', 1)
   redis.call('ZREM', line, ticket)
   redis.call('HDEL', state, 'back:' .. ticket)
   redis.call('PEXPIRE', state, keep_ms)

@@ -9,7 +9,7 @@ import pytest
 
 from actors.harness.chaos import recoveries
 from actors.harness.chaos_report import PLOT_ROWS, ChaosReport, Fault, plot_rows
-from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
+from actors.harness.targets import LOCAL_ONLY, TARGETS, ChaosTarget, parse_targets
 from actors.harness.timeline import plot_timeline
 from actors.harness.verdict import Verdict
 from bus.errors import ConfigError
@@ -19,7 +19,18 @@ P = TurnPhase
 
 
 def test_targets_are_validated() -> None:
-    assert parse_targets("all", embedded=True, nodes=True, cluster=True) == TARGETS
+    local = tuple(t for t in TARGETS if t not in LOCAL_ONLY)
+    assert parse_targets("all", embedded=True, nodes=True, cluster=True, http=True) == local
+    assert parse_targets("all", embedded=True, nodes=True, http=True) == tuple(
+        t for t in TARGETS if t is not ChaosTarget.REDIS_FAILOVER
+    )
+    # a scenario's model is in process: its hosts can lose Redis, not a provider
+    assert "partition" in parse_targets("all", embedded=True)
+    assert "provider" not in parse_targets("all", embedded=True)
+    with pytest.raises(ConfigError, match="OPENAI_BASE_URL"):
+        parse_targets("provider", embedded=True)
+    with pytest.raises(ConfigError, match="without --ray-address"):
+        parse_targets("partition", embedded=True, local=False)
     assert "redis" not in parse_targets("all", embedded=False)  # needs the embedded server
     assert "node" not in parse_targets("all", embedded=True)  # needs a local multi-node cluster
     assert parse_targets("node,host", embedded=False, nodes=True) == ("node", "host")

@@ -53,8 +53,8 @@ async def test_the_line_is_served_in_the_order_calls_were_first_held_back(
 async def test_a_providers_pause_holds_every_caller_back(limiter: EndpointLimiter) -> None:
     free = Schedule()
     assert await limiter.admit(EP, "x", free, 1) == 0
-    await limiter.pause(EP, 5.0)
-    await limiter.pause(EP, 1.0)  # a shorter pause never shortens a longer one
+    await limiter.pause(EP, 5.0, 0)
+    await limiter.pause(EP, 1.0, 0)  # a shorter pause never shortens a longer one
     wait = await limiter.admit(EP, "y", free, 1)
     assert 4.0 < wait <= 5.0
 
@@ -90,7 +90,7 @@ async def test_a_snapshot_names_each_endpoint_with_its_waiters_and_pause(
     slow = Schedule(request_ms=60_000.0, burst=1)
     assert await limiter.admit(EP, "a", slow, 1, label="m at http://127.0.0.1:1/v1") == 0
     assert await limiter.admit(EP, "b", slow, 1) > 0
-    await limiter.pause(EP, 30)
+    await limiter.pause(EP, 30, 0)
     (state,) = await limiter.snapshot()
     assert (state.endpoint, state.label, state.waiting) == (EP, "m at http://127.0.0.1:1/v1", 1)
     assert 25 < state.paused_s <= 30
@@ -120,27 +120,74 @@ async def admitted_after_the_pause(
     pytest.fail("the pause did not end")
 
 
-async def test_after_a_providers_pause_calls_go_one_at_a_time_spaced(
+async def test_after_a_providers_pause_calls_are_spaced_without_a_burst(
     limiter: EndpointLimiter,
 ) -> None:
     free = Schedule()  # nothing declared: without a refusal, calls go at once
     assert await limiter.admit(EP, "a", free, 1) == 0
     assert await limiter.admit(EP, "b", free, 1) == 0
-    await limiter.pause(EP, 0.001)
+    await limiter.pause(EP, 0.001, 0)
     await admitted_after_the_pause(limiter, "c", free)
     # the next call waits for the spacing the refusal set (100 ms), instead of all at once
     assert 0.05 < await limiter.admit(EP, "d", free, 1) <= 0.1
-    await limiter.pause(EP, 0.001)  # a second refusal doubles it
+    await limiter.pause(EP, 0.001, 0)  # a call sent under that spacing: it grows by a quarter
     wait = await limiter.admit(EP, "e", free, 1)
-    assert 0.1 < wait <= 0.4
+    assert 0.1 < wait <= 0.25
+
+
+async def gap_ms(client: StoreClient, keys: KeyLayout) -> float:
+    return float(await client.hget(keys.model_limit(EP), "gap_ms") or 0)
+
+
+async def server_ms(client: StoreClient) -> int:
+    sec, usec = await client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def test_a_refusal_of_a_call_sent_before_the_spacing_changes_nothing_but_the_pause(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout
+) -> None:
+    """A slow provider's answers to calls sent before a refusal arrive after it: they say
+    nothing of the spacing it set (each grew it before, up to 10 s)."""
+    await limiter.pause(EP, 0.001, 0)
+    assert await gap_ms(any_client, keys) == 100
+    for _ in range(5):
+        await limiter.pause(EP, 0.001, 5.0)  # sent 5 s ago, before the spacing was set
+    assert await gap_ms(any_client, keys) == 100
+
+
+@pytest.mark.parametrize(
+    ("held_ms", "went", "expected"),
+    [(5_000, 50, 110.0),  # 50 calls went in 5 s: 10 a second, spaced 100 ms and 10 % more
+     (3_000, 6, 550.0),   # 2 a second
+     (1_000, 50, 125.0),  # too brief to count: a quarter more than 100 ms
+     (120_000, 50, 125.0)],  # too long: the bucket may have overflowed; a quarter more
+)  # fmt: skip
+async def test_the_spacing_is_the_rate_the_provider_accepted_since_the_last_refusal(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout,
+    held_ms: int, went: int, expected: float,
+) -> None:  # fmt: skip
+    now = await server_ms(any_client)
+    await any_client.hset(keys.model_limit(EP), mapping={
+        "gap_ms": 100, "gap_at": now + 1_000, "regime_at": now - held_ms,
+        "regime_sent": went + 1,  # the refused call was sent under it too
+    })  # fmt: skip
+    await limiter.pause(EP, 0.001, 0)
+    assert await gap_ms(any_client, keys) == pytest.approx(expected, rel=0.01)
+    # the calls admitted from now on are the next count
+    assert await limiter.admit(EP, "x", Schedule(), 1) >= 0
+    assert await any_client.hget(keys.model_limit(EP), "regime_sent") in (b"0", b"1")
 
 
 async def test_under_a_declared_rate_a_refusal_pauses_but_does_not_slow_the_schedule(
     limiter: EndpointLimiter,
 ) -> None:
-    await limiter.pause(EP, 0.001)
+    await limiter.pause(EP, 0.001, 0)
+    await limiter.pause(EP, 0.001, 0)  # a spacing of 125 ms for an undeclared rate
     await admitted_after_the_pause(limiter, "a", RATE)
-    assert await limiter.admit(EP, "b", RATE, 1) == 0  # the declared burst of two still holds
+    # Calls go on at the declared rate (100 ms), not at that spacing, and without the declared
+    # burst of two: the provider's bucket was empty when it refused.
+    assert 0 < await limiter.admit(EP, "b", RATE, 1) <= 0.1
 
 
 async def test_endpoints_are_listed_from_the_registry_not_from_a_scan(

@@ -7,7 +7,8 @@ and a run with faults can be compared with it. The script is a line of a system 
 
     #script {"rounds": 2, "tool": "add", "faults": {"2": {"kind": "429", "times": 1}}}
 
-``latency_ms`` delays every answer; ``say`` is the final answer, as given; ``"call_text":
+``latency_ms`` delays every answer (``"latency_spread": 0.5`` draws each delay uniformly
+within 50 % of it, as generation times vary); ``say`` is the final answer, as given; ``"call_text":
 false`` sends tool calls without text (as small models do). At model call N of a conversation
 (counted through compaction summaries) the server asks for one ``tool`` call with arguments
 ``{"a": N, "b": 1}`` (or the script's ``args``) until ``rounds`` tool rounds are done, then
@@ -354,9 +355,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         return
     kind, reply = plan(body)
     script = _script(body["messages"])[1]
-    latency_ms = int(script.get("latency_ms", 0))
+    latency_ms = float(script.get("latency_ms", 0))
     if latency_ms:
-        await asyncio.sleep(latency_ms / 1000)
+        spread = float(script.get("latency_spread", 0))
+        await asyncio.sleep(latency_ms * random.uniform(1 - spread, 1 + spread) / 1000)
     if kind is not None:
         STATS.fired[kind] += 1
     if kind == "429":
