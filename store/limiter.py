@@ -54,6 +54,10 @@ STATE_KEEP_MS = 3_600_000
 #: fast an endpoint that allows more than the last estimate is found again. Shorter finds it
 #: sooner and meets more refusals on the way.
 GAP_HALF_LIFE_MS = 20_000
+#: The spacing of the first calls to an endpoint that declared no rate (``model_admit.lua``):
+#: 200 turns starting at once against a provider that takes 100 at once met 100 refusals;
+#: spaced, the first refusal pauses the rest. It halves like any spacing (gone in 20 s).
+FIRST_GAP_MS = 10
 #: How long a spacing must have held before the calls sent under it measure the provider's
 #: rate (``model_pause.lua``): over a shorter time, one call more or less is a large error.
 ESTIMATE_MIN_MS = 2_000
@@ -125,7 +129,7 @@ class EndpointLimiter:
         args: list[str | int | float] = [
             ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
             max(0, tokens), schedule.max_in_flight, schedule.hold_ms, WAITER_GRACE_MS,
-            label or endpoint, STATE_KEEP_MS, GAP_HALF_LIFE_MS,
+            label or endpoint, STATE_KEEP_MS, GAP_HALF_LIFE_MS, FIRST_GAP_MS,
         ]  # fmt: skip
         with translated(f"admit a call to model endpoint {endpoint}"):
             wait_ms = await self._admit(

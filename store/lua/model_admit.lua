@@ -20,6 +20,7 @@
 -- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
 -- ARGV[10] ms the endpoint's keys live after its last call (store/limiter.py, STATE_KEEP_MS)
 -- ARGV[11] ms in which a spacing set by refusals halves (store/limiter.py, GAP_HALF_LIFE_MS)
+-- ARGV[12] ms between the first calls to an endpoint that declared no rate (FIRST_GAP_MS)
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the
 -- request and token schedules have room (GCRA: one minute of tokens may go at once), a place
@@ -36,7 +37,13 @@ local max_flight, hold_ms, grace_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonu
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local keep_ms = tonumber(ARGV[10])
-redis.call('HSETNX', state, 'label', ARGV[9])
+-- An endpoint met for the first time (or unused for the life of its state) that declared no
+-- rate: its first calls go at most one per ARGV[12] ms, a spacing that halves like any other,
+-- so a burst of turns does not meet the provider's limit all at once, before a refusal
+-- says where that limit is (every call sent at once beyond it is a refusal too).
+if redis.call('HSETNX', state, 'label', ARGV[9]) == 1 and req_ms == 0 then
+  redis.call('HSET', state, 'gap_ms', ARGV[12], 'gap_at', now)
+end
 
 -- a waiter that did not come back when it said it would (its turn ended, its host died)
 -- leaves the head of the line, so it holds no one up

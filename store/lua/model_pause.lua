@@ -20,9 +20,10 @@
 -- counts the calls admitted under it (regime_sent); the next refusal of one of them ends it,
 -- and the calls that went, over the time it held, are the provider's rate: the new spacing is
 -- that rate's interval with a 10 % margin. A spacing that held too briefly for a count grows
--- by a quarter (100 ms the first time). Only a call sent under the current spacing says it was
--- too close: refusals of calls sent before it was set (a burst in flight, a slow provider's
--- answers) change nothing but the pause. Returns the pause's end (server ms).
+-- by a quarter (the first refusal sets 100 ms, whatever spacing the first calls had). Only a
+-- call sent under the current spacing says it was too close: refusals of calls sent before it
+-- was set (a burst in flight, a slow provider's answers) change nothing but the pause.
+-- Returns the pause's end (server ms).
 local state = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -39,7 +40,7 @@ if sent_at >= regime_at then
   local new_gap
   if regime_at > 0 and held >= shortest and held <= longest and went > 0 then
     new_gap = 1.1 * held / went
-  elseif gap > 0 then
+  elseif gap > 0 and regime_at > 0 then
     new_gap = 1.25 * gap
   else
     new_gap = 100

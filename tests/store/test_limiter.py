@@ -135,6 +135,21 @@ async def test_after_a_providers_pause_calls_are_spaced_without_a_burst(
     assert 0.1 < wait <= 0.25
 
 
+async def test_the_first_calls_to_a_new_endpoint_are_paced_until_it_refuses(
+    limiter: EndpointLimiter, any_client: StoreClient, keys: KeyLayout
+) -> None:
+    """200 turns starting at once against a provider that takes 100 at once met 100 refusals:
+    the first calls go 10 ms apart (ten at once), so its first refusal stops the rest."""
+    free = Schedule()
+    admitted = [await limiter.admit(EP, f"t{i}", free, 1) for i in range(12)]
+    assert admitted[:10] == [0] * 10 and 0 < admitted[10] <= 0.02
+    await limiter.pause(EP, 0.001, 0)  # the first refusal: the provider's own spacing, 100 ms
+    assert await gap_ms(any_client, keys) == 100
+    # under a declared rate, no such pacing: the schedule is the agent's word
+    other = endpoint_id("http://127.0.0.1:9/v1", "m")
+    assert [await limiter.admit(other, f"d{i}", RATE, 1) for i in range(2)] == [0, 0]
+
+
 async def gap_ms(client: StoreClient, keys: KeyLayout) -> float:
     return float(await client.hget(keys.model_limit(EP), "gap_ms") or 0)
 
