@@ -2,9 +2,10 @@
 
 200 concurrent turns of a 2-round tool agent (3 model calls each, 600 requests) against the
 tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
-it: 429 at once, with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each accepted
-call answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
-generation times vary). Each variant is one ``phaseline run`` (in process, and on a local Ray
+it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each accepted call
+answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
+generation times vary) and each refusal after the row's latency (the bucket is read when the
+request arrives: what the client learns of it is that old, the pessimistic case). Each variant is one ``phaseline run`` (in process, and on a local Ray
 with 2 hosts), with the limit undeclared (``tests.support.agents:http_json``) and declared
 (``tests.support.agents:http_limited_bench``). Reported per variant: outcomes, wall time
 against the ideal (requests beyond the burst divided by the rate, 50 s, plus the last call's
@@ -49,7 +50,8 @@ def _call(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
 def run_variant(
     tree: Path, base: str, mode: str, agent: str, turns: int, latency_ms: int
 ) -> dict[str, object]:
-    _call(f"{base}/_limit", {"rpm": RPM, "burst": BURST, "headers": True})  # a full bucket
+    limit = {"rpm": RPM, "burst": BURST, "headers": True, "refusal_latency_ms": latency_ms}
+    _call(f"{base}/_limit", limit)  # a full bucket
     script = {"rounds": ROUNDS, "tool": "add", "quote": False, "latency_ms": latency_ms,
               "latency_spread": SPREAD}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

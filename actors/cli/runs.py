@@ -41,6 +41,8 @@ from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.demo import DemoReport, run_demo
+from actors.harness.links import Links, outside_links
+from actors.harness.targets import LOCAL_ONLY, ChaosTarget, parse_targets
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
 from bus.errors import RecordNotFound
@@ -188,18 +190,31 @@ def _ray_nodes(
 
 
 def _run_on_ray(
-    settings: Settings, hosts: int, ray_address: str | None, work: Callable[[Runtime], Awaitable[T]]
+    settings: Settings,
+    hosts: int,
+    ray_address: str | None,
+    work: Callable[[Runtime, Links | None], Awaitable[T]],
+    *,
+    faults: Sequence[ChaosTarget] = (),
+    http: bool = False,
 ) -> T:
-    """Start (or join) the Ray runtime on the configured Redis, run ``work``, shut it down."""
+    """Start (or join) the Ray runtime on the configured Redis, run ``work``, shut it down.
+    ``faults`` (``provider``, ``partition``): the hosts reach Redis and the model through the
+    links those faults cut (``actors.harness.links``; ``http``: the model is an endpoint), and
+    ``work`` gets them."""
 
     async def go(_client: StoreClient, url: str) -> T:
         console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
-        rt = await Runtime.start(settings, redis_url=url, hosts=hosts, ray_address=ray_address)
-        _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
-        try:
-            return await work(rt)
-        finally:
-            await rt.shutdown()
+        with outside_links(faults, redis_url=url, slots=hosts + 1, http=http, seed=1) as links:
+            rt = await Runtime.start(
+                settings, redis_url=url, hosts=hosts, ray_address=ray_address,
+                host_routes=links.routes(hosts + 1) if links else (),
+            )  # fmt: skip
+            _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
+            try:
+                return await work(rt, links)
+            finally:
+                await rt.shutdown()
 
     return _run_with_url(go, settings)
 
@@ -214,7 +229,7 @@ def _either(
 ) -> T:
     if in_process:
         return _run(lambda client: _in_process(client, settings, in_proc), settings)
-    return _run_on_ray(settings, hosts, ray_address, on_ray)
+    return _run_on_ray(settings, hosts, ray_address, lambda rt, _links: on_ray(rt))
 
 
 async def _in_process(
@@ -416,13 +431,18 @@ def resume(
                    "checkpoint past submission), while they run (0: as soon as they are "
                    "submitted).")  # fmt: skip
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@click.option("--faults", default=None, metavar="provider,partition",
+              help="Bring the world outside too while the turns run, a fault every "
+                   "~3 s: provider (storms at the model endpoint; an --agent whose model reads "
+                   "OPENAI_BASE_URL), partition (one host cut from Redis or the model for a few "
+                   "seconds).")  # fmt: skip
 @_verdict_option
 @_report_option
 def demo(
     redis_url: str | None, namespace: str | None, config_path: str | None,
     scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, nodes: int, kill_at: float, ray_address: str | None, verdict_mode: str | None,
-    report: str | None,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, faults: str | None,
+    verdict_mode: str | None, report: str | None,
 ) -> None:  # fmt: skip
     """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
     of a scenario (default demo: random replies, a non-idempotent tool), or of an agent on one
@@ -437,6 +457,13 @@ def demo(
     work = _work(scenario_path, agent_path, input_text)
     ids = turn_ids(rid, turns)
     bar = _Bar(turns, f"demo {rid}", force=True)
+    outside: tuple[ChaosTarget, ...] = ()
+    if faults is not None:
+        outside = parse_targets(
+            faults, embedded=False, local=ray_address is None, http=work.scenario is None
+        )
+        if not outside or any(t not in LOCAL_ONLY for t in outside):
+            raise BadInput(f"--faults takes {', '.join(LOCAL_ONLY)}; got {faults!r}")
 
     mode = verdict_for(verdict_mode, work)
 
@@ -446,20 +473,23 @@ def demo(
             "the worker's death next (it may guess the OOM killer); its turns resume elsewhere."
         )
 
-    async def go(rt: Runtime) -> DemoReport:
+    async def go(rt: Runtime, links: Links | None) -> DemoReport:
         with bar.progress:
             return await run_demo(
-                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed
-            )
+                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed,
+                faults=outside, links=links,
+            )  # fmt: skip
 
     with _ray_nodes(nodes, ray_address) as (address, _local):
-        result = _run_on_ray(settings, hosts, address, go)
+        result = _run_on_ray(
+            settings, hosts, address, go, faults=outside, http=work.scenario is None
+        )
     data = result.as_dict()
     title = f"demo {rid}: {count(turns, 'turn')} of {work.label} on {count(hosts, 'host')}"
     table = Table(title=title, show_header=False)
     for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
-              "duplicate_side_effects", "orphaned_side_effects", "kills", "respawns", "wall_s",
-              "turns_per_s"):  # fmt: skip
+              "duplicate_side_effects", "orphaned_side_effects", "kills", "faults", "respawns",
+              "wall_s", "turns_per_s"):  # fmt: skip
         value = data[k]
         table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
     table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")

@@ -1,7 +1,9 @@
 """``phaseline chaos``: kill runtime processes at random under load, then judge from Redis.
 
 Modelled on the resource killers Ray runs in its own release tests: a seeded loop picks a
-target kind and a victim at random intervals and kills it, while turns keep arriving. Targets:
+target kind and a victim at random intervals and kills it, while turns keep arriving. The
+kinds are dealt from a shuffled deck (each once before any again), so a run of as many faults
+as targets hits every one of them. Targets:
 
 * ``host``, ``tool``, ``checkpoint``, ``watchdog``, ``recovery``, ``supervisor``: SIGKILL of
   that actor's process (a random one of its kind);
@@ -155,6 +157,8 @@ class ChaosMonkey:
         self._rival: TurnEngine | None = None
         self.bad_ids: list[str] = []
         """The bad-input turns submitted (``bad_input``)."""
+        self._deck: list[ChaosTarget] = []
+        """The targets still to draw before each has had its turn."""
 
     async def run(self) -> None:
         sampler = None
@@ -184,7 +188,9 @@ class ChaosMonkey:
             await asyncio.sleep(pause)  # the fault schedule itself, not a synchronisation
             if not self.cfg.targets:
                 return
-            target = self.rng.choice(self.cfg.targets)
+            if not self._deck:  # every target once, in a seeded order, before any again
+                self._deck = self.rng.sample(self.cfg.targets, len(self.cfg.targets))
+            target = self._deck.pop()
             try:
                 self.faults.append(await self.inject(target))
             except (

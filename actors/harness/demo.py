@@ -15,12 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.cluster.runtime import Runtime
+from actors.harness.chaos import ChaosMonkey, ChaosSettings
+from actors.harness.chaos_report import Fault
+from actors.harness.links import Links
+from actors.harness.targets import ChaosTarget
 from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
 from store.summaries import summaries
 
 #: Seconds between two looks at the turns' progress while the kill waits.
 POLL_S = 0.2
+#: Mean seconds between two faults of ``--faults`` (each interval drawn from 0.5x..1.5x).
+FAULT_INTERVAL_S = 3.0
 
 
 async def _under_way(rt: Runtime, ids: list[str], kill_at: float) -> None:
@@ -40,6 +46,8 @@ class DemoReport:
     kills: list[dict[str, float | int]] = field(default_factory=list)
     respawns: int = 0
     wall_s: float = 0.0
+    faults: list[Fault] = field(default_factory=list)
+    """What ``--faults`` brought besides the kill."""
 
     @property
     def ok(self) -> bool:
@@ -65,6 +73,7 @@ class DemoReport:
             "duplicate_side_effects": len(v.duplicate_effects),
             "orphaned_side_effects": len(v.orphaned_effects),
             "kills": self.kills,
+            "faults": [f"{f.target}: {f.victim} ({f.note})" for f in self.faults if f.landed],
             "respawns": self.respawns,
             "verdict": v.as_dict(),
             "wall_s": round(self.wall_s, 2),
@@ -81,13 +90,16 @@ async def run_demo(
     on_done: Callable[[str], None],
     mode: VerdictMode = VerdictMode.EXACT,
     on_kill: Callable[[int], None] | None = None,
+    faults: tuple[ChaosTarget, ...] = (),
+    links: Links | None = None,
 ) -> DemoReport:
     """Run ``ids`` and SIGKILL host 0 once ``kill_at`` of them have durable progress (their
     first checkpoint), while they run: the kill used to wait for that share of turns to
     *finish*, and concurrent turns of one scenario finish together, so on a fast machine it
     came when nothing was left to resume. ``on_kill`` hears the pid of the host just killed,
     before Ray's own report of the death reaches the driver (the CLI says it is the demo's
-    kill)."""
+    kill). ``faults`` (``provider``, ``partition``, through ``links``): one every
+    :data:`FAULT_INTERVAL_S` or so while the turns run, as ``phaseline chaos`` brings them."""
     expected = await expected_for(mode, rt.client, work, f"{rt.dep.keys.namespace}-ref")
     started = time.monotonic()
     kills: list[dict[str, float | int]] = []
@@ -99,6 +111,11 @@ async def run_demo(
 
     await rt.submit(work.agent, work.turn_input, ids)
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=done))
+    monkey = None
+    if faults:
+        outside = ChaosSettings(work, len(ids), 1800.0, FAULT_INTERVAL_S, faults, seed=1)
+        monkey = ChaosMonkey(rt, None, outside, links=links)
+    storms = asyncio.ensure_future(monkey.run() if monkey is not None else asyncio.sleep(0))
     kill_due = asyncio.ensure_future(_under_way(rt, ids, kill_at))
     await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
     kill_due.cancel()
@@ -110,5 +127,9 @@ async def run_demo(
                       "finished_before": len(finished)})  # fmt: skip
     await waiter
     wall = time.monotonic() - started
+    storms.cancel()  # a partition being cut is restored as the monkey stops
+    await asyncio.gather(storms, return_exceptions=True)
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
-    return DemoReport(verdict, kills, await rt.respawns(), wall)
+    report = DemoReport(verdict, kills, await rt.respawns(), wall)
+    report.faults = [] if monkey is None else monkey.faults
+    return report

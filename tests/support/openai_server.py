@@ -47,7 +47,8 @@ A provider-like rate limit for the whole server: ``POST /_limit`` with ``{"rpm":
 ``rpm`` a minute; a request over it gets 429 ``rate_limit_exceeded`` with OpenAI's headers
 (``retry-after``, ``retry-after-ms``, ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``), or with none of them when
-``"headers": false``. ``/_stats`` counts ``accepted`` and ``refused``.
+``"headers": false``; ``"refusal_latency_ms": N`` answers each refusal N ms after the request
+arrived (a far provider's round trip: what the client learns is that old). ``/_stats`` counts ``accepted`` and ``refused``.
 
 ``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
 request's ``Authorization`` header). Run: ``python -m tests.support.openai_server PORT``.
@@ -88,11 +89,16 @@ class Stats:
 class Bucket:
     """A provider's request limit: ``burst`` requests, refilled at ``rpm`` a minute."""
 
-    def __init__(self, rpm: float, burst: int, headers: bool) -> None:
+    def __init__(
+        self, rpm: float, burst: int, headers: bool, refusal_latency_ms: float = 0.0
+    ) -> None:
         self.rate = rpm / 60.0
         self.rpm = rpm
         self.burst = burst
         self.headers = headers
+        self.refusal_latency_s = refusal_latency_ms / 1000
+        """How long a refusal takes to arrive (a far provider's round trip): the bucket is
+        read when the request arrives, its answer comes this much later."""
         self.tokens = float(burst)
         self.at = time.monotonic()
 
@@ -323,8 +329,8 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         return
     if scope["method"] == "POST" and scope["path"] == "/_limit":
         spec = json.loads(await _read_body(receive) or b"{}")
-        LIMIT[:] = [Bucket(float(spec["rpm"]), int(spec["burst"]), bool(spec.get("headers", True)))
-                    ] if spec else []  # fmt: skip
+        LIMIT[:] = [Bucket(float(spec["rpm"]), int(spec["burst"]), bool(spec.get("headers", True)),
+                           float(spec.get("refusal_latency_ms", 0)))] if spec else []  # fmt: skip
         STATS.accepted = STATS.refused = 0
         await _json(send, 200, {"limit": spec})
         return
@@ -346,6 +352,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         raise ConnectionAbortedError("dropped after an empty stream")  # uvicorn cuts it
     if LIMIT and (wait_s := LIMIT[0].take()) > 0:
         STATS.refused += 1
+        await asyncio.sleep(LIMIT[0].refusal_latency_s)
         err = _error("Rate limit reached for requests", "requests", "rate_limit_exceeded")
         await _json(send, 429, err, LIMIT[0].refusal_headers(wait_s))
         return
