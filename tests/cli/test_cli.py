@@ -335,3 +335,17 @@ def test_a_run_says_how_its_turns_were_suspended(capsys: pytest.CaptureFixture[s
 def test_counts_are_said_in_the_singular_for_one() -> None:
     assert count(1, "turn") == "1 turn" and count(0, "turn") == "0 turns"
     assert count(1200, "finished turn") == "1,200 finished turns"
+
+
+@pytest.mark.parametrize(
+    ("faults", "said"),
+    [("host", "--faults takes provider, partition"),
+     ("provider", "OPENAI_BASE_URL"),  # the default demo's model is in process
+     ("gremlin", "unknown chaos targets")],
+)  # fmt: skip
+def test_the_demos_faults_are_the_world_outsides_and_checked_before_anything_starts(
+    faults: str, said: str
+) -> None:
+    result = CliRunner().invoke(main, ["demo", "--faults", faults, "--turns", "1"])
+    assert result.exit_code == 2, result.output
+    assert said in result.output
