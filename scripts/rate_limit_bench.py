@@ -4,8 +4,9 @@
 tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
 it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each accepted call
 answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
-generation times vary) and each refusal after the row's latency (the bucket is read when the
-request arrives: what the client learns of it is that old, the pessimistic case). Each variant is one ``phaseline run`` (in process, and on a local Ray
+generation times vary) and each refusal after the row's latency up to 200 ms (a provider's
+gateway refuses before any generation: a far one's round trip; ``--refusal-latency-cap-ms``
+raises the cap, to see refusals as old as the replies). Each variant is one ``phaseline run`` (in process, and on a local Ray
 with 2 hosts), with the limit undeclared (``tests.support.agents:http_json``) and declared
 (``tests.support.agents:http_limited_bench``). Reported per variant: outcomes, wall time
 against the ideal (requests beyond the burst divided by the rate, 50 s, plus the last call's
@@ -48,9 +49,11 @@ def _call(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
 
 
 def run_variant(
-    tree: Path, base: str, mode: str, agent: str, turns: int, latency_ms: int
-) -> dict[str, object]:
-    limit = {"rpm": RPM, "burst": BURST, "headers": True, "refusal_latency_ms": latency_ms}
+    tree: Path, base: str, mode: str, agent: str, turns: int, latency_ms: int,
+    refusal_cap_ms: int,
+) -> dict[str, object]:  # fmt: skip
+    refusal_ms = min(latency_ms, refusal_cap_ms)
+    limit = {"rpm": RPM, "burst": BURST, "headers": True, "refusal_latency_ms": refusal_ms}
     _call(f"{base}/_limit", limit)  # a full bucket
     script = {"rounds": ROUNDS, "tool": "add", "quote": False, "latency_ms": latency_ms,
               "latency_spread": SPREAD}  # fmt: skip
@@ -82,6 +85,7 @@ def run_variant(
         "run_wall_s": data.get("wall_s"),
         "command_wall_s": round(wall, 1),
         "latency_ms": latency_ms,
+        "refusal_latency_ms": refusal_ms,
         "ideal_s": ideal,
         "wall_over_ideal": round(float(data["wall_s"]) / ideal, 2) if data and ideal else None,
         "accepted": accepted,
@@ -97,6 +101,8 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(MODES), default=None)
     parser.add_argument("--agents", default=",".join(AGENTS))
     parser.add_argument("--latencies", default="0,200,2000", help="ms per call, one row each")
+    parser.add_argument("--refusal-latency-cap-ms", type=int, default=200,
+                        help="a refusal comes after the row's latency, at most this")  # fmt: skip
     parser.add_argument("--report", type=Path, default=None)
     args = parser.parse_args()
     with socket.socket() as s:
@@ -119,8 +125,9 @@ def main() -> None:
             for name in args.agents.split(","):
                 for latency in (int(ms) for ms in args.latencies.split(",")):
                     figures[f"{mode}/{name}/{latency}ms"] = fig = run_variant(
-                        args.tree, base, mode, AGENTS[name], args.turns, latency
-                    )
+                        args.tree, base, mode, AGENTS[name], args.turns, latency,
+                        args.refusal_latency_cap_ms,
+                    )  # fmt: skip
                     print(f"{mode}/{name}/{latency}ms: {json.dumps(fig)}", flush=True)
     finally:
         endpoint.terminate()
@@ -132,7 +139,8 @@ def main() -> None:
 def table(figures: dict[str, object]) -> str:
     """The rows as docs/BENCHMARKS.md shows them."""
     lines = [
-        "| where | limit | latency | outcomes | wall | ideal | wall / ideal | refused / accepted |",
+        "| where | limit | latency (refusals) | outcomes | wall | ideal | wall / ideal "
+        "| refused / accepted |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for key, fig in figures.items():
@@ -142,7 +150,8 @@ def table(figures: dict[str, object]) -> str:
         where = "in process" if mode == "in_process" else "Ray, 2 hosts"
         outcomes = ", ".join(f"{n} {o}" for o, n in (fig["outcomes"] or {}).items())
         lines.append(
-            f"| {where} | {limit} | {fig['latency_ms']} ms | {outcomes} (exit {fig['exit']}) "
+            f"| {where} | {limit} | {fig['latency_ms']} ms ({fig['refusal_latency_ms']} ms) "
+            f"| {outcomes} (exit {fig['exit']}) "
             f"| {fig['run_wall_s']} s | {fig['ideal_s']:.1f} s | {fig['wall_over_ideal']} "
             f"| {fig['refused']} / {fig['accepted']} ({fig['refused_per_accepted']}) |"
         )

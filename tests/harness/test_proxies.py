@@ -101,7 +101,7 @@ def test_the_provider_proxy_forwards_then_brings_each_fault_as_a_provider_does(
     assert failed.value.status_code in (500, 502, 503)
 
     proxy.storm(ProviderFault.DROP, 5)
-    with pytest.raises((openai.APIConnectionError, openai.APIError)):
+    with pytest.raises(openai.APIConnectionError):  # cut mid-reply
         ask(client, stream=True)
 
     proxy.storm(ProviderFault.HANG, 5)
