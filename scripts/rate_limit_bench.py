@@ -6,11 +6,12 @@ it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each ac
 answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
 generation times vary) and each refusal after the row's latency up to 200 ms (a provider's
 gateway refuses before any generation: a far one's round trip; ``--refusal-latency-cap-ms``
-raises the cap, to see refusals as old as the replies). Each variant is one ``phaseline run`` (in process, and on a local Ray
-with 2 hosts), with the limit undeclared (``tests.support.agents:http_json``) and declared
-(``tests.support.agents:http_limited_bench``). Reported per variant: outcomes, wall time
-against the ideal (requests beyond the burst divided by the rate, 50 s, plus the last call's
-latency), the endpoint's accepted and refused requests; then the rows as a Markdown table.
+raises the cap, to see refusals as old as the replies). Each variant is one ``phaseline
+run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
+(``tests.support.agents:http_json``) and declared (``tests.support.agents:http_limited_bench``).
+Reported per variant: outcomes, wall time against the ideal (requests beyond the burst divided
+by the rate, 50 s, plus the last call's latency), the endpoint's accepted and refused requests;
+then the rows as a Markdown table.
 
 Run from a checkout: ``.venv/bin/python scripts/rate_limit_bench.py [--turns 200]
 [--latencies 0,200,2000] [--tree DIR] [--only in_process] [--report FILE]``; ``--tree`` runs
