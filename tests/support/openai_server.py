@@ -48,7 +48,8 @@ A provider-like rate limit for the whole server: ``POST /_limit`` with ``{"rpm":
 (``retry-after``, ``retry-after-ms``, ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``), or with none of them when
 ``"headers": false``; ``"refusal_latency_ms": N`` answers each refusal N ms after the request
-arrived (a far provider's round trip: what the client learns is that old). ``/_stats`` counts ``accepted`` and ``refused``.
+arrived (a far provider's round trip: what the client learns is that old). ``/_stats`` counts
+``accepted`` and ``refused``.
 
 ``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
 request's ``Authorization`` header). Run: ``python -m tests.support.openai_server PORT``.
