@@ -19,9 +19,8 @@ A declared limit (requests and tokens per minute, calls in flight) is kept by th
 provider's 429 pauses the endpoint for everyone for the time it asked (:meth:`pause`), declared
 limits or not, and an endpoint that declared no rate is then spaced at the rate its refusals
 show it accepts (:meth:`pause`). Waiting calls are served in the order they were first held
-back. Nothing here
-knows the model client: it deals in numbers, ``actors.engine.admission`` binds them to an
-agent's ``ModelLimits``.
+back. Nothing here knows the model client: it deals in numbers, ``actors.engine.admission``
+binds them to an agent's ``ModelLimits``.
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ STATE_KEEP_MS = 3_600_000
 #: sooner and meets more refusals on the way.
 GAP_HALF_LIFE_MS = 20_000
 #: The spacing of the first calls to an endpoint that declared no rate (``model_admit.lua``):
-#: 200 turns starting at once against a provider that takes 100 at once met 100 refusals;
-#: spaced, the first refusal pauses the rest. It halves like any spacing (gone in 20 s).
+#: a crowd of turns starting at once would all be sent before the provider's first refusal
+#: could pause them; spaced, that refusal stops the rest. It halves like any spacing.
 FIRST_GAP_MS = 10
 #: How long a spacing must have held before the calls sent under it measure the provider's
 #: rate (``model_pause.lua``): over a shorter time, one call more or less is a large error.

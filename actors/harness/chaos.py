@@ -180,14 +180,14 @@ class ChaosMonkey:
             await asyncio.sleep(0.02)  # the sampling period
 
     async def _faults(self) -> None:
+        if not self.cfg.targets:
+            return
         deadline = self.t0 + self.cfg.duration_s
         while True:
             pause = self.rng.uniform(0.5, 1.5) * self.cfg.kill_interval_s
             if time.monotonic() + pause > deadline:
                 return
             await asyncio.sleep(pause)  # the fault schedule itself, not a synchronisation
-            if not self.cfg.targets:
-                return
             if not self._deck:  # every target once, in a seeded order, before any again
                 self._deck = self.rng.sample(self.cfg.targets, len(self.cfg.targets))
             target = self._deck.pop()

@@ -111,11 +111,9 @@ async def run_demo(
 
     await rt.submit(work.agent, work.turn_input, ids)
     waiter = asyncio.ensure_future(rt.wait(ids, timeout=1800, on_done=done))
-    monkey = None
-    if faults:
-        outside = ChaosSettings(work, len(ids), 1800.0, FAULT_INTERVAL_S, faults, seed=1)
-        monkey = ChaosMonkey(rt, None, outside, links=links)
-    storms = asyncio.ensure_future(monkey.run() if monkey is not None else asyncio.sleep(0))
+    outside = ChaosSettings(work, len(ids), 1800.0, FAULT_INTERVAL_S, faults, seed=1)
+    monkey = ChaosMonkey(rt, None, outside, links=links)  # no faults: it returns at once
+    storms = asyncio.ensure_future(monkey.run())
     kill_due = asyncio.ensure_future(_under_way(rt, ids, kill_at))
     await asyncio.wait([waiter, kill_due], return_when=asyncio.FIRST_COMPLETED)
     kill_due.cancel()
@@ -130,6 +128,4 @@ async def run_demo(
     storms.cancel()  # a partition being cut is restored as the monkey stops
     await asyncio.gather(storms, return_exceptions=True)
     verdict = await judge(rt.client, rt.dep.keys, ids, expected)
-    report = DemoReport(verdict, kills, await rt.respawns(), wall)
-    report.faults = [] if monkey is None else monkey.faults
-    return report
+    return DemoReport(verdict, kills, await rt.respawns(), wall, monkey.faults)
