@@ -182,7 +182,7 @@ class ToolLedger:
         for c in claims:
             args += (c.call_key, c.prepared, c.decided)
         key = self.keys.tools(turn_id)
-        keys = [self.keys.turn(turn_id), key]
+        keys = [self.keys.turn(turn_id), key, self.keys.usage_of(turn_id)]
         with reading(key, f"claim a batch of {turn_id}"):
             answer = await self.scripts.call(self._claim, keys, args)
         status = text(answer[0]) if isinstance(answer, list) and answer else ""
@@ -228,7 +228,9 @@ class ToolLedger:
             args += (call_key_, change.expected, pack_model(change.entry))
         with translated(f"write ledger {turn_id}"):
             reply = await self.scripts.call(
-                self._cas, [self.keys.turn(turn_id), self.keys.tools(turn_id)], args
+                self._cas,
+                [self.keys.turn(turn_id), self.keys.tools(turn_id), self.keys.usage_of(turn_id)],
+                args,
             )
         status = text(reply[0]) if isinstance(reply, list) and reply else ""
         if status == "fenced":

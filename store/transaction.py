@@ -35,7 +35,7 @@ from store.nodes import is_redirect, node_connection, refresh_topology, roundtri
 from store.replies import text
 from store.retention import Retention, retained_keys
 from store.save_script import SaveStatus, fence
-from store.usage import TALLY_COUNTERS, tally_args
+from store.usage import FENCED_SAVE, TALLY_COUNTERS, tally_args
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
 
@@ -194,7 +194,8 @@ class ShardBatch:
         # The settles are unfenced and the script applies them whatever its fence says: here
         # before the WATCH, by the ledger's own compare-and-set (a resend is a replay).
         settles: list[tuple[Any, ...]] = [
-            ("EVAL", CAS_LUA, 2, keys.turn(r.turn_id), keys.tools(r.turn_id), "",
+            ("EVAL", CAS_LUA, 3, keys.turn(r.turn_id), keys.tools(r.turn_id),
+             keys.usage_of(r.turn_id), "",
              *(x for s in r.settles for x in (s.call_key, s.dispatched, s.settled)))
             for r in self.records
             if r.settles
@@ -216,6 +217,7 @@ class ShardBatch:
         replies: list[object] = []
         writes: list[tuple[Any, ...]] = []
         accepted: list[tuple[int, int, int]] = []  # (save, first write, XADD's index)
+        fenced: list[tuple[Any, ...]] = []  # after the writes: their indices stay as counted
         at = 1
         for i, (r, spec) in enumerate(zip(self.records, self.specs, strict=True)):
             stored, bodies = got[at], got[at + 1]
@@ -231,6 +233,8 @@ class ShardBatch:
             assert isinstance(stored, list)
             refusal = fence(stored[:2], r.epoch, r.seq, same=replays.get(i, False))
             if refusal is not None:
+                if refusal[0] is SaveStatus.STALE_EPOCH:  # counted, as the script counts it
+                    fenced.append(("HINCRBY", keys.usage_of(r.turn_id), FENCED_SAVE, 1))
                 replies.append(refusal)
                 continue
             ends_turn = stored[2] in (b"1", "1")
@@ -243,12 +247,12 @@ class ShardBatch:
             accepted.append((i, len(writes), xadd))
             writes += [*commands, ("LLEN", keys.inbox(r.turn_id))]
             replies.append(None)
-        if not writes:
+        if not writes and not fenced:
             await roundtrip(conn, [("UNWATCH",)])
             return replies, None
         tail = [self.wait] if self.wait else []
-        out = await roundtrip(conn, [("MULTI",), *writes, ("EXEC",), *tail])
-        result = out[len(writes) + 1]
+        out = await roundtrip(conn, [("MULTI",), *writes, *fenced, ("EXEC",), *tail])
+        result = out[len(writes) + len(fenced) + 1]
         if result is None:
             return None  # a watched record changed: read the fences again
         if isinstance(result, Exception):
@@ -258,7 +262,7 @@ class ShardBatch:
             return replies, out[-1] if tail else None
         assert isinstance(result, list)
         ends = [start for _, start, _ in accepted[1:]] + [len(writes)]
-        for (i, start, xadd), end in zip(accepted, ends, strict=True):
+        for (i, start, xadd), end in zip(accepted, ends[: len(accepted)], strict=True):
             problem = next((x for x in result[start:end] if isinstance(x, Exception)), None)
             # the save's last write is its LLEN of the turn's inbox
             ok = [SaveStatus.OK, result[xadd], result[end - 1]]

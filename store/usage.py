@@ -1,4 +1,5 @@
-"""Token totals per agent, counted once: the final save of a turn adds its tokens.
+"""Token totals per agent, counted once: the final save of a turn adds its tokens; and the
+writes fencing refused.
 
 The totals live in one hash per shard (``KeyLayout.usage``, fields ``<counter>|<agent>``), so
 the save script (``store/lua/checkpoint_save.lua``) adds a finished turn's counters in the same
@@ -11,11 +12,17 @@ total is its newest turn's ``session_prior`` plus its ``tokens``
 
 Tokens of model calls lost with a host (made after the turn's last checkpoint) are in no record:
 ``resumes`` counts the lost incarnations whose usage is unknown.
+
+The same hash counts every write a script refused because a newer owner holds the turn
+(``fenced|<what>``, :class:`FencedWrite`): a zombie host, a partitioned one whose held writes
+arrive after its successor claimed its turns, a rival resumer. Counted by Redis itself, so a
+writer that died with its refusal unread is counted too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from bus.messages import Usage
 from bus.outcomes import Outcome
@@ -24,10 +31,34 @@ from store.connection import StoreClient
 from store.keys import KeyLayout
 from store.shard_sums import summed
 
-__all__ = ["TALLY_COUNTERS", "AgentUsage", "agent_usage", "outcome_counts", "tally_args"]
+__all__ = [
+    "FENCED_SAVE",
+    "TALLY_COUNTERS",
+    "AgentUsage",
+    "FencedWrite",
+    "agent_usage",
+    "fenced_writes",
+    "outcome_counts",
+    "tally_args",
+]
 
 #: What the save script adds per agent, in the order of its ARGV.
 TALLY_COUNTERS = ("turns", "prompt", "completion", "cached", "unmetered", "resumes")
+
+
+class FencedWrite(StrEnum):
+    """A write refused by fencing, by what it was (a field ``fenced|<value>`` of the hash)."""
+
+    SAVE = "save"
+    """A checkpoint save (``checkpoint_save.lua``'s ``stale_epoch``)."""
+    CLAIM = "claim"
+    """A tool batch's claim: its calls not dispatched (``ledger_claim.lua``)."""
+    CAS = "cas"
+    """A fenced change of ledger entries (``ledger_cas.lua``)."""
+
+
+#: The field the ``multi_exec`` save counts a fenced save in, as the save script does.
+FENCED_SAVE = f"fenced|{FencedWrite.SAVE}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +128,13 @@ async def outcome_counts(client: StoreClient, keys: KeyLayout) -> dict[Outcome, 
         if kind == "outcome" and value in Outcome.__members__.values() and n > 0:
             counts[Outcome(value)] = n
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+async def fenced_writes(client: StoreClient, keys: KeyLayout) -> dict[FencedWrite, int]:
+    """Writes refused by fencing, all time, by kind (every kind present, zeros included)."""
+    counts = dict.fromkeys(FencedWrite, 0)
+    for field, n in (await summed(client, keys, keys.usage, "the fenced writes")).items():
+        kind, _, value = field.partition("|")
+        if kind == "fenced" and value in FencedWrite.__members__.values():
+            counts[FencedWrite(value)] += n
+    return counts

@@ -15,7 +15,8 @@
 --       then n digest, body pairs, then m digests to drop,
 --       then the record's hash fields as field, value, ...
 -- Answers: {'exists'} (a submission whose record or spec is already there),
--- {'unreadable', epoch, seq}, {'stale_epoch', epoch, seq}, {'already', epoch, seq} (this very
+-- {'unreadable', epoch, seq}, {'stale_epoch', epoch, seq} (counted in the shard's usage hash,
+-- 'fenced|save': a write of an owner a newer one fenced off), {'already', epoch, seq} (this very
 -- record is stored, every field equal: a replay), {'stale_seq', epoch, seq} (also a different
 -- record at the same epoch and seq), or {'ok', event id, length of the turn's inbox}.
 -- The settles come first and whatever the fence says: each is the outcome of a call the
@@ -67,7 +68,10 @@ if stored[1] or stored[2] then
     return {'unreadable', stored[1] or '', stored[2] or ''}
   end
   local epoch, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
-  if e > epoch then return {'stale_epoch', stored[1], stored[2]} end
+  if e > epoch then
+    redis.call('HINCRBY', KEYS[5], 'fenced|save', 1)
+    return {'stale_epoch', stored[1], stored[2]}
+  end
   if e == epoch and s == seq and same_record() then return {'already', stored[1], stored[2]} end
   if seq <= s then return {'stale_seq', stored[1], stored[2]} end
 end

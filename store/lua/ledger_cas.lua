@@ -2,20 +2,23 @@
 --
 -- KEYS[1]  the turn's checkpoint record hash   ({ns}:{sN}:turn:<id>)
 -- KEYS[2]  the turn's tool ledger hash          ({ns}:{sN}:tools:<id>)
+-- KEYS[3]  the shard's counters hash            ({ns}:{sN}:usage, store/usage.py)
 -- ARGV[1]  the caller's epoch, or '' for an unfenced write (a dispatched call's own outcome)
 -- ARGV[2..] triples: call key, expected current value, new value
 --
--- A fenced call is refused as a whole when the record's stored epoch is not the caller's:
+-- A fenced call is refused as a whole when the record's stored epoch is not the caller's, and
+-- the refusal is counted in the shard's counters ('fenced|cas'):
 --   -> {'fenced', stored epoch or ''}
 -- Otherwise each triple is applied on its own, in order:
 --   the field holds the expected value -> it is set to the new value   -> 1
 --   the field already holds the new value (a replay of this very call) -> 1
 --   anything else (another writer got there first): left as it is     -> 0
 --   -> {'ok', r1, r2, ...}
--- Both keys share the turn's hash tag, so this runs unchanged on Redis Cluster.
+-- All keys share the turn's hash tag, so this runs unchanged on Redis Cluster.
 if ARGV[1] ~= '' then
   local stored = redis.call('HGET', KEYS[1], 'epoch')
   if stored ~= ARGV[1] then
+    redis.call('HINCRBY', KEYS[3], 'fenced|cas', 1)
     return {'fenced', stored or ''}
   end
 end

@@ -21,6 +21,7 @@ from store.keys import KeyLayout
 from store.lane import lane_of
 from store.ledger import Change, Claim, LedgerRead, ToolLedger, call_key
 from store.records import LedgerEntry
+from store.usage import FencedWrite, fenced_writes
 from tests.support.records import record
 
 
@@ -39,7 +40,7 @@ def executor(client: aioredis.Redis, keys: KeyLayout, registry: ToolRegistry) ->
 CALLS = [ToolCall(id=f"c{i}", name="counter_increment", args={"delay_ms": 30}) for i in range(3)]
 
 
-async def test_a_fenced_epoch_dispatches_nothing(
+async def test_a_fenced_epoch_dispatches_nothing_and_is_counted(
     owned: ToolLedger, any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     entry = LedgerEntry(state="dispatched", name="echo", epoch=1)
@@ -51,6 +52,8 @@ async def test_a_fenced_epoch_dispatches_nothing(
     with pytest.raises(StaleOwner, match="epoch 1 may not dispatch"):
         await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=1)
     assert (await owned.entries("t1"))["k"].state == "prepared"
+    fenced = {FencedWrite.SAVE: 0, FencedWrite.CLAIM: 1, FencedWrite.CAS: 1}
+    assert await fenced_writes(any_client, keys) == fenced
     # The owner's epoch wins, and replaying its own write is still a win.
     entry = LedgerEntry(state="dispatched", name="echo", epoch=2)
     assert await owned.transition("t1", {"k": Change(read.raw, entry)}, epoch=2) == {"k": True}

@@ -47,7 +47,7 @@ from store.retention import Retention, TurnPurger
 from store.save_script import REPLAYED
 from store.transaction import AtomicSave
 from store.transcript import CHUNK, KnownBodies, Plan, Transcript
-from store.usage import agent_usage
+from store.usage import FencedWrite, agent_usage, fenced_writes
 from tests.support.records import record
 
 
@@ -99,11 +99,18 @@ async def test_save_publishes_event_and_maintains_in_progress_index(
     ]  # fmt: skip
 
 
-async def test_stale_epoch_is_refused(store: RedisCheckpointStore) -> None:
+async def test_stale_epoch_is_refused_and_counted(
+    store: RedisCheckpointStore, any_client: aioredis.Redis, keys: KeyLayout
+) -> None:
     await store.save(record(epoch=2, seq=5))
     with pytest.raises(StaleOwner, match="epoch 1 is stale"):
         await store.save(record(epoch=1, seq=9, n_turn_messages=4))
     assert (await store.load("t1")).epoch == 2
+    # Redis counts the refusal itself (a writer that died with it unread is counted too); a
+    # seq that is not newer, the same owner's own resend, is no fenced write.
+    with pytest.raises(StaleOwner, match="not newer"):
+        await store.save(record(epoch=2, seq=4))
+    assert (await fenced_writes(any_client, keys))[FencedWrite.SAVE] == 1
 
 
 async def test_seq_not_newer_is_refused_and_a_replay_is_an_ack(
