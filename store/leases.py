@@ -5,8 +5,9 @@ of ``ttl`` from its own event loop. A host that stops running (SIGSTOP, a wedged
 machine cut off) stops renewing, and its lease lapses within ``ttl`` of its last renewal. The
 Supervisor reads a slot's lease at each watch tick; a lapsed lease is confirmed by one short
 ping (a host that only lost Redis for a while, during a restart or a failover, still answers
-Ray and is kept), and the host is replaced. That takes about ``ttl`` plus one tick and one
-ping after a freeze, where counting missed pings took ``misses x timeout``.
+Ray and is kept; one cut off from Redis alone for long is replaced,
+``actors.cluster.supervisor``), and the host is replaced. That takes about ``ttl`` plus one
+tick and one ping after a freeze, where counting missed pings took ``misses x timeout``.
 
 A key per generation, not per slot: a zombie that wakes up renews its own generation's key
 and can never refresh, or overwrite, its successor's lease.

@@ -85,19 +85,24 @@ class Deployment(BaseModel):
     """Import paths of agents whose tools need Ray resources: their resource shapes get
     ToolWorker pools. Tools without resources run on the default pool, which always exists."""
 
-    host_routes: tuple[HostRoute, ...] = ()
-    """Per host slot (the isolation slot last), how it reaches Redis and its model endpoints;
-    empty: as the rest of the deployment does."""
+    host_routes: tuple[tuple[HostRoute, ...], ...] = ()
+    """Per host slot (the isolation slot last), the routes to Redis and the model endpoints
+    its generations take in turn (empty: as the rest of the deployment does). A successor
+    takes the next: what replaced a host cut off from Redis runs on another machine, whose
+    links the partition did not cut."""
 
-    def connect(self, *, max_connections: int = 64, slot: int | None = None) -> StoreClient:
-        """A client of :attr:`redis_url` (a cluster's if ``[redis] cluster``), or of host
-        ``slot``'s route to it."""
-        url = self.route(slot).redis_url if slot is not None else None
+    def connect(
+        self, *, max_connections: int = 64, host: tuple[int, int] | None = None
+    ) -> StoreClient:
+        """A client of :attr:`redis_url` (a cluster's if ``[redis] cluster``), or of the route
+        to it of ``host`` (slot, generation)."""
+        url = self.route(*host).redis_url if host is not None else None
         return self.settings.redis.connect(url or self.redis_url, max_connections=max_connections)
 
-    def route(self, slot: int) -> HostRoute:
-        """How host ``slot`` reaches Redis and its model endpoints."""
-        return self.host_routes[slot] if slot < len(self.host_routes) else HostRoute()
+    def route(self, slot: int, generation: int) -> HostRoute:
+        """How generation ``generation`` of host ``slot`` reaches Redis and its model endpoints."""
+        routes = self.host_routes[slot] if slot < len(self.host_routes) else ()
+        return routes[generation % len(routes)] if routes else HostRoute()
 
     @property
     def keys(self) -> KeyLayout:

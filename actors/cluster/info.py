@@ -81,6 +81,9 @@ class HostInfo(_Info):
     """Per tool worker pool: calls of its turns running on it now."""
     node_id: str = ""
     """The Ray node it runs on (hex id): where the slot's standby must not be."""
+    store_silent_s: float = 0.0
+    """Seconds since it last reached Redis (its last lease renewal): about a renewal period
+    while its link works; the Supervisor replaces a host cut off from Redis for long."""
 
 
 class SupervisorInfo(_Info):

@@ -147,6 +147,10 @@ class HostRef(ActorRef):
         """Resume the slot's in-progress turns it does not run (see ``TurnActor.adopt``)."""
         return int(await self._ask("adopt", predecessor_died))
 
+    async def reach_store(self, timeout: float) -> bool:
+        """Whether the host reaches Redis now (it renews its lease within ``timeout``)."""
+        return bool(await self._ask("reach_store", timeout, timeout=timeout + 1))
+
     async def agent_problem(self, agent: str, turn_input: TurnInput, timeout: float) -> str:
         """Why the host could not start a turn of ``agent`` ("" if it could)."""
         return str(

@@ -90,7 +90,7 @@ class Runtime(FrontDesk):
         ray_address: str | None = None,
         effects_url: str | None = None,
         agents: Sequence[str] = (),
-        host_routes: Sequence[HostRoute] = (),
+        host_routes: Sequence[Sequence[HostRoute]] = (),
     ) -> Runtime:
         """Start a private local Ray (or join ``ray_address``) and bring the deployment up, on
         ``redis_url`` (else ``[redis] url`` of the settings, else the embedded server on
@@ -98,8 +98,9 @@ class Runtime(FrontDesk):
         with the deployment).
         ``agents`` lists the import paths of agents whose tools need Ray resources (each
         resource shape gets its ToolWorker pool); any agent whose tools need none runs without
-        being listed. ``host_routes``: per host slot, how it reaches Redis and its model
-        endpoints when not as the rest of the deployment does (a chaos run's partitions).
+        being listed. ``host_routes``: per host slot, the routes to Redis and its model
+        endpoints its generations take in turn, when not as the rest of the deployment does
+        (a chaos run's partitions).
 
         The namespace is claimed first (``store.ownership``): if this Ray cluster already runs
         its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
@@ -120,7 +121,7 @@ class Runtime(FrontDesk):
             hosts=hosts,
             effects_url=effects_url,
             agents=tuple(agents),
-            host_routes=tuple(host_routes),
+            host_routes=tuple(tuple(r) for r in host_routes),
         )
         client = settings.redis.connect(redis_url)
         owns_ray = False

@@ -9,6 +9,11 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
 * a host whose lease has lapsed (``store.leases``: it renews it from its own event loop, so a
   hung or SIGSTOPped host stops) and that does not answer one ping is replaced too, about
   ``lease_ttl_s`` after it stopped; an unanswered ping alone (a busy host) replaces nothing;
+* a host that answers its ping but is cut off from Redis (it says it has not reached Redis
+  for ``cut_off_s``, its lease has lapsed, and a renewal asked for now fails, while the
+  Supervisor itself reads Redis) is replaced as well: its turns go on on its successor, and
+  what it sends when its link returns is fenced. After Redis itself was away, every host's
+  renewal asked for now succeeds and nothing is replaced;
 * a replacement is a new *generation* (a new named actor), already started as an idle standby
   when the previous one was spawned (``standby``). It is recorded in Redis, asked to
   adopt every in-progress turn of its slot (each resumed from its last checkpoint under a new
@@ -281,6 +286,13 @@ class Supervisor:
                 log.warning("host slot %d gen %d %s: replacing", slot, gen, why)
                 await self._replace(slot, gen, handle, died=dead)
             return
+        if info.store_silent_s >= cfg.cut_off_s and await self._cut_off(slot, gen, handle):
+            log.warning(
+                "host slot %d gen %d has not reached Redis for %.1f s: replacing",
+                slot, gen, info.store_silent_s,
+            )  # fmt: skip
+            await self._replace(slot, gen, handle, died=False)
+            return
         self._park(slot, gen, handle)
         now = time.monotonic()
         self._load[slot] = info
@@ -372,6 +384,16 @@ class Supervisor:
                 await self._check_slot(slot)
             except (PhaselineError, RayActorError) as exc:
                 log.warning("supervisor: %s; the watch loop retries", exc)
+
+    async def _cut_off(self, slot: int, gen: int, handle: HostRef) -> bool:
+        """Whether a host that answers Ray cannot reach Redis while this process can: its
+        lease read here has lapsed, and it fails to renew it now."""
+        if await self.leases.held(slot, gen):
+            return False
+        try:
+            return not await handle.reach_store(self.dep.settings.supervisor.ping_timeout_s)
+        except (TimeoutError, RayActorError):
+            return False  # slow or dying: the next check sees which
 
     async def _replace(
         self, slot: int, generation: int, old: HostRef | None, *, died: bool

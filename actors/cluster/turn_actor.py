@@ -75,8 +75,8 @@ class TurnActor:
         self.incarnation = uuid.uuid4().hex
         self.node_id = this_node()  # an actor never moves
         self.isolating = slot == self.dep.isolation_slot
-        os.environ.update(self.dep.route(slot).env)  # its process is its own
-        self.client = self.dep.connect(max_connections=128, slot=slot)
+        os.environ.update(self.dep.route(slot, generation).env)  # its process is its own
+        self.client = self.dep.connect(max_connections=128, host=(slot, generation))
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
@@ -117,6 +117,7 @@ class TurnActor:
             self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.lease_ttl_s
         )
         self._renewing: asyncio.Task[None] | None = None
+        self._reached_store = time.monotonic()
 
     def _on_event(self, event: LiveEvent) -> None:
         if isinstance(event, Recovering) and event.problem is Problem.RATE_LIMITED:
@@ -144,6 +145,7 @@ class TurnActor:
             events_dropped=self.publisher.dropped,
             tool_queue={k: v for k, v in self.tools.waiting.items() if v},
             tool_inflight={k: v for k, v in self.tools.inflight.items() if v},
+            store_silent_s=time.monotonic() - self._reached_store,
         ).wire()
 
     async def agent_problem(self, agent: str, turn_input: dict[str, Any]) -> str:
@@ -197,17 +199,31 @@ class TurnActor:
         """For as long as the event loop runs: renew this generation's lease, and report how
         many of its turns are in each phase (the ``phaseline_turns`` gauge). A failed renewal
         (Redis restarting, a failover) is retried at the next period; the lease may lapse
-        meanwhile, but a host that still answers its ping is kept (``store.leases``)."""
+        meanwhile, but a host that still answers its ping is kept (``store.leases``) unless it
+        stays cut off from Redis for ``cut_off_s`` (the Supervisor asks :meth:`reach_store`)."""
         host = self.dep.host_label(self.slot)
         while True:
             by_phase = self.engine.phase_counts()
             for phase in TurnPhase:
                 metrics().turns.set(by_phase[phase], tags={"phase": phase.value, "host": host})
             try:
-                await self.leases.renew(self.slot, self.generation)
+                await self._renew()
             except PhaselineError as exc:
                 log.warning("host slot %d: %s", self.slot, exc)
             await asyncio.sleep(self.leases.renew_every_s)  # the renewal period
+
+    async def _renew(self) -> None:
+        await self.leases.renew(self.slot, self.generation)
+        self._reached_store = time.monotonic()
+
+    async def reach_store(self, timeout: float) -> bool:
+        """Renew this generation's lease now, within ``timeout``: whether this host reaches
+        Redis (the Supervisor asks a host that answers Ray while its lease has lapsed)."""
+        try:
+            await asyncio.wait_for(self._renew(), timeout)
+        except (PhaselineError, TimeoutError):
+            return False
+        return True
 
     async def park(self) -> None:
         """Never returns: the Supervisor keeps one call parked here, so Ray tells it the moment

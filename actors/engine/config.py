@@ -176,6 +176,10 @@ class SupervisorSettings(_Section):
     lease_ttl_s: float = Field(default=2.0, ge=0.2, le=600)
     """A host's lease (``store.leases``), renewed every quarter of it: a frozen or cut-off host
     is replaced about this long after it stopped."""
+    cut_off_s: float = Field(default=5.0, ge=0.5, le=3600)
+    """A host that answers Ray but has not reached Redis for this long (its lease lapsed and
+    a renewal asked for now fails, while the Supervisor reaches Redis) is replaced: its turns
+    go on on its successor, and what it sends when its link returns is fenced."""
     owner_ttl_s: float = Field(default=20.0, ge=2, le=3600)
     """The namespace's lease (``store.ownership``), renewed by the Supervisor every quarter of
     it: a deployment whose cluster died frees its namespace this long after."""

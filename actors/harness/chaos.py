@@ -290,7 +290,7 @@ class ChaosMonkey:
         if self.links is None or not self.links.hosts:
             raise ConfigError("the hosts were not started behind links of their own")
         slot = self.rng.randrange(len(self.links.hosts))
-        host = self.links.hosts[slot]
+        host = self.links.of(slot, (await self.rt.hosts.generations()).get(slot, 0))
         cuttable = [("redis", host.redis)] + ([("model", host.model)] if host.model else [])
         what, link = self.rng.choice(cuttable)
         affected = await self._affected(slot)

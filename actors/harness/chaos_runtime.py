@@ -27,7 +27,7 @@ async def chaos_runtime(
     hosts: int,
     ray_address: str | None,
     targets: Sequence[ChaosTarget],
-    host_routes: Sequence[HostRoute] = (),
+    host_routes: Sequence[Sequence[HostRoute]] = (),
 ) -> AsyncIterator[Runtime]:
     """A deployment for a chaos run, shut down after it. When a target can lose Redis writes
     (:data:`WITNESSED`), side effects are counted on a witness server outside the Redis under

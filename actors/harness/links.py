@@ -6,7 +6,9 @@ in front of the model endpoint that ``OPENAI_BASE_URL`` names, and every process
 target ``partition``, each host slot gets a :class:`~actors.harness.tcp_proxy.TcpProxy` of
 its own to Redis and, when the turns call a model over HTTP, one to the model endpoint (the
 provider proxy, when there is one): a fault cuts one of them, and one host loses that link
-while the rest of the deployment keeps it (``actors.cluster.deployment.HostRoute``).
+while the rest of the deployment keeps it (``actors.cluster.deployment.HostRoute``). Each slot
+has the links of :data:`MACHINES` machines, taken in turn by its generations: a host replaced
+while cut off has its successor on another machine, as a supervisor places it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from actors.harness.targets import ChaosTarget
 from actors.harness.tcp_proxy import ProxyLoop, TcpProxy
 from bus.errors import ConfigError
 
-__all__ = ["PROVIDER_LATENCY", "HostLinks", "Links", "outside_links"]
+__all__ = ["MACHINES", "PROVIDER_LATENCY", "HostLinks", "Links", "outside_links", "via_port"]
+
+#: The machines (each with its own links) a host slot's generations take in turn.
+MACHINES = 2
 
 #: The model endpoint's answer time while the target ``provider`` stands in front of it: a
 #: median of 200 ms, one call in twenty past 2.7 times that.
@@ -35,7 +40,7 @@ BASE_URL_ENV = "OPENAI_BASE_URL"
 
 @dataclass(frozen=True, slots=True)
 class HostLinks:
-    """One host slot's own links."""
+    """The links of one machine a host slot's generations run on."""
 
     redis: TcpProxy
     """To Redis."""
@@ -51,31 +56,39 @@ class Links:
     """Where they relay."""
     provider: ProviderProxy | None = None
     """In front of the model endpoint (target ``provider``)."""
-    hosts: list[HostLinks] = field(default_factory=list)
-    """Per host slot, the isolation slot last (target ``partition``)."""
+    hosts: list[tuple[HostLinks, ...]] = field(default_factory=list)
+    """Per host slot, the isolation slot last, its machines' links (target ``partition``)."""
     redis_url: str = ""
     """The Redis the hosts' links lead to."""
     model_path: str = ""
     """The model endpoint's base path (``/v1``)."""
 
-    def routes(self, slots: int) -> list[HostRoute]:
-        """How each of ``slots`` host slots reaches Redis and the model: through its own
-        links, else through the provider proxy (named in each host's own environment: a Ray
-        node started before this run's links lacks it)."""
-        routes = []
-        for slot in range(slots):
-            host = self.hosts[slot] if slot < len(self.hosts) else None
-            env = {}
-            if host is not None and host.model is not None:
-                env[BASE_URL_ENV] = f"http://{host.model.address}{self.model_path}"
-            elif self.provider is not None:
-                env[BASE_URL_ENV] = self.provider.base_url
-            redis = None if host is None else _via(self.redis_url, host.redis.port)
-            routes.append(HostRoute(redis_url=redis, env=env))
-        return routes
+    def of(self, slot: int, generation: int) -> HostLinks:
+        """The links generation ``generation`` of host ``slot`` runs behind."""
+        machines = self.hosts[slot]
+        return machines[generation % len(machines)]
+
+    def routes(self, slots: int) -> list[tuple[HostRoute, ...]]:
+        """How each of ``slots`` host slots' generations reach Redis and the model: through
+        their machine's links, else through the provider proxy (named in each host's own
+        environment: a Ray node started before this run's links lacks it)."""
+        return [
+            tuple(self._route(m) for m in self.hosts[slot]) if slot < len(self.hosts) else
+            (self._route(None),)
+            for slot in range(slots)
+        ]  # fmt: skip
+
+    def _route(self, host: HostLinks | None) -> HostRoute:
+        env = {}
+        if host is not None and host.model is not None:
+            env[BASE_URL_ENV] = f"http://{host.model.address}{self.model_path}"
+        elif self.provider is not None:
+            env[BASE_URL_ENV] = self.provider.base_url
+        redis = None if host is None else via_port(self.redis_url, host.redis.port)
+        return HostRoute(redis_url=redis, env=env)
 
     def close(self) -> None:
-        for host in self.hosts:
+        for host in (m for machines in self.hosts for m in machines):
             host.redis.close()
             if host.model is not None:
                 host.model.close()
@@ -116,19 +129,21 @@ def outside_links(
             if not redis_at.hostname or not redis_at.port:
                 raise ConfigError("the partition target needs Redis on a TCP port, not a socket")
             for _ in range(slots):
-                to_model = None
-                if model is not None and model.hostname:
-                    to_model = TcpProxy(links.loop, (model.hostname, model.port or 80))
-                links.hosts.append(
-                    HostLinks(TcpProxy(links.loop, (redis_at.hostname, redis_at.port)), to_model)
-                )
+                machines = []
+                for _ in range(MACHINES):
+                    to_model = None
+                    if model is not None and model.hostname:
+                        to_model = TcpProxy(links.loop, (model.hostname, model.port or 80))
+                    to_redis = TcpProxy(links.loop, (redis_at.hostname, redis_at.port))
+                    machines.append(HostLinks(to_redis, to_model))
+                links.hosts.append(tuple(machines))
         with _env(BASE_URL_ENV, links.provider.base_url if links.provider else None):
             yield links
     finally:
         links.close()
 
 
-def _via(url: str, port: int) -> str:
+def via_port(url: str, port: int) -> str:
     """``url`` with its host and port replaced by the loopback proxy's (its user, password,
     database and query kept)."""
     parts = urlsplit(url)

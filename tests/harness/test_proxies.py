@@ -125,17 +125,21 @@ def test_a_runs_links_route_each_host_through_its_own_proxies(
     targets = (ChaosTarget.PROVIDER, ChaosTarget.PARTITION)
     with outside_links(targets, redis_url=redis_url, slots=3, http=True, seed=1) as links:
         assert isinstance(links, Links) and links.provider is not None
-        routes = links.routes(3)
+        routes = [r for slot in links.routes(3) for r in slot]  # two machines per slot
         assert os.environ["OPENAI_BASE_URL"] == links.provider.base_url
         ports = {urlsplit(r.redis_url or "").port for r in routes}
-        assert len(ports) == 3 and urlsplit(redis_url).port not in ports
-        for route, host in zip(routes, links.hosts, strict=True):
+        assert len(ports) == 6 and urlsplit(redis_url).port not in ports
+        machines = [m for slot in links.hosts for m in slot]
+        for route, host in zip(routes, machines, strict=True):
             assert host.model is not None
             assert route.env["OPENAI_BASE_URL"] == f"http://{host.model.address}/v1"
             assert ask(sdk(route.env["OPENAI_BASE_URL"])) == "fine"  # host -> provider -> model
             assert through(route.redis_url or "", host.redis.port, timeout=5).ping()
-        links.hosts[0].model.cut()  # type: ignore[union-attr]
+        # A slot's generations take its machines in turn: a successor is on the other one.
+        assert links.of(0, 0) is links.of(0, 2) is machines[0] and links.of(0, 1) is machines[1]
+        links.of(0, 0).model.cut()  # type: ignore[union-attr]
         with pytest.raises(openai.APITimeoutError):  # one host cut off; the others are not
             ask(sdk(routes[0].env["OPENAI_BASE_URL"], timeout=0.5))
         assert ask(sdk(routes[1].env["OPENAI_BASE_URL"])) == "fine"
+        assert ask(sdk(routes[2].env["OPENAI_BASE_URL"])) == "fine"
     assert os.environ["OPENAI_BASE_URL"] == openai_server
