@@ -64,6 +64,8 @@ _EXPORTS = {
     "TextDelta": "bus.events",
     "ToolCalled": "bus.events",
     "ToolReturned": "bus.events",
+    "ToolWait": "bus.events",
+    "ToolWaiting": "bus.events",
     "Restarted": "bus.events",
     "Finished": "bus.events",
     "Recovering": "bus.events",
@@ -145,6 +147,8 @@ __all__ = [
     "ToolResult",
     "ToolReturned",
     "ToolSpec",
+    "ToolWait",
+    "ToolWaiting",
     "TurnEngine",
     "TurnError",
     "TurnExists",
@@ -206,6 +210,8 @@ if TYPE_CHECKING:
         TextDelta,
         ToolCalled,
         ToolReturned,
+        ToolWait,
+        ToolWaiting,
         WatchEvent,
     )
     from bus.messages import Message, ToolCall, ToolResult, Usage

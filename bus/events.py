@@ -91,6 +91,49 @@ class ToolCalled:
     again, any other is reported ``outcome_unknown``."""
 
 
+class ToolWait(StrEnum):
+    """Why a tool call of a running batch cannot start yet."""
+
+    TOOL_LIMIT = "tool_limit"
+    """Its tool's ``max_concurrency`` calls run already (on Ray: per worker of its pool)."""
+    THREADS = "threads"
+    """Every thread this process gives sync tools is busy (``[tools] threads``)."""
+
+    @property
+    def label(self) -> str:
+        """What a person reads of it."""
+        if self is ToolWait.TOOL_LIMIT:
+            return "its tool runs as many calls at once as it may (max_concurrency)"
+        return "every thread for sync tools is busy ([tools] threads)"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolWaiting:
+    """A tool call that waits before it runs, or (``over``) that runs now after waiting:
+    until then a watcher shows it waiting, not running."""
+
+    turn_id: str
+    """The turn calling."""
+    epoch: int
+    """Owner epoch that runs the batch."""
+    call_id: str
+    """The model's id for the call."""
+    name: str
+    """Tool name."""
+    waits_for: ToolWait
+    """What it waits for."""
+    at_ms: int
+    """Unix milliseconds."""
+    over: bool = False
+    """False: it starts waiting; True: its wait is over and it runs now."""
+
+    def line(self) -> str:
+        """One line a person reads of it."""
+        if self.over:
+            return f"{self.name} runs now (it waited: {self.waits_for.label})"
+        return f"{self.name} waits: {self.waits_for.label}"
+
+
 @dataclass(frozen=True, slots=True)
 class ToolReturned:
     """The result of one tool call, as the model will read it."""
@@ -220,6 +263,7 @@ class Recovering:
 LiveEvent = (
     TextDelta
     | ToolCalled
+    | ToolWaiting
     | ToolReturned
     | ModelReplied
     | Checkpointed
@@ -267,6 +311,7 @@ def encode_event(event: WatchEvent) -> dict[str, str | int]:
 _KINDS: dict[str, type[LiveEvent]] = {
     "text": TextDelta,
     "tool_call": ToolCalled,
+    "tool_wait": ToolWaiting,
     "tool_result": ToolReturned,
     "model": ModelReplied,
     "checkpoint": Checkpointed,
@@ -290,6 +335,10 @@ def _problem(value: str) -> Problem | EngineProblem:
     return Problem(value) if value in Problem.__members__.values() else EngineProblem(value)
 
 
+def _flag(value: str) -> bool:
+    return {"1": True, "0": False}[value]
+
+
 def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda value: None if value == "" else parse(value)
 
@@ -298,7 +347,7 @@ def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "epoch": int, "at_ms": int, "messages": int, "seq": int, "started_ms": int,
     "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
-    "idempotent": lambda v: {"1": True, "0": False}[v], "reason": SaveReason,
+    "idempotent": _flag, "over": _flag, "waits_for": ToolWait, "reason": SaveReason,
     "status": _tool_status, "resumed_from": _or_none(SaveReason), "outcome": _or_none(Outcome),
     "problem": _problem, "action": Action,
 }  # fmt: skip

@@ -230,6 +230,7 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
         )  # fmt: skip
     table.add_row("kills", json.dumps(data["kills_per_target"]))
     table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
+    table.add_row("fenced writes refused", json.dumps(data["fenced_writes"]))
     table.add_row(
         "recovery ms p50/p99/max", "{p50}/{p99}/{max}".format(**data["recovery_latency_ms"])
     )

@@ -108,6 +108,7 @@ class Supervisor:
             self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.lease_ttl_s
         )
         self._last_adopt: dict[int, float] = defaultdict(float)
+        self._adopting: dict[int, asyncio.Future[None]] = {}
         self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._parked: dict[int, tuple[int, asyncio.Future[None]]] = {}
         self._standbys: dict[int, tuple[int, asyncio.Future[None]]] = {}
@@ -301,9 +302,26 @@ class Supervisor:
         if fresh or now - self._last_adopt[slot] > cfg.adopt_interval_s:
             # Also periodically: a turn in progress in Redis that its live host does not run
             # (its task was cut short by a Redis failure, a lost call) is picked up again.
-            await handle.adopt(False)  # no death to report: this host was alive
-            self._adopted.add(info.incarnation)
-            self._last_adopt[slot] = now
+            self._adopt_aside(slot, handle, info.incarnation)
+
+    def _adopt_aside(self, slot: int, handle: HostRef, incarnation: str) -> None:
+        """Ask a live host to adopt its slot's orphans, without waiting for it here: a host
+        whose Redis link hangs answers late, and the watch must go on meanwhile (to replace
+        that very host if it is cut off). One such call per slot at a time."""
+        pending = self._adopting.get(slot)
+        if pending is not None and not pending.done():
+            return
+
+        async def adopt() -> None:
+            try:
+                await handle.adopt(False)  # no death to report: this host was alive
+            except (PhaselineError, RayActorError) as exc:
+                log.warning("host slot %d did not adopt: %s", slot, exc)
+                return
+            self._adopted.add(incarnation)
+            self._last_adopt[slot] = time.monotonic()
+
+        self._adopting[slot] = asyncio.ensure_future(adopt())
 
     async def _spawn(
         self,

@@ -25,8 +25,9 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
+from functools import partial
 from typing import Any, ClassVar
 
 import ray
@@ -40,6 +41,7 @@ from actors.engine.agents import load_agent
 from actors.engine.mcp import hub, hub_states, mcp_spec, mcp_target, merged
 from actors.engine.toolrun import (
     IDEMPOTENT_ATTEMPTS,
+    CallGates,
     ToolJob,
     lost_call,
     lost_why,
@@ -52,6 +54,7 @@ from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, within_boundary
 from bus.errors import ConfigError, StoreError, StoreRefused, ToolExecutorLost
+from bus.events import LiveEvent, ToolWait, ToolWaiting
 from bus.messages import ToolCall, ToolResult
 from store.connection import connect
 from store.effects import EffectCounters
@@ -108,7 +111,7 @@ class ToolWorker:
             else dep.connect(max_connections=64)
         )
         self._effects = EffectCounters(self._client, dep.keys)
-        self._limits: dict[tuple[str, str], asyncio.Semaphore] = {}
+        self._gates = CallGates(dep.settings.tools.threads)
         self.calls = 0
         self.active = 0
 
@@ -130,14 +133,14 @@ class ToolWorker:
         loaded = load_agent(agent)
         args = json.loads(args_json)
         target = None if name in loaded.tools else mcp_target(loaded.mcp, name)
-        limit = (
-            loaded.tools.get(name).max_concurrency if target is None else target[0].max_concurrency
-        )
-        async with self._limits.setdefault((agent, name), asyncio.Semaphore(limit)):
-            if target is not None:
-                return await hub().call(agent, target[0], target[1], args, call_key)
+        if target is not None:
+            server, tool = target
+            async with self._gates.entered((agent, name), server.max_concurrency, sync=False):
+                return await hub().call(agent, server, tool, args, call_key)
+        spec = loaded.tools.get(name)
+        async with self._gates.entered((agent, name), spec.max_concurrency, sync=spec.sync):
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-            return await within_boundary(loaded.tools.get(name).fn(args, ctx))
+            return await within_boundary(spec.fn(args, ctx))
 
     async def call_group(
         self, agent: str, turn_id: str, calls: list[tuple[str, str, str, float]]
@@ -190,9 +193,16 @@ class ToolWorker:
 class RayToolRunner:
     """A :class:`~actors.engine.toolrun.ToolRunner` that sends each call to a ToolWorker."""
 
-    def __init__(self, dep: Deployment, sizes: PoolSizes) -> None:
+    def __init__(
+        self,
+        dep: Deployment,
+        sizes: PoolSizes,
+        *,
+        on_event: Callable[[LiveEvent], None] | None = None,
+    ) -> None:
         self.dep = dep
         self.sizes = sizes
+        self._on_event = on_event
         self._listed: dict[tuple[str, str], list[MCPToolInfo]] = {}
         self._running: Counter[str] = Counter()
         self._freed: dict[str, asyncio.Condition] = {}
@@ -305,7 +315,8 @@ class RayToolRunner:
         admitted: list[str] = []
         try:
             for name in sorted(counts):  # one order for every group: none waits in a cycle
-                await self._admit(specs[name], pool, counts[name])
+                waiting = [job for job in group if job.spec.name == name]
+                await self._admit(specs[name], pool, counts[name], partial(self._waited, waiting))
                 admitted.append(name)
             if len(group) == 1:
                 job = group[0]
@@ -319,24 +330,44 @@ class RayToolRunner:
             for name in admitted:
                 await self._free(name, pool, counts[name])
 
-    async def _admit(self, spec: ToolSpec, pool: str, n: int) -> None:
+    def _waited(self, jobs: list[ToolJob], over: bool) -> None:
+        """Tell watchers that ``jobs`` wait for their tool's place (or, ``over``, run now)."""
+        if self._on_event is None:
+            return
+        now = int(time.time() * 1000)
+        for job in jobs:
+            self._on_event(ToolWaiting(
+                job.ctx.turn_id, job.ctx.epoch, job.call.id, job.call.name, ToolWait.TOOL_LIMIT,
+                now, over,
+            ))  # fmt: skip
+
+    async def _admit(
+        self, spec: ToolSpec, pool: str, n: int, waited: Callable[[bool], None]
+    ) -> None:
         """Wait until ``n`` more of the tool's calls fit under its limit x pool size of calls
         running from here, or none runs (a group larger than the limit then runs alone). The
         ``n`` are taken at once, never one by one: two groups each holding part of what they
         need could wait for each other forever. The bound is re-read while waiting: a pool
-        that grows admits more."""
+        that grows admits more. ``waited`` hears when the calls start waiting (False) and
+        when they may run after waiting (True)."""
         freed = self._freed.setdefault(spec.name, asyncio.Condition())
         self.waiting[pool] += n
+        waits = False
         try:
             async with freed:  # checked and waited under its lock: no release is missed
                 while (running := self._running[spec.name]) and (
                     running + n > spec.max_concurrency * await self.size(pool)
                 ):
+                    if not waits:
+                        waits = True
+                        waited(False)
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(1.0):  # or the pool grew: re-read
                             await freed.wait()
         finally:
             self.waiting[pool] -= n
+        if waits:
+            waited(True)
         self._running[spec.name] += n
         self.inflight[pool] += n
         metrics().inflight_tools.set(self.inflight[pool], tags={"pool": pool})

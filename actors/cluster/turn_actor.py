@@ -80,7 +80,9 @@ class TurnActor:
         self.publisher = BufferedPublisher(
             RedisBus(self.client, self.dep.keys, live=self.dep.settings.events.live())
         )
-        self.tools = RayToolRunner(self.dep, PoolSizes(self.client, self.dep.keys))
+        self.tools = RayToolRunner(
+            self.dep, PoolSizes(self.client, self.dep.keys), on_event=self._on_event
+        )
         self.checkpoints = ShardedCheckpoints(
             {
                 role: CheckpointClient.configured(

@@ -23,6 +23,7 @@ from bus.events import (
     TextDelta,
     ToolCalled,
     ToolReturned,
+    ToolWaiting,
     WatchEvent,
     decode_event,
 )
@@ -105,6 +106,9 @@ def row_of(event: WatchEvent) -> Row | None:
         rule = "idempotent" if event.idempotent else "runs at most once"
         line = f"{event.name}({_cut(event.arguments)}) [{rule}]"
         return Row(event.at_ms, event.epoch, "tool", line, Tone.PLAIN)
+    if isinstance(event, ToolWaiting):
+        return Row(event.at_ms, event.epoch, "tool", event.line(),
+                   Tone.PLAIN if event.over else Tone.WARN)  # fmt: skip
     if isinstance(event, ToolReturned):
         tone = {"ok": Tone.PLAIN, "skipped": Tone.WARN, "denied": Tone.WARN}.get(
             event.status, Tone.BAD

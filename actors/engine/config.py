@@ -211,6 +211,10 @@ class ToolSettings(_Section):
     """Least time between two resizes of one pool."""
     idle_s: float = Field(default=10.0, gt=0)
     """A pool with no call waiting or running for this long gives back one worker."""
+    threads: int = Field(default=0, ge=0, le=100_000)
+    """Threads one process (``run --in-process``, each ToolWorker) runs sync tools in at once;
+    a call past them waits for one, shown as waiting. 0: one per call, as many as the turns'
+    calls in flight (no call waits for a thread)."""
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ToolSettings:

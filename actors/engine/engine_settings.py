@@ -48,6 +48,8 @@ class EngineSettings:
     """What a turn resumed under a changed agent does."""
     probation_patience_s: float = 30.0
     """How long the isolation host lets a turn run alone before it goes on with the queue."""
+    tool_threads: int = 0
+    """Threads sync tools run in at once when they run in this process (0: one per call)."""
 
     @classmethod
     def of(cls, settings: Settings, *, watchdog: bool = True) -> EngineSettings:
@@ -62,6 +64,7 @@ class EngineSettings:
             retention=settings.retention.policy(),
             on_agent_change=settings.loop.on_agent_change,
             probation_patience_s=settings.supervisor.probation_patience_s,
+            tool_threads=settings.tools.threads,
         )
 
 

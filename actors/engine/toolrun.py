@@ -8,9 +8,10 @@ writes that journal them); a :class:`ToolRunner` does the actual execution, in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
@@ -20,6 +21,7 @@ from actors.turn.agent import Agent
 from actors.turn.loop_state import new_id
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec, within_boundary
 from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
+from bus.events import LiveEvent, ToolWait, ToolWaiting
 from bus.messages import ToolCall, ToolResult, ToolStatus
 from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model, unpack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
@@ -117,6 +119,41 @@ def lost_call(call: ToolCall, why: str) -> ToolResult:
     )
 
 
+class CallGates:
+    """What a tool call waits for in this process before it runs: a free place under its
+    tool's ``max_concurrency``, then, for a sync tool, a free thread (``[tools] threads``;
+    0: none is waited for). Whoever is told (``waited``) hears when a call starts waiting and
+    when its wait is over."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self._limits: dict[object, asyncio.Semaphore] = {}
+        self._threads = asyncio.Semaphore(threads) if threads else None
+
+    @contextlib.asynccontextmanager
+    async def entered(
+        self,
+        tool: object,
+        max_concurrency: int,
+        *,
+        sync: bool,
+        waited: Callable[[ToolWait, bool], None] | None = None,
+    ) -> AsyncIterator[None]:
+        """Hold a place of ``tool`` (at most ``max_concurrency`` at once) and, if ``sync``, a
+        thread, while the block runs (taken in that order: no cycle)."""
+        limit = self._limits.setdefault(tool, asyncio.Semaphore(max_concurrency))
+        async with contextlib.AsyncExitStack() as held:
+            for gate, why in ((limit, ToolWait.TOOL_LIMIT), (self._threads, ToolWait.THREADS)):
+                if gate is None or (why is ToolWait.THREADS and not sync):
+                    continue
+                if gate.locked() and waited is not None:
+                    waited(why, False)
+                    await held.enter_async_context(gate)
+                    waited(why, True)
+                else:
+                    await held.enter_async_context(gate)
+            yield
+
+
 class LocalToolRunner:
     """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout.
 
@@ -126,12 +163,21 @@ class LocalToolRunner:
     so any tool is tried again, and reported not run if it stays refused.
     """
 
-    def __init__(self) -> None:
-        self._limits: dict[str, asyncio.Semaphore] = {}
+    def __init__(
+        self, *, threads: int = 0, on_event: Callable[[LiveEvent], None] | None = None
+    ) -> None:
+        self._gates = CallGates(threads)
+        self._on_event = on_event
 
     async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        limit = self._limits.setdefault(spec.name, asyncio.Semaphore(spec.max_concurrency))
-        async with limit:
+        def waited(why: ToolWait, over: bool) -> None:
+            if self._on_event is not None:
+                self._on_event(
+                    ToolWaiting(ctx.turn_id, ctx.epoch, call.id, call.name, why, _now_ms(), over)
+                )
+
+        gates = self._gates.entered(spec.name, spec.max_concurrency, sync=spec.sync, waited=waited)
+        async with gates:
             try:
                 return await refusals_waited(
                     f"write {call.name}'s effect", lambda: self._attempts(spec, call, ctx)
@@ -324,7 +370,7 @@ class BatchExecutor:
                 await self._settle_now(turn_id, changes)
 
         def job(i: int) -> ToolJob:
-            return ToolJob(runnable[i][0], calls[i], self._context(turn_id, keys[i]))
+            return ToolJob(runnable[i][0], calls[i], self._context(turn_id, keys[i], epoch))
 
         async def run_one(i: int) -> None:
             one = job(i)
@@ -480,8 +526,8 @@ class BatchExecutor:
             )
         return spec
 
-    def _context(self, turn_id: str, key: str) -> ToolContext:
-        return ToolContext(turn_id, key, self.effects, agent=self.agent)
+    def _context(self, turn_id: str, key: str, epoch: int) -> ToolContext:
+        return ToolContext(turn_id, key, self.effects, agent=self.agent, epoch=epoch)
 
     def _outcome(self, call: ToolCall, raw: ToolResult) -> tuple[ToolResult, LedgerEntry]:
         """A dispatched call's result as the model reads it, and the journal entry of its

@@ -95,7 +95,9 @@ class TurnEngine:
         self.isolation = Isolation(client, keys)
         self.sessions = Sessions(self.store)
         self.checkpoints: Checkpointer = hooks.checkpoints or GroupCommit(self.store)
-        self.runner: ToolRunner = hooks.runner or LocalToolRunner()
+        self.runner: ToolRunner = hooks.runner or LocalToolRunner(
+            threads=settings.tool_threads, on_event=hooks.on_event
+        )
         self.rules = None if settings.watchdog is None else WatchdogRules(settings.watchdog)
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}

@@ -26,7 +26,10 @@ as targets hits every one of them. Targets:
   endpoint; every call of the run also waits a log-normal latency (median 200 ms);
 * ``partition``: one host's link to Redis, or to the model endpoint, is cut for two to six
   seconds (its bytes held, as a cut link holds them), then restored, while every other process
-  keeps its links (``actors.harness.links``);
+  keeps its links (``actors.harness.links``); half the cuts from Redis last past
+  ``[supervisor] cut_off_s``, so the host is replaced and what it sent while cut off arrives
+  after its successor's claims: those writes are fenced, and Redis counts them (the report's
+  ``fenced_writes``);
 * ``concurrent_resume``: a rival owner in this process (what a second ``phaseline resume`` on
   the namespace is) claims and runs a few in-progress turns of a random host while that host
   still runs them: the two race on every dispatch and save until one is fenced.
@@ -79,6 +82,7 @@ from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
 from store.isolation import Isolation
 from store.records import TurnInput
+from store.usage import fenced_writes
 
 log = logging.getLogger(__name__)
 
@@ -286,15 +290,24 @@ class ChaosMonkey:
         )  # fmt: skip
 
     async def _partition(self) -> Fault:
-        """Cut one host's link to Redis or to the model for two to six seconds."""
+        """Cut one host's link (of a host running turns, if one does) to Redis or to the
+        model, then restore it: for two to six seconds, or (half the Redis cuts) past
+        ``cut_off_s``, so the supervisor replaces the host and what it sent meanwhile arrives
+        after its successor's claims, to be fenced."""
         if self.links is None or not self.links.hosts:
             raise ConfigError("the hosts were not started behind links of their own")
-        slot = self.rng.randrange(len(self.links.hosts))
-        host = self.links.of(slot, (await self.rt.hosts.generations()).get(slot, 0))
+        slots = range(len(self.links.hosts))
+        running = {slot: await self._affected(slot) for slot in slots}
+        busy = [slot for slot in slots if running[slot]]  # a cut an idle host never sees
+        slot = self.rng.choice(busy or list(slots))
+        affected = running[slot]
+        gen = (await self.rt.hosts.generations()).get(slot, 0)
+        host = self.links.of(slot, gen)
         cuttable = [("redis", host.redis)] + ([("model", host.model)] if host.model else [])
         what, link = self.rng.choice(cuttable)
-        affected = await self._affected(slot)
         seconds = self.rng.uniform(2.0, 6.0)
+        if what == "redis" and self.rng.random() < 0.5:
+            seconds = self.rt.dep.settings.supervisor.cut_off_s + self.rng.uniform(1.0, 3.0)
         caught = link.held_connections
         at = self.now()
         await asyncio.to_thread(link.cut)
@@ -302,10 +315,11 @@ class ChaosMonkey:
             await asyncio.sleep(seconds)  # the partition's length: the fault itself
         finally:
             await asyncio.to_thread(link.restore)
+        replaced = (await self.rt.hosts.generations()).get(slot, 0) > gen
         return Fault(
             at, ChaosTarget.PARTITION, f"{self.rt.dep.host_label(slot)} - {what}", None,
             affected, note=f"cut {seconds:.1f} s; {link.held_connections - caught} new "
-            "connections held",
+            f"connections held; {'replaced' if replaced else 'kept'}",
         )  # fmt: skip
 
     async def _kill_tool_worker(self) -> Fault:
@@ -591,4 +605,5 @@ async def run_chaos(
             rt.dep.host_label(slot): gen
             for slot, gen in sorted((await rt.hosts.generations()).items())
         },
+        fenced={str(k): n for k, n in (await fenced_writes(rt.client, rt.dep.keys)).items()},
     )

@@ -63,6 +63,9 @@ class ChaosReport:
     the host's side won them back)."""
     replacements: dict[str, int] = field(default_factory=dict)
     """Host label -> how many times the supervisor replaced it (deaths and freezes)."""
+    fenced: dict[str, int] = field(default_factory=dict)
+    """Writes Redis refused because a newer owner held the turn, by kind (``store.usage``):
+    a zombie's, a cut-off host's arriving late, a rival's."""
 
     def fault_recovery_ms(self, f: Fault) -> list[float]:
         """Kill -> first move under a newer epoch, per turn the fault affected that moved."""
@@ -109,6 +112,7 @@ class ChaosReport:
             "respawns": self.respawns,
             "replacements_per_host": self.replacements,
             "rival_outcomes": self.rivals,
+            "fenced_writes": self.fenced,
             "wall_s": round(self.wall_s, 2),
             "turns_per_s": round(self.verdict.turns / self.wall_s, 2) if self.wall_s else None,
         }

@@ -20,6 +20,7 @@ from bus.events import (
     TextDelta,
     ToolCalled,
     ToolReturned,
+    ToolWaiting,
     WatchEvent,
 )
 from bus.outcomes import Action, Outcome
@@ -72,6 +73,8 @@ class LiveView:
             return f"[dim]· checkpoint {event.seq} ({event.reason})" if self.phases else None
         if isinstance(event, ToolCalled):
             return f"[cyan]  ⚙ {escape(event.name)}({escape(_cut(event.arguments))})"
+        if isinstance(event, ToolWaiting):
+            return f"[{'dim' if event.over else 'yellow'}]  ⏳ {escape(event.line())}"
         if isinstance(event, ToolReturned):
             colour = {"ok": "green", "skipped": "yellow"}.get(event.status, "red")
             return f"[{colour}]  ↳ {event.status}: {escape(_cut(event.output))}"

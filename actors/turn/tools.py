@@ -52,6 +52,8 @@ class ToolContext:
     """Where ``counter_increment`` performs its side effect (None: no side-effect store)."""
     agent: str = ""
     """Import path of the agent that made the call."""
+    epoch: int = 0
+    """Owner epoch of the turn that runs the call (0: not told, as on a ToolWorker)."""
 
 
 ToolFn = Callable[[Mapping[str, Any], ToolContext], Awaitable[str]]
@@ -83,6 +85,9 @@ class ToolSpec:
     """Per-call timeout; the call's result is ``timeout`` past it."""
     max_concurrency: int = 64
     """Calls of this tool running at once in one process."""
+    sync: bool = False
+    """A plain function's: each call runs in a thread of its own, of which a process runs at
+    most ``[tools] threads`` at once (a call waits for one)."""
     resources: Mapping[str, float] = field(default_factory=dict)
     """Ray resources a call of this tool needs (its ToolWorker pool is keyed by them)."""
     description: str = ""
@@ -348,4 +353,6 @@ def _python_tool(f: Callable[..., Any], *, name: str, **rules: Any) -> ToolSpec:
             result = await in_own_thread(name, f, kwargs)
         return result if isinstance(result, str) else pydantic_core.to_json(result).decode()
 
-    return ToolSpec(name, call, description=description, parameters=schema, **rules)
+    return ToolSpec(
+        name, call, description=description, parameters=schema, sync=not is_async, **rules
+    )

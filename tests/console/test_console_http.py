@@ -29,15 +29,17 @@ from actors.engine.turn_engine import TurnEngine
 from bus.errors import NotAwaitingApproval
 from store.approvals import Approvals
 from store.keys import KeyLayout
+from store.records import TurnInput
 from tests.support.console_server import serving
 from tests.support.polling import eventually
 
 
-def engine_of(client: aioredis.Redis, namespace: str) -> TurnEngine:
+def engine_of(client: aioredis.Redis, namespace: str, *, threads: int = 0) -> TurnEngine:
     """An in-process engine that publishes its live events, as ``phaseline run`` does."""
     settings = Settings.model_validate({
         "redis": {"namespace": namespace}, "loop": {"strict": True},
         "checkpoint": {"min_interval_s": 0}, "approvals": {"poll_s": 0.01},
+        "tools": {"threads": threads},
     })  # fmt: skip
     return TurnEngine.from_settings(client, settings, watchdog=None)
 
@@ -133,6 +135,17 @@ async def test_a_turns_page_shows_transcript_ledger_and_timeline(
     assert (await aget(f"{base}/turns/nope"))[0] == 200  # a page that says so
     assert "no such turn" in (await aget(f"{base}/turns/nope"))[1]
     assert (await aget(f"{base}/turns/bad%20id"))[0] == 404
+
+
+async def test_a_call_that_waited_for_a_thread_shows_on_the_timeline(
+    real_client: aioredis.Redis, keys: KeyLayout, base: str
+) -> None:
+    engine = engine_of(real_client, keys.namespace, threads=2)
+    await engine.run_new("tests.support.agents:crowd", TurnInput(message="go"), ["ui-crowd"])
+    status, page, _ = await aget(f"{base}/turns/ui-crowd")
+    assert status == 200
+    assert "crowds waits: every thread for sync tools is busy" in page
+    assert "crowds runs now (it waited" in page
 
 
 async def test_an_approval_on_the_page_lets_the_turn_go_on(

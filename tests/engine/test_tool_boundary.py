@@ -5,24 +5,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineSettings
+from actors.engine.engine_settings import EngineHooks, EngineSettings
+from actors.engine.toolrun import LocalToolRunner
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.bad_tools import RAISER, RAISING
-from actors.turn.tools import BLOCKED
+from actors.turn.tools import BLOCKED, ToolContext, ToolSpec
+from bus.events import LiveEvent, ToolWait, ToolWaiting
+from bus.messages import ToolCall
 from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from tests.support.agents import CROWD
+from tests.support.polling import eventually
 from tests.support.reference import FAST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +122,66 @@ async def test_sync_tool_calls_of_a_batch_run_at_once(
     final = await engine.store.load("meet")
     results = [m.tool_result for m in final.messages if m.tool_result is not None]
     assert [r.status for r in results] == ["ok"] * 8, results
+
+
+async def test_sync_calls_past_the_threads_setting_wait_and_say_so(
+    real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """``[tools] threads = 2``: of six sync calls at once, two run and four wait, each told
+    to watchers as waiting (not running) until its wait is over, then run."""
+    events: list[LiveEvent] = []
+    settings = EngineSettings(loop=FAST, watchdog=None, tool_threads=2)
+    engine = TurnEngine(real_client, keys, settings, EngineHooks(on_event=events.append))
+    await engine.run_new("tests.support.agents:crowd", TurnInput(message="go"), ["crowd"])
+    final = await engine.store.load("crowd")
+    results = [m.tool_result for m in final.messages if m.tool_result is not None]
+    assert [r.status for r in results] == ["ok"] * 6, results
+    assert CROWD.most == 2
+    waits = [e for e in events if isinstance(e, ToolWaiting)]
+    assert {e.waits_for for e in waits} == {ToolWait.THREADS}
+    began = [e.call_id for e in waits if not e.over]
+    ended = [e.call_id for e in waits if e.over]
+    assert len(began) == 4 and sorted(began) == sorted(ended)
+    for call in began:  # waiting, then running, then its result
+        at = [i for i, e in enumerate(events) if getattr(e, "call_id", None) == call]
+        kinds = [type(events[i]).__name__ for i in at]
+        assert kinds[-3:] == ["ToolWaiting", "ToolWaiting", "ToolReturned"], kinds
+
+
+async def test_calls_past_a_tools_own_limit_wait_and_say_so() -> None:
+    """A tool of ``max_concurrency = 1``: a second call waits for the first, told as waiting
+    for the tool's limit, not for a thread."""
+    events: list[LiveEvent] = []
+    runner = LocalToolRunner(on_event=events.append)
+    gate = asyncio.Event()
+
+    async def slow(args: Mapping[str, Any], ctx: ToolContext) -> str:
+        await gate.wait()
+        return "done"
+
+    spec = ToolSpec("slow", slow, idempotent=True, max_concurrency=1)
+    ctx = ToolContext("t1", "k", epoch=3)
+    calls = [ToolCall(id=f"s{i}", name="slow", args={}) for i in range(2)]
+    running = [asyncio.ensure_future(runner.run(spec, c, ctx)) for c in calls]
+
+    async def second_waits() -> bool:
+        return any(isinstance(e, ToolWaiting) for e in events)
+
+    await eventually(second_waits, timeout=10, what="the second call to wait")
+    (wait,) = events
+    assert isinstance(wait, ToolWaiting)
+    assert (wait.call_id, wait.epoch, wait.waits_for, wait.over) == (
+        "s1",
+        3,
+        ToolWait.TOOL_LIMIT,
+        False,
+    )
+    gate.set()
+    assert [r.status for r in await asyncio.gather(*running)] == ["ok", "ok"]
+    assert [(e.call_id, e.over) for e in events if isinstance(e, ToolWaiting)] == [
+        ("s1", False),
+        ("s1", True),
+    ]
 
 
 async def test_an_async_tool_that_blocks_the_event_loop_is_reported(

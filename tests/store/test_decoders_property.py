@@ -22,6 +22,8 @@ from bus.events import (
     TextDelta,
     ToolCalled,
     ToolReturned,
+    ToolWait,
+    ToolWaiting,
     decode_bus_event,
     decode_event,
     encode_event,
@@ -198,6 +200,8 @@ def test_a_valid_bus_entry_round_trips() -> None:
         ModelReplied("t1", 2, "openai", "qwen", 1, 9, error="rate_limited"),
         Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
         ToolReturned("t1", 2, "c1", "echo", "outcome_unknown", "", 3),
+        ToolWaiting("t1", 2, "c1", "echo", ToolWait.THREADS, 3),
+        ToolWaiting("t1", 2, "c1", "echo", ToolWait.TOOL_LIMIT, 4, over=True),
         Restarted("t1", 3, SaveReason.TOOL_BATCH, 7, 4),
         Restarted("t1", 3, None, 7, 4),
         Finished("t1", 3, Outcome.ABORTED_LOOP, "done", 5, "model loop: again"),
@@ -214,7 +218,7 @@ def test_a_valid_bus_entry_round_trips() -> None:
     ("field", "value"),
     [("status", "exploded"), ("outcome", "aborted:boredom"), ("problem", "gremlins"),
      ("action", "panic"), ("resumed_from", "whim"), ("reason", "whim"), ("idempotent", "yes"),
-     ("seq", "four")],
+     ("seq", "four"), ("waits_for", "godot"), ("over", "maybe")],
 )  # fmt: skip
 def test_a_live_event_with_a_word_no_layer_knows_is_a_bad_entry(field: str, value: str) -> None:
     events = {
@@ -226,6 +230,8 @@ def test_a_live_event_with_a_word_no_layer_knows_is_a_bad_entry(field: str, valu
         "reason": Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
         "seq": Checkpointed("t1", 2, 4, SaveReason.TOOL_BATCH, 12, 9),
         "idempotent": ToolCalled("t1", 2, "c1", "echo", "{}", 2, "k", True),
+        "waits_for": ToolWaiting("t1", 2, "c1", "echo", ToolWait.THREADS, 3),
+        "over": ToolWaiting("t1", 2, "c1", "echo", ToolWait.THREADS, 3),
     }
     wire = {**encode_event(events[field]), field: value}
     with pytest.raises(BadBusEntry):

@@ -431,6 +431,33 @@ def hangs() -> str:
     return "never"
 
 
+class Crowd:
+    """How many calls of :func:`crowds` run at once now, and the most that ever did."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+
+CROWD = Crowd()
+
+
+@tool(idempotent=True)
+def crowds(n: int) -> str:
+    """A sync tool that counts the calls of it running at once (in threads).
+
+    Args:
+        n: Which call.
+    """
+    with CROWD.lock:
+        CROWD.now += 1
+        CROWD.most = max(CROWD.most, CROWD.now)
+    time.sleep(0.2)  # the tool's own work: long enough for the others to queue behind it
+    with CROWD.lock:
+        CROWD.now -= 1
+    return f"crowd {n}"
+
+
 class BatchModel:
     """Asks once for one batch of the given calls, then answers with what it read."""
 
@@ -451,6 +478,13 @@ meeting = Agent(
         tuple(ToolCall(id=f"m{i}", name="meets", args={"n": i}) for i in range(8))
     ),
     tools=ToolRegistry([meets]),
+)
+#: Six sync calls in one batch, which a process with fewer threads for sync tools queues.
+crowd = Agent(
+    model=lambda _ctx: BatchModel(
+        tuple(ToolCall(id=f"c{i}", name="crowds", args={"n": i}) for i in range(6))
+    ),
+    tools=ToolRegistry([crowds]),
 )
 #: A sync call that never returns: its turn goes on after the call's timeout, and the process
 #: exits when its work is done (the thread is left, not joined).
