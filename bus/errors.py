@@ -17,6 +17,12 @@ class ConfigError(PhaselineError):
     """A CLI flag, config file or scenario is invalid; the message says which and why."""
 
 
+class MissingExtra(ConfigError):
+    """A feature whose libraries are an optional part of phaseline (an extra: ``console``,
+    ``otel``, ``plots``) was asked for where they are not installed; the message names the
+    ``pip install`` that brings them."""
+
+
 class IllegalTransition(PhaselineError):
     """A phase transition not in the table was attempted (raised in strict mode only)."""
 

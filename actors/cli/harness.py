@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,6 @@ from actors.cli.runs import (
 )
 from actors.cluster.joining import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
-from actors.console import ConsoleSettings, console_app
-from actors.console.access import new_token
-from actors.console.probes import probe_loopback, probe_token, served
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
@@ -51,6 +49,8 @@ from actors.harness.links import outside_links
 from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
+
+log = logging.getLogger(__name__)
 
 
 @main.command()
@@ -158,7 +158,15 @@ def chaos(
 
 def console_probes(settings: Settings, url: str, turn_id: str) -> list[str]:
     """What consoles on the run's Redis let through of an attacker's requests (none is
-    right): one on loopback without a token, one with a token (``actors.console.probes``)."""
+    right): one on loopback without a token, one with a token (``actors.console.probes``).
+    Without the console extra there is no console to attack: nothing is let through."""
+    try:
+        from actors.console import ConsoleSettings, console_app
+        from actors.console.access import new_token
+        from actors.console.probes import probe_loopback, probe_token, served
+    except ImportError as exc:
+        log.info("console not probed: %s is not installed (the console extra)", exc.name)
+        return []
     found = []
     with served(console_app(settings, ConsoleSettings(redis_url=url))) as base:
         found += probe_loopback(base, turn_id)

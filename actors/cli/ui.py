@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 
 import click
-import uvicorn
 
 from actors.cli.app import BadInput, _common, _redis, _settings, console, main
-from actors.console import ConsoleSettings, console_app
-from actors.console.access import host_name, is_loopback, new_token
+from actors.engine.extras import Extra, needs
 
 __all__ = ["ui"]
 
@@ -38,6 +36,11 @@ def ui(
     """Serve the web console: turns (filtered, paged), each turn live (transcript, tool
     ledger, timeline) with its actions (approve, deny, inject, cancel, resume), and the
     deployment."""
+    with needs(Extra.CONSOLE, "phaseline ui"):
+        import uvicorn
+
+        from actors.console import ConsoleSettings, console_app
+        from actors.console.access import host_name, is_loopback, new_token
     settings = _settings(config_path, redis_url, namespace)
     token = os.environ.get("PHASELINE_UI_TOKEN") or None
     source = "$PHASELINE_UI_TOKEN" if token else ""

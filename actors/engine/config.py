@@ -27,6 +27,9 @@ from store.streams import LiveStreams
 from store.transaction import AtomicSave
 from store.urls import check_redis_url
 
+#: The loop's own defaults: the sections below that feed it default to them (one source).
+_LOOP = LoopSettings()
+
 REDIS_URL_ENV = "PHASELINE_REDIS_URL"
 
 
@@ -123,7 +126,7 @@ class RedisSettings(_Section):
 
 
 class CheckpointSettings(_Section):
-    min_interval_s: float = Field(default=2.0, ge=0)
+    min_interval_s: float = Field(default=_LOOP.checkpoint_min_interval_s, ge=0)
     """Minimum seconds between mid-turn saves of one turn."""
     max_record_bytes: int = Field(
         default=DEFAULT_MAX_RECORD_BYTES, ge=4096, le=RECORD_BYTES_CEILING
@@ -134,7 +137,7 @@ class CheckpointSettings(_Section):
                                        le=RECORD_BYTES_CEILING)  # fmt: skip
     """Cap on one tool result (its UTF-8 bytes): a larger one fails that call, not the turn;
     the model reads an error that gives the size and the cap, and the ledger holds only that."""
-    max_model_reply_bytes: int = Field(default=DEFAULT_MAX_TOOL_RESULT_BYTES, ge=1024,
+    max_model_reply_bytes: int = Field(default=_LOOP.max_reply_bytes, ge=1024,
                                        le=RECORD_BYTES_CEILING)  # fmt: skip
     """Cap on one model reply (its text and tool calls' arguments, UTF-8 bytes): a larger one
     is not kept; the model is told its size and the cap and asked again (a nudge), and a turn
@@ -154,16 +157,16 @@ class CheckpointSettings(_Section):
     while its batch is written and the actor waits while the host makes the next; with two,
     a second batch goes out once half a batch waits, and the two overlap
     (``phaseline bench``'s throughput figure at 1,000 turns; docs/BENCHMARKS.md)."""
-    mid_turn: bool = True
+    mid_turn: bool = _LOOP.checkpoint_mid_turn
     """False writes only the submission and final records, so a crash loses the turn's model
     progress (committed tool calls are still reused from the ledger). It exists to measure
     what durability costs (``phaseline bench``); never turn it off in production."""
 
 
 class ApprovalSettings(_Section):
-    timeout_s: float = Field(default=300.0, gt=0)
+    timeout_s: float = Field(default=_LOOP.approval_timeout_s, gt=0)
     """Cap on waiting for a decision; denied after it."""
-    poll_s: float = Field(default=0.2, gt=0)
+    poll_s: float = Field(default=_LOOP.approval_poll_s, gt=0)
     """How often a pending decision is re-read."""
 
 
@@ -246,12 +249,12 @@ class EventSettings(_Section):
 class LoopSectionSettings(_Section):
     """The ``[loop]`` section; with others it becomes the loop's own :class:`LoopSettings`."""
 
-    strict: bool = False
+    strict: bool = _LOOP.strict
     """Raise on illegal phase transitions instead of logging them."""
-    backoff_scale: float = Field(default=1.0, ge=0)
+    backoff_scale: float = Field(default=_LOOP.backoff_scale, ge=0)
     """Multiplier of the 1/2/4 s retry backoff (and of a rate-limit backoff the endpoint did
     not name)."""
-    rate_limit_max_wait_s: float = Field(default=600.0, gt=0, le=86_400)
+    rate_limit_max_wait_s: float = Field(default=_LOOP.rate_limit_max_wait_s, gt=0, le=86_400)
     """Seconds one model call may wait on the endpoint's rate limit before its turn aborts
     ``rate_limited`` (minutes, not seconds: waiting is what a rate limit asks)."""
     on_agent_change: AgentChange = Field(default=AgentChange.CONTINUE, strict=False)

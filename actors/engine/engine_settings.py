@@ -11,19 +11,21 @@ from dataclasses import dataclass
 from actors.engine.agents import AgentChange
 from actors.engine.config import Settings
 from actors.engine.on_finish import OnFinish
-from actors.engine.toolrun import DEFAULT_MAX_TOOL_RESULT_BYTES, ToolRunner
+from actors.engine.toolrun import ToolRunner
 from actors.turn.deps import Checkpointer
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import SoftIdle, WatchdogSettings
 from bus.events import LiveEvent
 from bus.phase import Transition
-from store.codec import DEFAULT_MAX_RECORD_BYTES
 from store.durability import Durability
 from store.effects import EffectCounters
 from store.retention import Retention
 from store.transaction import AtomicSave
 
 __all__ = ["EngineHooks", "EngineSettings"]
+
+#: A deployment's defaults: the engine's own default to them, but for the two noted below.
+_DEPLOYED = Settings()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,23 +34,25 @@ class EngineSettings:
 
     loop: LoopSettings = LoopSettings()
     """The turn loop's own settings (strictness, checkpoint debounce, approvals, backoff)."""
-    watchdog: WatchdogSettings | None = WatchdogSettings()
+    watchdog: WatchdogSettings | None = _DEPLOYED.watchdog
     """The idle watchdog run in this process; None: none (a Ray host's is the WatchdogActor)."""
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_record_bytes: int = _DEPLOYED.checkpoint.max_record_bytes
     """Largest record a save may write (``[checkpoint] max_record_bytes``)."""
-    max_tool_result_bytes: int = DEFAULT_MAX_TOOL_RESULT_BYTES
+    max_tool_result_bytes: int = _DEPLOYED.checkpoint.max_tool_result_bytes
     """Largest tool result kept; a larger one fails its call, not the turn."""
     durability: Durability = Durability()
-    """What a save waits for (``[redis] durability``)."""
-    atomic: AtomicSave = AtomicSave.SCRIPT
+    """What a save waits for (``[redis] durability``). The engine alone defaults to the
+    store's ``ack``, which any server (fakeredis too) gives; a deployment's is ``fsync``."""
+    atomic: AtomicSave = _DEPLOYED.checkpoint.atomic
     """How a save is made atomic: one script, or ``MULTI/EXEC``."""
     retention: Retention = Retention()
-    """How long a finished turn's keys live."""
-    on_agent_change: AgentChange = AgentChange.CONTINUE
+    """How long a finished turn's keys live. The engine alone keeps them (the store's
+    default); a deployment's expire a week after (``[retention] finished_ttl_s``)."""
+    on_agent_change: AgentChange = _DEPLOYED.loop.on_agent_change
     """What a turn resumed under a changed agent does."""
-    probation_patience_s: float = 30.0
+    probation_patience_s: float = _DEPLOYED.supervisor.probation_patience_s
     """How long the isolation host lets a turn run alone before it goes on with the queue."""
-    tool_threads: int = 0
+    tool_threads: int = _DEPLOYED.tools.threads
     """Threads sync tools run in at once when they run in this process (0: one per call)."""
 
     @classmethod

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from actors.engine.config import Settings
-from actors.engine.telemetry import TurnTracer
+from actors.engine.extras import Extra, needs
 from bus.events import LiveEvent
 from bus.phase import Transition
 from store.connection import StoreClient
 from store.streams import BufferedPublisher, RedisBus
+
+if TYPE_CHECKING:
+    from actors.engine.telemetry import TurnTracer
 
 __all__ = ["Listeners"]
 
@@ -57,7 +60,10 @@ class Listeners:
             out.publisher = BufferedPublisher(RedisBus(client, keys, live=settings.events.live()))
             out.transitions.append(out.publisher.add)
             out.events.append(out.publisher.add)
-        out.tracer = TurnTracer.of(settings.telemetry)
+        if settings.telemetry.enabled:
+            with needs(Extra.OTEL, "[telemetry] (an OTLP endpoint is set)"):
+                from actors.engine.telemetry import TurnTracer
+            out.tracer = TurnTracer.of(settings.telemetry)
         if out.tracer is not None:
             out.transitions.append(out.tracer.on_transition)
             out.events.append(out.tracer.on_event)

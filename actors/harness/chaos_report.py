@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.engine.extras import Extra, needs
 from actors.harness.percentiles import summarize
 from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after
@@ -144,7 +145,8 @@ def plot_rows(report: ChaosReport) -> tuple[list[str], set[str]]:
 
 def plot(report: ChaosReport, path: str) -> None:
     """The timeline PNG (rows chosen by :func:`plot_rows`)."""
-    from actors.harness.timeline import plot_timeline
+    with needs(Extra.PLOTS, "--plot"):
+        from actors.harness.timeline import plot_timeline
 
     rows, highlighted = plot_rows(report)
     kills = [(f.at_s, f"{f.target} {f.victim}") for f in report.faults if f.landed]
