@@ -26,7 +26,6 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from enum import StrEnum
 from functools import partial
 from typing import Any, ClassVar
 
@@ -38,22 +37,14 @@ from actors.cluster.info import MCPSessionInfo, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import ToolWorkerRef, ask
 from actors.engine.agents import load_agent
+from actors.engine.call_ends import CallEnd, Ending, attempt_here, call_result
+from actors.engine.local_tools import CallGates
 from actors.engine.mcp import hub, hub_states, mcp_spec, mcp_target, merged
-from actors.engine.toolrun import (
-    IDEMPOTENT_ATTEMPTS,
-    CallGates,
-    ToolJob,
-    lost_call,
-    lost_why,
-    not_run,
-    refusals_waited,
-    timed_out,
-    tool_result,
-)
+from actors.engine.toolrun import ToolJob
 from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
-from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec, within_boundary
-from bus.errors import ConfigError, StoreError, StoreRefused, ToolExecutorLost
+from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
+from bus.errors import ConfigError
 from bus.events import LiveEvent, ToolWait, ToolWaiting
 from bus.messages import ToolCall, ToolResult
 from store.connection import connect
@@ -75,21 +66,6 @@ HANDLE_TTL_S = 1.0
 #: Seconds a host waits for a group past its longest timeout (the worker enforces each call's
 #: own) before it takes the worker for hung and reports the group's calls timed out.
 GROUP_GRACE_S = 10.0
-
-
-class CallEnd(StrEnum):
-    """How one call of a group ended on its worker (:meth:`ToolWorker.call_group`)."""
-
-    OK = "ok"
-    """It returned; the text is its output."""
-    ERROR = "error"
-    """It raised: the tool's own failure, the text says which."""
-    TIMEOUT = "timeout"
-    """It ran past its tool's timeout and was cancelled."""
-    LOST = "lost"
-    """Its store or MCP server failed under it: it may be run again (it is idempotent)."""
-    REFUSED = "refused"
-    """Redis refused its effect's write: it did not happen, so it may be tried again."""
 
 
 class ToolWorker:
@@ -115,18 +91,6 @@ class ToolWorker:
         self.calls = 0
         self.active = 0
 
-    async def call(self, agent: str, name: str, args_json: str, turn_id: str, call_key: str) -> str:
-        """Run ``agent``'s tool ``name``: a Python tool, or an MCP server's through this
-        worker's session with it (started now if need be; no listing needed, the host decided
-        the ledger rule). Arguments travel as JSON, never as pickles; a tool's exception (an
-        agent that does not load here included) is its error."""
-        self.calls += 1
-        self.active += 1
-        try:
-            return await self._call(agent, name, args_json, turn_id, call_key)
-        finally:
-            self.active -= 1
-
     async def _call(
         self, agent: str, name: str, args_json: str, turn_id: str, call_key: str
     ) -> str:
@@ -140,15 +104,17 @@ class ToolWorker:
         spec = loaded.tools.get(name)
         async with self._gates.entered((agent, name), spec.max_concurrency, sync=spec.sync):
             ctx = ToolContext(turn_id, call_key, self._effects, agent=agent)
-            return await within_boundary(spec.fn(args, ctx))
+            return await spec.fn(args, ctx)
 
     async def call_group(
         self, agent: str, turn_id: str, calls: list[tuple[str, str, str, float]]
     ) -> list[tuple[str, str]]:
-        """Several calls of one batch of ``agent``'s turn ``turn_id``, each ``(name,
-        args_json, call_key, timeout_s)``, run at once here: each ends as ``(how, text)``
-        (:class:`CallEnd`; a call past its timeout is cancelled here, as the host cancels a
-        lone call). Never raises for one call: the others' results still come back."""
+        """Calls of one batch of ``agent``'s turn ``turn_id`` (one, or several of idempotent
+        tools), each ``(name, args_json, call_key, timeout_s)``, run at once here: each ends as
+        ``(how, text)`` (:class:`~actors.engine.call_ends.CallEnd`; a call past its timeout is
+        cancelled here). Arguments travel as JSON, never as pickles; a tool's exception (an
+        agent that does not load here included) is its error. Never raises for one call: the
+        others' ends still come back."""
         return list(await asyncio.gather(*(self._ended(agent, turn_id, *c) for c in calls)))
 
     async def _ended(
@@ -157,18 +123,10 @@ class ToolWorker:
         self.calls += 1
         self.active += 1
         try:
-            async with asyncio.timeout(timeout_s) as bound:
-                return CallEnd.OK, str(await self._call(agent, name, args_json, turn_id, call_key))
-        except TimeoutError as exc:
-            if bound.expired():
-                return CallEnd.TIMEOUT, ""
-            return CallEnd.ERROR, f"{type(exc).__name__}: {exc}"
-        except StoreRefused as exc:
-            return CallEnd.REFUSED, str(exc)
-        except (StoreError, ToolExecutorLost) as exc:
-            return CallEnd.LOST, lost_why(exc)
-        except Exception as exc:  # the tool's own failure (an agent that does not load too)
-            return CallEnd.ERROR, f"{type(exc).__name__}: {exc}"
+            how, text = await attempt_here(
+                lambda: self._call(agent, name, args_json, turn_id, call_key), timeout_s
+            )
+            return how.value, text
         finally:
             self.active -= 1
 
@@ -318,11 +276,7 @@ class RayToolRunner:
                 waiting = [job for job in group if job.spec.name == name]
                 await self._admit(specs[name], pool, counts[name], partial(self._waited, waiting))
                 admitted.append(name)
-            if len(group) == 1:
-                job = group[0]
-                ended = [await self._send(job.spec, pool, job.call, job.ctx)]
-            else:
-                ended = await self._send_group(pool, group)
+            ended = await self._send(pool, group)
             for res in ended:
                 metrics().tool_calls.inc(1, tags={"status": res.status})
             return ended
@@ -382,41 +336,33 @@ class RayToolRunner:
             # lock, and a host with a thousand waiting calls woke them all at every free
             freed.notify(n)
 
-    async def _send(
-        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext, first_attempt: int = 0
-    ) -> ToolResult:
-        """The call's result from a worker of ``pool``; a write of its effect that Redis refused
-        did not happen, so any tool is tried again, and reported not run if it stays refused.
-        ``first_attempt``: 1 for a call whose first attempt went with a group."""
-        try:
-            return await refusals_waited(
-                f"write {call.name}'s effect",
-                lambda: self._attempts(spec, pool, call, ctx, first_attempt),
-            )
-        except StoreRefused as exc:
-            return not_run(call, exc)
+    async def _send(self, pool: str, group: list[ToolJob]) -> list[ToolResult]:
+        """``group``'s results from workers of ``pool``: its first attempt in one Ray call for
+        all (a lone call is a group of one); a call that must be tried again (its worker died,
+        its store failed under it, Redis refused its write) goes on alone from there. Each
+        call's ends are read by :func:`~actors.engine.call_ends.call_result`, the one
+        mapping of how a call ended."""
+        firsts = await self._attempt(pool, group, 0)
+        return list(
+            await asyncio.gather(*(
+                call_result(job.spec, job.call, partial(self._alone, pool, job), first=first)
+                for job, first in zip(group, firsts, strict=True)
+            ))
+        )  # fmt: skip
 
-    async def _send_group(self, pool: str, group: list[ToolJob]) -> list[ToolResult]:
-        """The group's results from one worker of ``pool``: its first attempt in one Ray call
-        for all. A call that must be tried again (its worker died, its store failed under
-        it, Redis refused its write) goes on alone from there, by :meth:`_send`'s rules."""
-        first = await self._group_attempt(pool, group)
-        again = [
-            self._send(job.spec, pool, job.call, job.ctx, first_attempt=1)
-            for job, res in zip(group, first, strict=True)
-            if res is None
-        ]
-        retried = iter(await asyncio.gather(*again))
-        return [res if res is not None else next(retried) for res in first]
+    async def _alone(self, pool: str, job: ToolJob, attempt: int) -> Ending:
+        (end,) = await self._attempt(pool, [job], attempt)
+        return end
 
-    async def _group_attempt(self, pool: str, group: list[ToolJob]) -> list[ToolResult | None]:
-        """Each call's result, or None where it is to be tried again alone."""
-        worker = await self._worker(pool, 0)
+    async def _attempt(self, pool: str, group: list[ToolJob], attempt: int) -> list[Ending]:
+        """One attempt of each call of ``group``, in one Ray call to a worker of ``pool`` (a
+        retry, ``attempt`` > 0, to one that answers): how each ended, as its worker says, or
+        as the host saw it (the worker died, hung past the calls' timeouts plus
+        :data:`GROUP_GRACE_S`, or could not be reached)."""
+        worker = await self._worker(pool, attempt)
         if worker is None:  # never sent: nothing can have happened
-            return [
-                tool_result(j.call, "error", f"{j.call.name}: no worker of pool {pool} is up")
-                for j in group
-            ]
+            return [(CallEnd.ERROR, f"{j.call.name}: no worker of pool {pool} is up")
+                    for j in group]  # fmt: skip
         ctx = group[0].ctx
         wire = [(j.call.name, json.dumps(j.call.args), j.ctx.call_key, j.spec.timeout_s)
                 for j in group]  # fmt: skip
@@ -426,82 +372,35 @@ class RayToolRunner:
             ends = await ask(ref, max(j.spec.timeout_s for j in group) + GROUP_GRACE_S)
         except TimeoutError:
             ray.cancel(ref)
-            return [timed_out(j.call, j.spec) for j in group]
+            return [(CallEnd.TIMEOUT, "")] * len(group)
         except asyncio.CancelledError:
             ray.cancel(ref)
             raise
         except TaskCancelledError:
-            return [tool_result(j.call, "error", f"{j.call.name} was cancelled") for j in group]
+            return [(CallEnd.ERROR, f"{j.call.name} was cancelled") for j in group]
         except RayActorError as exc:
-            log.warning("tool worker died during a group of %d calls: %s", len(group), exc)
+            log.warning("tool worker died during %d calls: %s", len(group), exc)
             self._handles.clear()  # look every worker up again
-            return [None] * len(group)
-        except RayError as exc:  # the group call itself failed (a malformed message)
-            return [tool_result(j.call, "error", _last_line(exc)) for j in group]
+            return [(CallEnd.DIED, "had its worker die mid-call")] * len(group)
+        except RayError as exc:  # the call itself failed (a malformed message)
+            return [(CallEnd.ERROR, _last_line(exc))] * len(group)
         if not isinstance(ends, list) or len(ends) != len(group):
-            # What ran cannot be told from it; each call is idempotent: it goes again alone.
-            log.error("a tool worker answered a group of %d with %.200r", len(group), ends)
-            return [None] * len(group)
-        return [_group_result(j, end) for j, end in zip(group, ends, strict=True)]
-
-    async def _attempts(
-        self, spec: ToolSpec, pool: str, call: ToolCall, ctx: ToolContext, first_attempt: int
-    ) -> ToolResult:
-        args = json.dumps(call.args)
-        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
-        for attempt in range(first_attempt, max(attempts, first_attempt + 1)):
-            worker = await self._worker(pool, attempt)
-            if worker is None:  # never sent: nothing can have happened
-                return tool_result(call, "error", f"{call.name}: no worker of pool {pool} is up")
-            ref = worker.call(ctx.agent, call.name, args, ctx.turn_id, ctx.call_key)
-            try:
-                output = await ask(ref, spec.timeout_s)
-                return tool_result(call, "ok", str(output))
-            except TimeoutError:
-                ray.cancel(ref)
-                return timed_out(call, spec)
-            except asyncio.CancelledError:
-                ray.cancel(ref)
-                raise
-            except TaskCancelledError:
-                return tool_result(call, "error", f"{call.name} was cancelled")
-            except RayActorError as exc:
-                log.warning("tool worker died during %s (attempt %d): %s", call.name, attempt, exc)
-                self._handles.clear()  # look every worker up again
-                continue
-            except RayError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, StoreRefused):
-                    raise cause from exc
-                if not isinstance(cause, StoreError | ToolExecutorLost):
-                    return tool_result(call, "error", _last_line(exc))  # the tool's own failure
-                log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt,
-                            exc)  # fmt: skip
-                if not spec.idempotent:
-                    return lost_call(call, lost_why(cause))
-                await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
-        if spec.idempotent:
-            return tool_result(
-                call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
-            )
-        return lost_call(call, "had its worker die mid-call")
+            log.error("a tool worker answered %d calls with %.200r", len(group), ends)
+            return [_UNREADABLE] * len(group)
+        return [_ending(end) for end in ends]
 
 
-def _group_result(job: ToolJob, end: Any) -> ToolResult | None:
-    """A call's result from its ``(how, text)`` in a group's reply; None: try it again alone."""
+#: A worker's answer that cannot be read: what ran cannot be told from it.
+_UNREADABLE: Ending = (CallEnd.LOST, "had its worker answer what cannot be read")
+
+
+def _ending(end: Any) -> Ending:
+    """One call's ``(how, text)`` from a worker's answer."""
     try:
-        how, text = CallEnd(end[0]), str(end[1])
+        return CallEnd(end[0]), str(end[1])
     except (TypeError, ValueError, IndexError, KeyError):
-        log.error("a tool worker answered %.200r for %s", end, job.call.name)
-        return None
-    if how is CallEnd.OK:
-        return tool_result(job.call, "ok", text)
-    if how is CallEnd.TIMEOUT:
-        return timed_out(job.call, job.spec)
-    if how is CallEnd.ERROR:
-        return tool_result(job.call, "error", text)
-    log.warning("tool %s of a group to be tried again alone (%s): %s", job.call.name, how, text)
-    return None  # LOST, REFUSED: nothing the model should see; the call goes again
+        log.error("a tool worker answered %.200r for a call", end)
+        return _UNREADABLE
 
 
 def _last_line(exc: BaseException) -> str:

@@ -2,27 +2,25 @@
 
 :class:`BatchExecutor` holds the ledger rules (pure decisions over ledger entries plus the
 writes that journal them); a :class:`ToolRunner` does the actual execution, in this process
-(:class:`LocalToolRunner`) or on the cluster.
+(``actors.engine.local_tools``) or on the cluster (``actors.cluster.tool_workers``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from actors.engine.mcp import mcp_registry
+from actors.engine.call_ends import lost_call, refusals_waited, tool_result
 from actors.turn.agent import Agent
 from actors.turn.loop_state import new_id
-from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec, within_boundary
-from bus.errors import StoreError, StoreRefused, ToolExecutorLost, UnknownTool
-from bus.events import LiveEvent, ToolWait, ToolWaiting
-from bus.messages import ToolCall, ToolResult, ToolStatus
+from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
+from bus.errors import StoreError, UnknownTool
+from bus.messages import ToolCall, ToolResult
 from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model, unpack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
 from store.records import LedgerEntry, LedgerState, ReplyJournal, Settle, TurnInput
@@ -67,165 +65,6 @@ _DECIDE_ROUNDS = 3
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-#: Attempts of an idempotent call whose executor failed under it (worker died, Redis dropped).
-IDEMPOTENT_ATTEMPTS = 3
-
-
-def tool_result(call: ToolCall, status: ToolStatus, output: str) -> ToolResult:
-    """The result of ``call`` as the model will read it."""
-    return ToolResult(call_id=call.id, name=call.name, status=status, output=output)
-
-
-def timed_out(call: ToolCall, spec: ToolSpec) -> ToolResult:
-    return tool_result(call, "timeout", f"{call.name} timed out after {spec.timeout_s:g} s")
-
-
-#: Waits before each new try of a write Redis refused (it ran nothing: trying again is safe).
-REFUSED_BACKOFF_S = (0.5, 1.0, 2.0)
-
-_T = TypeVar("_T")
-
-
-async def refusals_waited(what: str, op: Callable[[], Awaitable[_T]]) -> _T:
-    """``op()``, tried again after each :class:`StoreRefused` (Redis out of memory, its disk
-    failing) along :data:`REFUSED_BACKOFF_S`; the last refusal is raised."""
-    for wait in REFUSED_BACKOFF_S:
-        try:
-            return await op()
-        except StoreRefused as exc:
-            log.warning("Redis refused to %s; trying again in %g s: %s", what, wait, exc)
-            await asyncio.sleep(wait)
-    return await op()
-
-
-def not_run(call: ToolCall, exc: StoreRefused) -> ToolResult:
-    """The result of a call whose effect Redis refused to write every time it was tried: it is
-    known not to have happened, which the model is told (it may call it again)."""
-    return tool_result(
-        call, "error", f"{call.name} was not run: the store refused its write ({exc}); it had no "
-        "effect",
-    )  # fmt: skip
-
-
-def lost_call(call: ToolCall, why: str) -> ToolResult:
-    """The result of a non-idempotent call whose executor failed under it: nobody can tell
-    whether its effect happened, so the model is told so and the call is never re-run."""
-    return tool_result(
-        call,
-        "outcome_unknown",
-        f"{call.name} {why}; it may or may not have taken effect and will not be re-run",
-    )
-
-
-class CallGates:
-    """What a tool call waits for in this process before it runs: a free place under its
-    tool's ``max_concurrency``, then, for a sync tool, a free thread (``[tools] threads``;
-    0: none is waited for). Whoever is told (``waited``) hears when a call starts waiting and
-    when its wait is over."""
-
-    def __init__(self, threads: int = 0) -> None:
-        self._limits: dict[object, asyncio.Semaphore] = {}
-        self._threads = asyncio.Semaphore(threads) if threads else None
-
-    @contextlib.asynccontextmanager
-    async def entered(
-        self,
-        tool: object,
-        max_concurrency: int,
-        *,
-        sync: bool,
-        waited: Callable[[ToolWait, bool], None] | None = None,
-    ) -> AsyncIterator[None]:
-        """Hold a place of ``tool`` (at most ``max_concurrency`` at once) and, if ``sync``, a
-        thread, while the block runs (taken in that order: no cycle)."""
-        limit = self._limits.setdefault(tool, asyncio.Semaphore(max_concurrency))
-        async with contextlib.AsyncExitStack() as held:
-            for gate, why in ((limit, ToolWait.TOOL_LIMIT), (self._threads, ToolWait.THREADS)):
-                if gate is None or (why is ToolWait.THREADS and not sync):
-                    continue
-                if gate.locked() and waited is not None:
-                    waited(why, False)
-                    await held.enter_async_context(gate)
-                    waited(why, True)
-                else:
-                    await held.enter_async_context(gate)
-            yield
-
-
-class LocalToolRunner:
-    """Runs tools as asyncio tasks in this process, with per-tool concurrency and timeout.
-
-    A tool that fails because the store under it failed (``StoreError``) is an infrastructure
-    failure, not the tool's answer: an idempotent tool is retried, a non-idempotent one is
-    reported ``outcome_unknown``. A write Redis refused (:class:`StoreRefused`) did not happen,
-    so any tool is tried again, and reported not run if it stays refused.
-    """
-
-    def __init__(
-        self, *, threads: int = 0, on_event: Callable[[LiveEvent], None] | None = None
-    ) -> None:
-        self._gates = CallGates(threads)
-        self._on_event = on_event
-
-    async def run(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        def waited(why: ToolWait, over: bool) -> None:
-            if self._on_event is not None:
-                self._on_event(
-                    ToolWaiting(ctx.turn_id, ctx.epoch, call.id, call.name, why, _now_ms(), over)
-                )
-
-        gates = self._gates.entered(spec.name, spec.max_concurrency, sync=spec.sync, waited=waited)
-        async with gates:
-            try:
-                return await refusals_waited(
-                    f"write {call.name}'s effect", lambda: self._attempts(spec, call, ctx)
-                )
-            except StoreRefused as exc:
-                return not_run(call, exc)
-
-    async def run_group(self, jobs: Sequence[ToolJob]) -> list[ToolResult]:
-        """Each call as :meth:`run` runs it, all at once: in one process there is no message
-        to save."""
-        return list(await asyncio.gather(*(self.run(j.spec, j.call, j.ctx) for j in jobs)))
-
-    async def _attempts(self, spec: ToolSpec, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        """Run the call, again if it is idempotent and its executor failed under it; a
-        refusal (:class:`StoreRefused`) is raised: the call is known not to have run."""
-        attempts = IDEMPOTENT_ATTEMPTS if spec.idempotent else 1
-        for attempt in range(attempts):
-            try:
-                output = await asyncio.wait_for(
-                    within_boundary(spec.fn(call.args, ctx)), spec.timeout_s
-                )
-                return tool_result(call, "ok", output)
-            except TimeoutError:
-                return timed_out(call, spec)
-            except StoreRefused:
-                raise
-            except (StoreError, ToolExecutorLost) as exc:
-                log.warning("tool %s lost its executor (attempt %d): %s", call.name, attempt, exc)
-                if not spec.idempotent:
-                    return lost_call(call, lost_why(exc))
-                await asyncio.sleep(0.5 * (attempt + 1))  # backoff before the retry
-            except Exception as exc:  # a tool's bug is the model's problem, not the turn's
-                log.info("tool %s failed: %r", call.name, exc)
-                return tool_result(call, "error", f"{type(exc).__name__}: {exc}")
-        return tool_result(
-            call, "error", f"{call.name}: its executor kept failing ({attempts} attempts)"
-        )
-
-    async def registry(self, agent_path: str, agent: Agent, turn_input: TurnInput) -> ToolRegistry:
-        base = agent.registry(turn_input)
-        return await mcp_registry(agent_path, base, agent.mcp) if agent.mcp else base
-
-
-def lost_why(exc: Exception) -> str:
-    """How a non-idempotent call's ``outcome_unknown`` result says what failed under it."""
-    if isinstance(exc, ToolExecutorLost):
-        return "lost its MCP server mid-call"
-    return "lost its store mid-call"
 
 
 def resume_verdict(entry: LedgerEntry | None, idempotent: bool) -> str:

@@ -27,6 +27,7 @@ from actors.engine.agents import (
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.listeners import Listeners
+from actors.engine.local_tools import LocalToolRunner
 from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
 from actors.engine.probation import Probations
 from actors.engine.resume import (
@@ -41,7 +42,6 @@ from actors.engine.setbacks import Setbacks
 from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
     BatchExecutor,
-    LocalToolRunner,
     ToolRunner,
 )
 from actors.turn.agent import ModelContext

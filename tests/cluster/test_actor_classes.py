@@ -23,9 +23,10 @@ from actors.cluster.info import Verdict
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.supervisor import Supervisor
-from actors.cluster.tool_workers import CallEnd, ToolWorker
+from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
+from actors.engine.call_ends import CallEnd
 from actors.engine.config import Settings
 from actors.engine.resume import Skipped
 from actors.turn.recovery import Decision

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks, EngineSettings
-from actors.engine.toolrun import LocalToolRunner
+from actors.engine.local_tools import LocalToolRunner
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.bad_tools import RAISER, RAISING
 from actors.turn.tools import BLOCKED, ToolContext, ToolSpec

@@ -10,7 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.builtin_tools import BUILTIN_TOOLS
-from actors.engine.toolrun import BatchExecutor, LocalToolRunner, ToolJob
+from actors.engine.local_tools import LocalToolRunner
+from actors.engine.toolrun import BatchExecutor, ToolJob
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
 from bus.messages import ToolCall, ToolResult

@@ -16,7 +16,8 @@ import redis.asyncio as aioredis
 
 from actors.engine import toolrun
 from actors.engine.builtin_tools import BUILTIN_TOOLS
-from actors.engine.toolrun import BatchExecutor, LocalToolRunner
+from actors.engine.local_tools import LocalToolRunner
+from actors.engine.toolrun import BatchExecutor
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreRefused, StoreUnavailable
 from bus.messages import ToolCall
