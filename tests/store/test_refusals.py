@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine import toolrun
+from actors.engine import call_ends
 from actors.engine.builtin_tools import BUILTIN_TOOLS
 from actors.engine.local_tools import LocalToolRunner
 from actors.engine.toolrun import BatchExecutor
@@ -43,7 +43,7 @@ async def out_of_memory(client: aioredis.Redis) -> AsyncIterator[None]:
 @pytest.fixture(autouse=True)
 def no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tries again come at once (the back-off's length is not what is tested)."""
-    monkeypatch.setattr(toolrun, "REFUSED_BACKOFF_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(call_ends, "REFUSED_BACKOFF_S", (0.0, 0.0, 0.0))
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ async def test_an_effect_refused_every_time_is_reported_not_run(
     real_client: aioredis.Redis, keys: KeyLayout, owned: None
 ) -> None:
     effects = EffectCounters(real_client, keys)
-    tries = len(toolrun.REFUSED_BACKOFF_S) + 1
+    tries = len(call_ends.REFUSED_BACKOFF_S) + 1
     executor = BatchExecutor(
         refusing_counter(real_client, tries), LocalToolRunner(), ToolLedger(real_client, keys),
         effects,
