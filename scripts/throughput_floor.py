@@ -44,7 +44,7 @@ from store.durability import DurabilityWait
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
 from store.lane import consecutive
-from store.save_script import SAVE_LUA, save_call
+from store.save_script import SAVE_LUA, SaveCall
 
 TURNS, MESSAGES, PAYLOAD_BYTES = 1000, 12, 500
 #: Batches in flight at once per client process (their saves together: the turns).
@@ -68,10 +68,10 @@ async def _client(url: str, namespace: str, part: int, parts: int, mode: str, se
     for seq in range(2, SEQS + 2):  # seq-major: each turn's saves go out in order
         for record in records:
             encoded = EncodedRecord.of(record.model_copy(update={"seq": seq}), store.known)
-            keys, args = save_call(  # the exact call a save sends
+            keys, args = SaveCall.of(  # the exact call a save sends
                 store.keys, encoded, None,
                 events_maxlen=store.events_maxlen, retention=store.retention,
-            )  # fmt: skip
+            ).script_args()  # fmt: skip
             command = ("EVALSHA", sha, len(keys), *keys, *args)
             calls.append(command if mode == "script" else ("SET", keys[0], b"x" * PAYLOAD_BYTES))
     batch = len(records) // BATCHES

@@ -60,7 +60,7 @@ from store.records import CheckpointRecord, SaveAck, Settle, TurnSpec
 from store.replies import raw as raw_bytes
 from store.replies import text
 from store.retention import Retention
-from store.save_script import REPLAYED, SAVE_LUA, save_answer, save_call
+from store.save_script import REPLAYED, SAVE_LUA, SaveCall, save_answer
 from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
 from store.transcript import KnownBodies
 
@@ -208,7 +208,7 @@ class RedisCheckpointStore:
             with translated(f"save {len(todo)} records"):
                 commands: list[tuple[object, ...]] = []
                 for i in todo:
-                    keys, args = self._save_call(writes[i].record, writes[i].spec)
+                    keys, args = self._save_call(writes[i].record, writes[i].spec).script_args()
                     commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
                 if wait:
                     commands.append(wait)  # same connection as the saves
@@ -248,7 +248,7 @@ class RedisCheckpointStore:
             with translated(f"save {len(todo)} records"):
                 commands: list[tuple[object, ...]] = [("SCRIPT", "LOAD", SAVE_LUA)] * load
                 for i in todo:
-                    keys, args = self._save_call(writes[i].record, writes[i].spec)
+                    keys, args = self._save_call(writes[i].record, writes[i].spec).script_args()
                     commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
                 if wait:
                     commands.append(wait)
@@ -279,12 +279,7 @@ class RedisCheckpointStore:
 
         async def commit(group: list[int]) -> list[object]:
             batch = ShardBatch(
-                self.keys,
-                [writes[i].record for i in group],
-                [writes[i].spec for i in group],
-                self.events_maxlen,
-                wait,
-                self.retention,
+                [self._save_call(writes[i].record, writes[i].spec) for i in group], wait
             )
             replies, wait_reply = await batch.commit(self.client)
             if wait and wait_reply is not None:
@@ -319,13 +314,11 @@ class RedisCheckpointStore:
         """Queue one fenced save (and, for a submission, its spec) on ``pipe``: an ``EVAL`` of
         the script's text, which needs no ``SCRIPT LOAD`` beforehand on whichever node the
         pipeline reaches (opening a session's turn is rare; the text is 3 KB)."""
-        keys, args = self._save_call(record, spec)
+        keys, args = self._save_call(record, spec).script_args()
         pipe.eval(SAVE_LUA, len(keys), *keys, *args)
 
-    def _save_call(
-        self, record: EncodedRecord, spec: tuple[str, bytes] | None
-    ) -> tuple[list[str], list[bytes | str | int]]:
-        return save_call(
+    def _save_call(self, record: EncodedRecord, spec: tuple[str, bytes] | None) -> SaveCall:
+        return SaveCall.of(
             self.keys, record, spec, events_maxlen=self.events_maxlen, retention=self.retention
         )
 

@@ -27,21 +27,7 @@ from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import CheckpointRecord
 
-__all__ = ["Retention", "TurnPurger", "retained_keys"]
-
-
-def retained_keys(keys: KeyLayout, turn_id: str) -> list[str]:
-    """The keys a finished turn leaves besides its record and bodies, in the save script's
-    order: spec, ledger, effects, inbox, approvals, its session's hash (the record's key
-    again for a turn of no session, so the script's key count stays fixed) and its live
-    stream."""
-    session = turn_id.partition("/")[0] if "/" in turn_id else None
-    return [
-        keys.spec(turn_id), keys.tools(turn_id), keys.effects(turn_id), keys.inbox(turn_id),
-        keys.approval(turn_id),
-        keys.session(session) if session is not None else keys.turn(turn_id),
-        keys.live(turn_id),
-    ]  # fmt: skip
+__all__ = ["Retention", "TurnPurger"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
-"""The fenced save's contract on the Python side (``store/lua/checkpoint_save.lua``): the
-KEYS and ARGV a save sends, the statuses it answers with (:class:`SaveStatus`), and the one
-place a status becomes an ack or a typed refusal.
+"""The fenced save's contract on the Python side (``store/lua/checkpoint_save.lua``): one save
+as a typed value (:class:`SaveCall`: its keys by what each holds, :class:`SaveKeys`, and its
+arguments by concern), the KEYS and ARGV built from it in one place, the statuses it answers
+with (:class:`SaveStatus`), and the one place a status becomes an ack or a typed refusal.
 
 The ``multi_exec`` path (:mod:`store.transaction`) answers in the same shape, with the same
 statuses, so every save, however made, is read back here.
@@ -9,6 +10,7 @@ statuses, so every save, however made, is read back here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from enum import StrEnum
 
 from bus.errors import AlreadySaved, RecordError, StaleOwner, StoreError, TurnExists
@@ -17,10 +19,18 @@ from store.keys import KeyLayout
 from store.lua import lua_script
 from store.records import SaveAck
 from store.replies import text
-from store.retention import Retention, retained_keys
-from store.usage import tally_args
+from store.retention import Retention
+from store.usage import Tally
 
-__all__ = ["REPLAYED", "SAVE_LUA", "SaveStatus", "fence", "save_answer", "save_call"]
+__all__ = [
+    "REPLAYED",
+    "SAVE_LUA",
+    "SaveCall",
+    "SaveKeys",
+    "SaveStatus",
+    "fence",
+    "save_answer",
+]
 
 SAVE_LUA = lua_script("checkpoint_save.lua")
 
@@ -72,33 +82,122 @@ def fence(
     return None
 
 
-def save_call(
-    keys: KeyLayout,
-    record: EncodedRecord,
-    spec: tuple[str, bytes] | None,
-    *,
-    events_maxlen: int,
-    retention: Retention,
-) -> tuple[list[str], list[bytes | str | int]]:
-    """KEYS and ARGV of the save script (its contract is on top of the script)."""
-    turn_id = record.turn_id
-    key_list = [keys.turn(turn_id), keys.bodies(turn_id), keys.events_of(turn_id)]
-    key_list += [keys.in_progress_of(turn_id), keys.usage_of(turn_id)]
-    key_list += [*retained_keys(keys, turn_id), keys.turns_of(turn_id), keys.phases_of(turn_id)]
-    args: list[bytes | str | int] = [
-        record.epoch, record.seq, turn_id, record.phase, record.reason,
-        int(record.in_progress), events_maxlen, b"" if spec is None else spec[1],
-        int(record.replace), len(record.puts), len(record.drops), *tally_args(record),
-        retention.ttl_ms_of(record), len(record.settles),
-    ]  # fmt: skip
-    for settle in record.settles:
-        args += (settle.call_key, settle.dispatched, settle.settled)
-    for address, body in record.puts.items():
-        args += (address, body)
-    args += record.drops
-    for name, value in record.fields.items():
-        args += (name, value)
-    return key_list, args
+@dataclass(frozen=True, slots=True)
+class SaveKeys:
+    """The keys one save touches, by what each holds, in the script's KEYS order. Every one
+    shares the turn's hash tag (one Redis Cluster slot)."""
+
+    record: str
+    """The turn's record hash."""
+    bodies: str
+    """Its message bodies, by digest."""
+    events: str
+    """The shard's events stream (one entry per save)."""
+    in_progress: str
+    """The shard's set of turns in progress."""
+    usage: str
+    """The shard's counters (tokens per agent, outcomes, fenced writes: ``store.usage``)."""
+    spec: str
+    """The turn's spec (written by a submission)."""
+    ledger: str
+    """The turn's tool ledger (the save's settles land there)."""
+    effects: str
+    """The built-in tools' side-effect counters of the turn."""
+    inbox: str
+    """The turn's inbox (its length comes back with the ack)."""
+    approvals: str
+    """The turn's approval decisions."""
+    session: str
+    """Its session's hash (the record's key again for a turn of no session, so the count of
+    KEYS stays fixed)."""
+    live: str
+    """Its live stream (what watchers read)."""
+    turns: str
+    """The shard's index of turns by update time."""
+    phases: str
+    """The shard's in-progress turns per phase."""
+
+    @classmethod
+    def of(cls, keys: KeyLayout, turn_id: str) -> SaveKeys:
+        session = turn_id.partition("/")[0] if "/" in turn_id else None
+        return cls(
+            record=keys.turn(turn_id), bodies=keys.bodies(turn_id),
+            events=keys.events_of(turn_id), in_progress=keys.in_progress_of(turn_id),
+            usage=keys.usage_of(turn_id), spec=keys.spec(turn_id), ledger=keys.tools(turn_id),
+            effects=keys.effects(turn_id), inbox=keys.inbox(turn_id),
+            approvals=keys.approval(turn_id),
+            session=keys.session(session) if session is not None else keys.turn(turn_id),
+            live=keys.live(turn_id), turns=keys.turns_of(turn_id), phases=keys.phases_of(turn_id),
+        )  # fmt: skip
+
+    def ordered(self) -> list[str]:
+        """The script's KEYS."""
+        return list(astuple(self))
+
+    def kept(self) -> tuple[str, ...]:
+        """What a finished turn leaves, each given the retention's time to live by its final
+        save (``store.retention``)."""
+        return (self.record, self.bodies, self.spec, self.ledger, self.effects, self.inbox,
+                self.approvals, self.session, self.live)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCall:
+    """One fenced save, as the script takes it and the ``multi_exec`` path replays it."""
+
+    keys: SaveKeys
+    """The keys it touches."""
+    record: EncodedRecord
+    """The record, encoded: its fields, the bodies to put and drop, the settles it carries."""
+    spec: bytes
+    """The turn's spec for a submission (the save then refuses a turn that exists), else
+    empty."""
+    events_maxlen: int
+    """The events stream's approximate cap."""
+    tally: Tally
+    """What a save that ends the turn adds to the shard's counters."""
+    ttl_ms: int
+    """The time to live a save that ends the turn gives its keys (0: none)."""
+
+    @classmethod
+    def of(
+        cls,
+        keys: KeyLayout,
+        record: EncodedRecord,
+        spec: tuple[str, bytes] | None,
+        *,
+        events_maxlen: int,
+        retention: Retention,
+    ) -> SaveCall:
+        return cls(
+            keys=SaveKeys.of(keys, record.turn_id),
+            record=record,
+            spec=b"" if spec is None else spec[1],
+            events_maxlen=events_maxlen,
+            tally=Tally.of(record),
+            ttl_ms=retention.ttl_ms_of(record),
+        )
+
+    def argv(self) -> list[bytes | str | int]:
+        """The script's ARGV (its contract is on top of the script)."""
+        r = self.record
+        args: list[bytes | str | int] = [
+            r.epoch, r.seq, r.turn_id, r.phase, r.reason, int(r.in_progress), self.events_maxlen,
+            self.spec, int(r.replace), len(r.puts), len(r.drops), *self.tally.argv(),
+            self.ttl_ms, len(r.settles),
+        ]  # fmt: skip
+        for settle in r.settles:
+            args += (settle.call_key, settle.dispatched, settle.settled)
+        for address, body in r.puts.items():
+            args += (address, body)
+        args += r.drops
+        for name, value in r.fields.items():
+            args += (name, value)
+        return args
+
+    def script_args(self) -> tuple[list[str], list[bytes | str | int]]:
+        """KEYS and ARGV, as ``EVAL``/``EVALSHA`` take them."""
+        return self.keys.ordered(), self.argv()
 
 
 def save_answer(record: EncodedRecord, turn_key: str, reply: object) -> SaveAck | StoreError:

@@ -29,13 +29,11 @@ import redis
 from bus.errors import StoreError, StoreUnavailable
 from store.codec import EncodedRecord
 from store.connection import StoreClient
-from store.keys import KeyLayout
 from store.lua import lua_script
 from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip
 from store.replies import text
-from store.retention import Retention, retained_keys
-from store.save_script import SaveStatus, fence
-from store.usage import FENCED_SAVE, TALLY_COUNTERS, tally_args
+from store.save_script import SaveCall, SaveStatus, fence
+from store.usage import FENCED_SAVE
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
 
@@ -64,59 +62,43 @@ class AtomicSave(StrEnum):
 
 
 def save_commands(
-    keys: KeyLayout,
-    record: EncodedRecord,
-    spec: tuple[str, bytes] | None,
-    maxlen: int,
-    *,
-    ends_turn: bool = False,
-    ttl_ms: int = 0,
-    phase_was: str | None = None,
+    call: SaveCall, *, ends_turn: bool = False, phase_was: str | None = None
 ) -> list[tuple[Any, ...]]:
     """The writes of one accepted save, in the script's order (one of them the XADD).
     ``ends_turn``: the stored record is in progress, so a final save adds its tally
-    (:mod:`store.usage`); ``ttl_ms``: the time to live the save sets on the turn's keys
-    (:mod:`store.retention`); ``phase_was``: the stored record's phase if it is in progress
+    (:mod:`store.usage`); ``phase_was``: the stored record's phase if it is in progress
     (the turn moves out of it in the phase counts)."""
+    k, record = call.keys, call.record
     turn = record.turn_id
-    bodies, key = keys.bodies(turn), keys.turn(turn)
-    out: list[tuple[Any, ...]] = []
-    agent, *counts, outcome = tally_args(record)
-    if agent and ends_turn:
-        for name, n in zip(TALLY_COUNTERS, counts, strict=True):
-            if n:
-                out.append(("HINCRBY", keys.usage_of(turn), f"{name}|{agent!s}", n))
-        if outcome:
-            out.append(("HINCRBY", keys.usage_of(turn), f"outcome|{outcome!s}", 1))
+    out: list[tuple[Any, ...]] = list(call.tally.commands(k.usage)) if ends_turn else []
     if record.replace:
-        out.append(("DEL", bodies))
+        out.append(("DEL", k.bodies))
     if record.puts:
-        out.append(("HSET", bodies, *(x for pair in record.puts.items() for x in pair)))
+        out.append(("HSET", k.bodies, *(x for pair in record.puts.items() for x in pair)))
     if record.drops:
-        out.append(("HDEL", bodies, *record.drops))
-    out.append(("DEL", key))
-    out.append(("HSET", key, *(x for pair in record.fields.items() for x in pair)))
+        out.append(("HDEL", k.bodies, *record.drops))
+    out.append(("DEL", k.record))
+    out.append(("HSET", k.record, *(x for pair in record.fields.items() for x in pair)))
     out.append(
-        ("XADD", keys.events_of(turn), "MAXLEN", "~", maxlen, "*", "turn_id", turn,
+        ("XADD", k.events, "MAXLEN", "~", call.events_maxlen, "*", "turn_id", turn,
          "epoch", record.epoch, "seq", record.seq, "phase", record.phase,
          "reason", record.reason, "in_progress", int(record.in_progress))
     )  # fmt: skip
-    index = keys.in_progress_of(turn)
-    out.append(("SADD", index, turn) if record.in_progress else ("SREM", index, turn))
+    out.append(("SADD" if record.in_progress else "SREM", k.in_progress, turn))
     phase_now = record.phase if record.in_progress else None
     if phase_was != phase_now:
         if phase_was is not None:
-            out.append(("HINCRBY", keys.phases_of(turn), phase_was, -1))
+            out.append(("HINCRBY", k.phases, phase_was, -1))
         if phase_now is not None:
-            out.append(("HINCRBY", keys.phases_of(turn), phase_now, 1))
-    if spec is not None:
-        out.append(("SET", spec[0], spec[1]))
-        out.append(("ZADD", keys.turns_of(turn), record.fields["updated_at"], turn))
-    if ttl_ms > 0:
-        out += [("PEXPIRE", k, ttl_ms) for k in (key, bodies, *retained_keys(keys, turn))]
-        oldest = int(time.time() * 1000) - ttl_ms
-        out.append(("ZREMRANGEBYSCORE", keys.turns_of(turn), "-inf", f"({oldest}"))
-        out.append(("XTRIM", keys.events_of(turn), "MINID", "~", oldest))
+            out.append(("HINCRBY", k.phases, phase_now, 1))
+    if call.spec:
+        out.append(("SET", k.spec, call.spec))
+        out.append(("ZADD", k.turns, record.fields["updated_at"], turn))
+    if call.ttl_ms > 0:
+        out += [("PEXPIRE", key, call.ttl_ms) for key in k.kept()]
+        oldest = int(time.time() * 1000) - call.ttl_ms
+        out.append(("ZREMRANGEBYSCORE", k.turns, "-inf", f"({oldest}"))
+        out.append(("XTRIM", k.events, "MINID", "~", oldest))
     return out
 
 
@@ -124,18 +106,10 @@ def save_commands(
 class ShardBatch:
     """The saves of one batch that share a shard, committed as one transaction."""
 
-    keys: KeyLayout
-    """The key layout the saves are written under."""
-    records: Sequence[EncodedRecord]
+    calls: Sequence[SaveCall]
     """The saves, all of one shard."""
-    specs: Sequence[tuple[str, bytes] | None]
-    """Per save, the spec key and value of a submission (None for a checkpoint)."""
-    maxlen: int
-    """Approximate cap of the shard's events stream."""
     wait: tuple[str | int, ...] | None
     """The durability command sent after ``EXEC`` (None: none)."""
-    retention: Retention = Retention()
-    """What the saves keep of a turn they end."""
 
     async def commit(self, client: StoreClient) -> tuple[list[object], object]:
         """Each save's reply in the script's shape (``['ok', id]``, a refusal, or an
@@ -144,7 +118,7 @@ class ShardBatch:
         On a cluster whose slot map moved (a failover), the node answers every command with
         a redirect and nothing runs: the client reads the map again and the batch goes to
         the slot's new primary."""
-        slot_key = self.keys.turn(self.records[0].turn_id)
+        slot_key = self.calls[0].keys.record
         try:
             for _ in range(REDIRECT_ATTEMPTS):
                 try:
@@ -153,14 +127,14 @@ class ShardBatch:
                 except _Moved:
                     await refresh_topology(client)
             moved = StoreUnavailable(f"the slot of {slot_key} kept moving; try again")
-            return [moved] * len(self.records), None
+            return [moved] * len(self.calls), None
         except (redis.RedisError, OSError, StoreError) as exc:
             failed = (
                 exc
                 if isinstance(exc, StoreError)
-                else StoreError(f"transaction of {len(self.records)} saves: {exc}")
+                else StoreError(f"transaction of {len(self.calls)} saves: {exc}")
             )
-            return [failed] * len(self.records), None
+            return [failed] * len(self.calls), None
 
     async def _watched(self, conn: Any) -> tuple[list[object], object]:
         for _ in range(WATCH_ATTEMPTS):
@@ -168,47 +142,41 @@ class ShardBatch:
             if done is not None:
                 return done
         lost = StoreError(f"saves lost {WATCH_ATTEMPTS} WATCH races in a row; try again")
-        return [lost] * len(self.records), None
+        return [lost] * len(self.calls), None
 
     async def _replays(self, conn: Any, got: list[object]) -> dict[int, bool]:
         """For each save found at its own stored (epoch, seq): whether the stored record is
         this very one, field for field (a replay), read under the same WATCH. Rare: a resend
         whose answer was lost, or two resumers that claimed one epoch at once."""
         at, candidates = 1, []
-        for i, (r, spec) in enumerate(zip(self.records, self.specs, strict=True)):
+        for i, c in enumerate(self.calls):
             stored = got[at]
-            at += 3 if spec is not None else 2
+            at += 3 if c.spec else 2
             if isinstance(stored, list):
-                refusal = fence(stored[:2], r.epoch, r.seq, same=True)
+                refusal = fence(stored[:2], c.record.epoch, c.record.seq, same=True)
                 if refusal is not None and refusal[0] is SaveStatus.ALREADY:
                     candidates.append(i)
         if not candidates:
             return {}
-        keys = [self.keys.turn(self.records[i].turn_id) for i in candidates]
-        found = await roundtrip(conn, [("HGETALL", k) for k in keys])
+        found = await roundtrip(conn, [("HGETALL", self.calls[i].keys.record) for i in candidates])
         pairs = zip(candidates, found, strict=True)
-        return {i: _pairs(h) == _hash_of(self.records[i]) for i, h in pairs}
+        return {i: _pairs(h) == _hash_of(self.calls[i].record) for i, h in pairs}
 
     async def _attempt(self, conn: Any) -> tuple[list[object], object] | None:
-        keys = self.keys
         # The settles are unfenced and the script applies them whatever its fence says: here
         # before the WATCH, by the ledger's own compare-and-set (a resend is a replay).
         settles: list[tuple[Any, ...]] = [
-            ("EVAL", CAS_LUA, 3, keys.turn(r.turn_id), keys.tools(r.turn_id),
-             keys.usage_of(r.turn_id), "",
-             *(x for s in r.settles for x in (s.call_key, s.dispatched, s.settled)))
-            for r in self.records
-            if r.settles
+            ("EVAL", CAS_LUA, 3, c.keys.record, c.keys.ledger, c.keys.usage, "",
+             *(x for s in c.record.settles for x in (s.call_key, s.dispatched, s.settled)))
+            for c in self.calls
+            if c.record.settles
         ]  # fmt: skip
-        reads: list[tuple[Any, ...]] = [
-            *settles,
-            ("WATCH", *(keys.turn(r.turn_id) for r in self.records)),
-        ]
-        for r, spec in zip(self.records, self.specs, strict=True):
-            reads.append(("HMGET", keys.turn(r.turn_id), "epoch", "seq", "in_progress", "phase"))
-            reads.append(("HLEN", keys.bodies(r.turn_id)))
-            if spec is not None:
-                reads.append(("EXISTS", keys.turn(r.turn_id), spec[0]))
+        reads: list[tuple[Any, ...]] = [*settles, ("WATCH", *(c.keys.record for c in self.calls))]
+        for c in self.calls:
+            reads.append(("HMGET", c.keys.record, "epoch", "seq", "in_progress", "phase"))
+            reads.append(("HLEN", c.keys.bodies))
+            if c.spec:
+                reads.append(("EXISTS", c.keys.record, c.keys.spec))
         got = await roundtrip(conn, reads)
         if any(is_redirect(g) for g in got[: len(settles) + 1]):
             raise _Moved
@@ -219,10 +187,10 @@ class ShardBatch:
         accepted: list[tuple[int, int, int]] = []  # (save, first write, XADD's index)
         fenced: list[tuple[Any, ...]] = []  # after the writes: their indices stay as counted
         at = 1
-        for i, (r, spec) in enumerate(zip(self.records, self.specs, strict=True)):
+        for i, c in enumerate(self.calls):
             stored, bodies = got[at], got[at + 1]
-            exists = got[at + 2] if spec is not None else 0
-            at += 3 if spec is not None else 2
+            exists = got[at + 2] if c.spec else 0
+            at += 3 if c.spec else 2
             problem = next((x for x in (stored, bodies, exists) if isinstance(x, Exception)), None)
             if problem is not None:
                 replies.append(problem)
@@ -231,21 +199,18 @@ class ShardBatch:
                 replies.append([SaveStatus.EXISTS])
                 continue
             assert isinstance(stored, list)
-            refusal = fence(stored[:2], r.epoch, r.seq, same=replays.get(i, False))
+            refusal = fence(stored[:2], c.record.epoch, c.record.seq, same=replays.get(i, False))
             if refusal is not None:
                 if refusal[0] is SaveStatus.STALE_EPOCH:  # counted, as the script counts it
-                    fenced.append(("HINCRBY", keys.usage_of(r.turn_id), FENCED_SAVE, 1))
+                    fenced.append(("HINCRBY", c.keys.usage, FENCED_SAVE, 1))
                 replies.append(refusal)
                 continue
             ends_turn = stored[2] in (b"1", "1")
             was = text(stored[3]) if ends_turn and stored[3] is not None else None
-            commands = save_commands(
-                keys, r, spec, self.maxlen, ends_turn=ends_turn,
-                ttl_ms=self.retention.ttl_ms_of(r), phase_was=was,
-            )  # fmt: skip
-            xadd = len(writes) + next(i for i, c in enumerate(commands) if c[0] == "XADD")
+            commands = save_commands(c, ends_turn=ends_turn, phase_was=was)
+            xadd = len(writes) + next(i for i, cmd in enumerate(commands) if cmd[0] == "XADD")
             accepted.append((i, len(writes), xadd))
-            writes += [*commands, ("LLEN", keys.inbox(r.turn_id))]
+            writes += [*commands, ("LLEN", c.keys.inbox)]
             replies.append(None)
         if not writes and not fenced:
             await roundtrip(conn, [("UNWATCH",)])

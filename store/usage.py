@@ -36,10 +36,10 @@ __all__ = [
     "TALLY_COUNTERS",
     "AgentUsage",
     "FencedWrite",
+    "Tally",
     "agent_usage",
     "fenced_writes",
     "outcome_counts",
-    "tally_args",
 ]
 
 #: What the save script adds per agent, in the order of its ARGV.
@@ -78,22 +78,52 @@ class AgentUsage:
     last checkpoint (usually one)."""
 
 
-def tally_args(record: EncodedRecord) -> list[bytes | str | int]:
-    """The save script's tally ARGV for ``record``: the agent, its counters and the outcome
-    when the save ends the turn (the script adds them only if the stored record was in
-    progress), else ``''``, zeros and ``''``."""
-    nothing: list[bytes | str | int] = ["", 0, 0, 0, 0, 0, 0, ""]
-    if record.in_progress:
-        return nothing
-    c = record.counters()
-    if c.outcome is not None and c.outcome.suspended:
-        return nothing
-    t = c.tokens
-    return [
-        str(record.fields.get("agent", "")) or "-",
-        1, t.prompt_tokens, t.completion_tokens, t.cached_tokens, c.unmetered_calls,
-        c.resume_attempts, "" if c.outcome is None else c.outcome.value,
-    ]  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """What a save that ends its turn adds to the shard's counters (the save script adds it
+    only if the stored record was in progress: once per turn)."""
+
+    agent: str
+    """The agent's import path (``-`` for none); empty: the save adds nothing."""
+    counters: tuple[int, ...]
+    """One value per :data:`TALLY_COUNTERS`, in that order."""
+    outcome: str
+    """The outcome it ends with (counted as ``outcome|<outcome>``); empty: none."""
+
+    @classmethod
+    def of(cls, record: EncodedRecord) -> Tally:
+        """``record``'s tally: its agent, counters and outcome when the save ends the turn
+        (a suspension does not), else nothing."""
+        nothing = cls("", (0,) * len(TALLY_COUNTERS), "")
+        if record.in_progress:
+            return nothing
+        c = record.counters()
+        if c.outcome is not None and c.outcome.suspended:
+            return nothing
+        t = c.tokens
+        return cls(
+            str(record.fields.get("agent", "")) or "-",
+            (1, t.prompt_tokens, t.completion_tokens, t.cached_tokens, c.unmetered_calls,
+             c.resume_attempts),
+            "" if c.outcome is None else c.outcome.value,
+        )  # fmt: skip
+
+    def argv(self) -> list[str | int]:
+        """The save script's tally ARGV: the agent, the counters, the outcome."""
+        return [self.agent, *self.counters, self.outcome]
+
+    def commands(self, usage_key: str) -> list[tuple[str, str, str, int]]:
+        """The same additions as commands (the ``multi_exec`` save's)."""
+        if not self.agent:
+            return []
+        out = [
+            ("HINCRBY", usage_key, f"{name}|{self.agent}", n)
+            for name, n in zip(TALLY_COUNTERS, self.counters, strict=True)
+            if n
+        ]
+        if self.outcome:
+            out.append(("HINCRBY", usage_key, f"outcome|{self.outcome}", 1))
+        return out
 
 
 async def agent_usage(client: StoreClient, keys: KeyLayout) -> list[AgentUsage]:

@@ -3,7 +3,8 @@
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
 --       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
 --       session hash (the record key again for a turn of no session), live stream,
---       shard turns index, shard phase counts hash (store/save_script.py, save_call)
+--       shard turns index, shard phase counts hash (store/save_script.py: SaveKeys names
+--       each, SaveCall builds KEYS and ARGV)
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
 --       first), puts (n), drops (m),

@@ -44,7 +44,7 @@ from store.records import (
     TurnSpec,
 )
 from store.retention import Retention, TurnPurger
-from store.save_script import REPLAYED
+from store.save_script import REPLAYED, SaveCall
 from store.transaction import AtomicSave
 from store.transcript import CHUNK, KnownBodies, Plan, Transcript
 from store.usage import FencedWrite, agent_usage, fenced_writes
@@ -192,9 +192,7 @@ async def test_a_save_interrupted_before_it_is_sent_leaves_the_previous_record_w
     any_client: aioredis.Redis, keys: KeyLayout
 ) -> None:
     class DiesBeforeSending(RedisCheckpointStore):
-        def _save_call(
-            self, rec: EncodedRecord, spec: tuple[str, bytes] | None
-        ) -> tuple[list[str], list[bytes | str | int]]:
+        def _save_call(self, rec: EncodedRecord, spec: tuple[str, bytes] | None) -> SaveCall:
             super()._save_call(rec, spec)
             raise ConnectionError("process died before the save was sent")
 
