@@ -17,11 +17,12 @@ from typing import Protocol
 
 from actors.engine.call_ends import lost_call, refusals_waited, tool_result
 from actors.turn.agent import Agent
+from actors.turn.deps import BatchRun
 from actors.turn.loop_state import new_id
 from actors.turn.tools import EffectSink, ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreError, UnknownTool
 from bus.messages import ToolCall, ToolResult
-from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model, unpack_model
+from store.codec import DEFAULT_MAX_RECORD_BYTES, check_record_size, pack_model
 from store.ledger import Change, Claim, Ledger, LedgerRead, call_key
 from store.records import LedgerEntry, LedgerState, ReplyJournal, Settle, TurnInput
 
@@ -120,7 +121,6 @@ class BatchExecutor:
         self.ledger = ledger
         self.effects = effects
         self.agent = agent
-        self._settles: list[Settle] = []
 
     def keys_for(self, turn_id: str, batch: int, calls: Sequence[ToolCall]) -> list[str]:
         return [call_key(turn_id, batch, c, i) for i, c in enumerate(calls)]
@@ -136,7 +136,7 @@ class BatchExecutor:
         keys: Sequence[str] | None = None,
         defer: bool = False,
         reply: ReplyJournal | None = None,
-    ) -> list[ToolResult]:
+    ) -> BatchRun:
         """Journal, decide per call from the ledger, run what must run; results in order.
 
         ``reply``: the model reply that asked for the batch, journaled by the claim itself
@@ -154,11 +154,11 @@ class BatchExecutor:
         one for the claim (two when the ledger held some of the calls), then one per call
         (or group) as it finishes while others of the batch still run. The calls that finish
         last (none other still running) journal their outcome the same way, unless
-        ``defer``: then it is kept for
-        :meth:`take_settles`, and the checkpoint after the batch journals it (so a crash
-        before that checkpoint loses no more than the outcome's own write would: the batch's
-        results are not in any checkpoint yet either). ``keys``: the calls' keys if the caller
-        has them already (:meth:`keys_for`).
+        ``defer``: then it is returned with the results (:class:`~actors.turn.deps.BatchRun`),
+        and the checkpoint after the batch journals it (so a crash before that checkpoint
+        loses no more than the outcome's own write would: the batch's results are not in any
+        checkpoint yet either); so is an outcome whose own write failed. ``keys``: the calls'
+        keys if the caller has them already (:meth:`keys_for`).
         """
         keys = list(keys) if keys is not None else self.keys_for(turn_id, batch, calls)
         refused = denied or {}
@@ -192,6 +192,7 @@ class BatchExecutor:
             await self._decide_held(turn_id, epoch, batch, calls, keys, reads, refused,
                                     results, runnable)  # fmt: skip
         running = [len(runnable)]  # calls of the batch still running
+        left: list[Settle] = []  # outcomes for the checkpoint after the batch to carry
 
         async def ended(indices: list[int], raw: Sequence[ToolResult]) -> None:
             """Calls that ended together: their results, their outcomes journaled in one
@@ -202,11 +203,9 @@ class BatchExecutor:
                 results[i], entry = self._outcome(calls[i], out)
                 changes[keys[i]] = Change(runnable[i][1], entry)
             if defer and not running[0]:
-                self._settles.extend(
-                    Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items()
-                )
+                left.extend(Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items())
             else:
-                await self._settle_now(turn_id, changes)
+                left.extend(await self._settle_now(turn_id, changes))
 
         def job(i: int) -> ToolJob:
             return ToolJob(runnable[i][0], calls[i], self._context(turn_id, keys[i], epoch))
@@ -225,7 +224,7 @@ class BatchExecutor:
         group = group if len(group) > 1 else []
         singles = [i for i in runnable if i not in group]
         await asyncio.gather(*(run_one(i) for i in singles), *([run_group(group)] if group else []))
-        return [r for r in results if r is not None]
+        return BatchRun([r for r in results if r is not None], tuple(left))
 
     async def journal(self, turn_id: str, epoch: int, reply: ReplyJournal) -> None:
         """Journal ``reply`` on its own, fenced (:class:`StaleOwner`): for a batch that waits
@@ -243,23 +242,9 @@ class BatchExecutor:
         check_record_size(turn_id, len(packed), self.max_record_bytes)
         return packed
 
-    def take_settles(self) -> tuple[Settle, ...]:
-        """The outcomes a ``defer`` batch kept (see :meth:`run_batch`), handed over once."""
-        kept, self._settles = tuple(self._settles), []
-        return kept
-
-    async def settle(self, turn_id: str, settles: Sequence[Settle]) -> None:
-        """Journal outcomes no checkpoint carried: a compare-and-set from each dispatch."""
-        changes = {
-            s.call_key: Change(s.dispatched, unpack_model(LedgerEntry, s.settled, key=s.call_key))
-            for s in settles
-        }
-        await refusals_waited(
-            f"journal {len(changes)} outcomes of {turn_id}",
-            partial(self.ledger.transition, turn_id, changes, epoch=None),
-        )
-
-    async def _settle_now(self, turn_id: str, changes: dict[str, Change]) -> None:
+    async def _settle_now(self, turn_id: str, changes: dict[str, Change]) -> list[Settle]:
+        """Journal outcomes now; those whose write failed come back, for the checkpoint after
+        the batch to carry."""
         try:
             won = await refusals_waited(
                 f"journal the outcome of {', '.join(changes)}",
@@ -272,15 +257,13 @@ class BatchExecutor:
             # resume from before that finds the calls dispatched (and re-runs those that are
             # idempotent, else reports them outcome_unknown): true, as their results are lost.
             log.warning("turn %s: outcome of %s not journaled yet: %s", turn_id, list(changes), exc)
-            self._settles.extend(
-                Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items()
-            )
-            return
+            return [Settle(k, c.expected, pack_model(c.entry)) for k, c in changes.items()]
         for key in changes:
             if not won[key]:
                 log.warning(
                     "turn %s: outcome of %s not journaled: a successor settled it", turn_id, key
                 )
+        return []
 
     def _step(
         self, call: ToolCall, entry: LedgerEntry | None, denied: str | None, epoch: int

@@ -44,6 +44,7 @@ from actors.engine.toolrun import (
     BatchExecutor,
     ToolRunner,
 )
+from actors.engine.turn_checkpoints import TurnCheckpoints
 from actors.turn.agent import ModelContext
 from actors.turn.deps import Checkpointer, ProbationHooks, TurnDeps
 from actors.turn.loop import TurnLoop
@@ -402,7 +403,7 @@ class TurnEngine:
                 max_record_bytes=self.settings.max_record_bytes,
             ),
             registry=registry,
-            checkpoints=self.checkpoints,
+            checkpoints=TurnCheckpoints(self.checkpoints, self.ledger),
             inbox=self.inbox,
             approvals=self.approvals,
             listener=self._transition,
@@ -417,9 +418,13 @@ class TurnEngine:
             max_tokens_per_turn=limits.max_tokens_per_turn,
             max_tokens_per_session=limits.max_tokens_per_session,
         )
+        given = deps.get("checkpoints")
+        if given is not None and not isinstance(given, TurnCheckpoints):  # for this turn
+            deps["checkpoints"] = TurnCheckpoints(given, self.ledger)
+        chosen = dataclasses.replace(wired, **deps)
         return TurnLoop(
             record,
-            dataclasses.replace(wired, **deps),
+            chosen,
             tuned,
             resume_from=resume_from,
             probation=probation,

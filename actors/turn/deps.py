@@ -17,10 +17,34 @@ from store.records import Approval, CheckpointRecord, InboxItem, ReplyJournal, S
 
 
 class Checkpointer(Protocol):
+    """Where records are saved (the store, a CheckpointActor client)."""
+
     async def save(self, record: CheckpointRecord, settles: Sequence[Settle] = ()) -> SaveAck:
         """Save ``record`` fenced and atomically, journaling ``settles`` (tool outcomes) with
         it, before its fence and whatever the fence says."""
         ...
+
+
+class TurnCheckpointer(Checkpointer, Protocol):
+    """A turn's checkpoints: its saves, and the tool outcomes its batches leave. Each outcome
+    is handed over once, with the save after its batch or alone when there is none; this
+    alone decides how it is journaled, and keeps one it cannot journal now for the turn's
+    next save (the final one at the latest)."""
+
+    async def settle(self, turn_id: str, settles: Sequence[Settle]) -> None:
+        """Journal outcomes no save carries (now, or with a later save if Redis fails)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRun:
+    """What a tool batch leaves: its results, and the outcomes not journaled yet."""
+
+    results: list[ToolResult]
+    """One per call, in order, as the model reads them."""
+    settles: tuple[Settle, ...] = ()
+    """Outcomes of calls that ran, for the checkpoint after the batch to carry (a ``defer``
+    batch's last ones, and any whose own write failed)."""
 
 
 class InboxReader(Protocol):
@@ -50,24 +74,16 @@ class ToolBatches(Protocol):
         keys: Sequence[str] | None = ...,
         defer: bool = ...,
         reply: ReplyJournal | None = ...,
-    ) -> list[ToolResult]:
+    ) -> BatchRun:
         """Run a batch under the ledger; :class:`StaleOwner` when ``epoch`` is fenced.
         ``defer``: the outcomes of the calls that end the batch are not journaled here but
-        kept for :meth:`take_settles` (the checkpoint after the batch carries them);
+        returned with the results (the checkpoint after the batch carries them);
         ``reply``: the reply that asked for the batch, journaled with its claim, before any
         call runs (:class:`RecordTooLarge`/:class:`UnstorableRecord` if it cannot be)."""
         ...
 
     async def journal(self, turn_id: str, epoch: int, reply: ReplyJournal) -> None:
         """Journal a reply on its own, fenced (before a batch's approval questions)."""
-        ...
-
-    def take_settles(self) -> tuple[Settle, ...]:
-        """The outcomes a ``defer`` batch kept, handed over once."""
-        ...
-
-    async def settle(self, turn_id: str, settles: Sequence[Settle]) -> None:
-        """Journal outcomes no checkpoint carried (:class:`StoreError` if Redis failed)."""
         ...
 
 
@@ -95,8 +111,8 @@ class TurnDeps:
     """Runs a tool batch under the ledger."""
     registry: ToolRegistry
     """Tool specs (approval flags)."""
-    checkpoints: Checkpointer
-    """Durable saves (the store, or a CheckpointActor client)."""
+    checkpoints: TurnCheckpointer
+    """Durable saves (the store, or a CheckpointActor client) and the batches' outcomes."""
     inbox: InboxReader
     """Injected user messages."""
     approvals: ApprovalDesk

@@ -101,8 +101,8 @@ class TurnLoop(ToolSteps, ModelSteps):
         self._adopt_journal(journal)
         self.tracker.to(P.AWAITING_LLM)
         self.tracker.to(P.EXECUTING_TOOLS)
-        await self._run_batch(journal.reply.tool_calls)
-        await self._checkpoint(SaveReason.TOOL_BATCH)
+        settles = await self._run_batch(journal.reply.tool_calls)
+        await self._checkpoint(SaveReason.TOOL_BATCH, settles=settles)
         self.tracker.to(P.AWAITING_LLM)
         return await self._drive()
 
@@ -155,8 +155,8 @@ class TurnLoop(ToolSteps, ModelSteps):
                     return done
                 continue
             self.tracker.to(P.EXECUTING_TOOLS)
-            await self._run_batch(reply.tool_calls)
-            await self._checkpoint(SaveReason.TOOL_BATCH)
+            settles = await self._run_batch(reply.tool_calls)
+            await self._checkpoint(SaveReason.TOOL_BATCH, settles=settles)
             self.tracker.to(P.AWAITING_LLM)
 
     async def _ask(self, *, tools_enabled: bool) -> LLMReply | TurnOutcome:

@@ -103,7 +103,6 @@ class LoopState:
         self._journal = journal
         self._lost_reply = lost_reply
         self._last_save: float | None = None
-        self._settles: tuple[Settle, ...] = ()
         """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
         carries them, or they are journaled on their own if it saves nothing."""
         self._inbox_len = inbox_len
@@ -254,29 +253,34 @@ class LoopState:
         )
 
     async def _checkpoint(
-        self, reason: SaveReason, *, final: bool = False, force: bool = False
+        self,
+        reason: SaveReason,
+        *,
+        settles: tuple[Settle, ...] = (),
+        final: bool = False,
+        force: bool = False,
     ) -> None:
-        """Save at a durable boundary (debounced unless ``final`` or ``force``)."""
-        settles, self._settles = self._settles, ()
+        """Save at a durable boundary (debounced unless ``final`` or ``force``), carrying
+        ``settles`` (the outcomes the batch before it left); a boundary that saves nothing
+        hands them to the checkpointer alone."""
+        checkpoints = self.deps.checkpoints
         if not self._dirty or not (final or self.settings.checkpoint_mid_turn):
-            await self._settle_alone(settles)
+            await checkpoints.settle(self.turn_id, settles)
             return
         now = self._clock()
         interval = self.settings.checkpoint_min_interval_s
         last = self._last_save
         if not (final or force) and last is not None and now - last < interval:
-            await self._settle_alone(settles)
+            await checkpoints.settle(self.turn_id, settles)
             return  # debounced: stays dirty, the next site saves it
         record = self.snapshot(reason, in_progress=not final)
         try:
-            ack = await self.deps.checkpoints.save(record, settles)
-        except StaleOwner as exc:  # the refusal journaled the settles all the same
+            ack = await checkpoints.save(record, settles)
+        except StaleOwner as exc:
             raise self._fenced(exc) from exc
         except (RecordTooLarge, UnstorableRecord) as exc:
-            await self._settle_alone(settles)
             raise self._too_large(exc) from exc
         except StoreError as exc:
-            await self._settle_alone(settles)  # it may have landed: a replay is a no-op
             self.failed_saves += 1
             if final:
                 raise
@@ -296,20 +300,6 @@ class LoopState:
             self._emit(record.finished_event())
         if self._probation is not None and self._probation.releases and not final:
             raise Released()
-
-    async def _settle_alone(self, settles: tuple[Settle, ...]) -> None:
-        """Journal a batch's outcomes that no save carried. A failure is logged, not raised,
-        and the outcomes wait for the next save (the final one at the latest), which carries
-        them: the model still reads the results meanwhile; only a resume from before that
-        save finds those calls dispatched (and re-runs an idempotent one, reports another
-        ``outcome_unknown``): true, as their results are lost then."""
-        if not settles:
-            return
-        try:
-            await self.deps.tools.settle(self.turn_id, settles)
-        except StoreError as exc:
-            log.warning("turn %s: outcomes of a batch not journaled yet: %s", self.turn_id, exc)
-            self._settles = (*settles, *self._settles)
 
     def _emit(self, event: LiveEvent) -> None:
         if self.deps.events is not None:

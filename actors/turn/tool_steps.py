@@ -15,7 +15,7 @@ from bus.errors import RecordTooLarge, StaleOwner, UnstorableRecord
 from bus.events import LIVE_TEXT_LIMIT, ToolCalled, ToolReturned
 from bus.messages import Message, ToolCall, ToolResult
 from bus.phase import TurnPhase
-from store.records import Approval, TurnError
+from store.records import Approval, Settle, TurnError
 
 log = logging.getLogger(__name__)
 P = TurnPhase
@@ -30,10 +30,11 @@ TOOL_FAILURES = frozenset({"error", "timeout", "outcome_unknown"})
 class ToolSteps(LoopState):
     """The tool side of a turn loop."""
 
-    async def _run_batch(self, calls: Sequence[ToolCall]) -> None:
-        """Run the batch the last message (the model's reply) asks for. The reply is durable
-        before any of its calls is dispatched or its approval asked: journaled with the
-        batch's claim, or on its own first when an approval question comes before it."""
+    async def _run_batch(self, calls: Sequence[ToolCall]) -> tuple[Settle, ...]:
+        """Run the batch the last message (the model's reply) asks for; the outcomes it left
+        for the checkpoint after it to carry. The reply is durable before any of its calls is
+        dispatched or its approval asked: journaled with the batch's claim, or on its own first
+        when an approval question comes before it."""
         await self._note_step()
         batch = self._counters.tool_batches
         keys = self.deps.tools.keys_for(self.turn_id, batch, calls)
@@ -64,14 +65,13 @@ class ToolSteps(LoopState):
                     denied[i] = decided.note()
         # The outcomes of the calls that end the batch ride on the checkpoint after it (when
         # there is one): one round trip less per tool round.
-        results = await self._journaled(
+        run = await self._journaled(
             self.deps.tools.run_batch(
                 self.turn_id, self.epoch, batch, calls, denied, keys=keys,
                 defer=self.settings.checkpoint_mid_turn, reply=journal,
             )
         )  # fmt: skip
-        self._settles = (*self._settles, *self.deps.tools.take_settles())
-        for i, res in enumerate(results):
+        for i, res in enumerate(run.results):
             self._append(
                 Message(role="tool", tool_result=res), "tool", approval=decisions.get(i),
                 call_key=keys[i],
@@ -87,6 +87,7 @@ class ToolSteps(LoopState):
                     }
                 )  # fmt: skip
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
+        return run.settles
 
     async def _journaled(self, write: Awaitable[_T]) -> _T:
         """A write that journals the reply: a fenced owner unwinds; a reply that cannot be

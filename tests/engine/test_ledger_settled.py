@@ -14,6 +14,7 @@ from actors.engine.engine_settings import EngineSettings
 from actors.engine.scenario import parse_scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.toolrun import BatchExecutor
+from actors.engine.turn_checkpoints import TurnCheckpoints
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.deps import Checkpointer
 from bus.errors import StoreUnavailable
@@ -70,7 +71,7 @@ async def test_outcomes_whose_writes_failed_are_settled_by_a_later_save(
     loop.deps = dataclasses.replace(
         loop.deps,
         tools=BatchExecutor(tools.registry, tools.runner, ledger, tools.effects),
-        checkpoints=FirstSaveFails(engine.checkpoints),
+        checkpoints=TurnCheckpoints(FirstSaveFails(engine.checkpoints), ledger),
     )
     outcome = await engine.drive(loop)
     assert outcome.outcome == "answered" and ledger.failing == 0

@@ -182,7 +182,7 @@ async def test_two_owners_racing_on_one_batch_run_each_call_once(
     assert sorted(counts) == sorted(call_key("t1", 0, c, i) for i, c in enumerate(CALLS))
     assert set(counts.values()) == {1}  # nobody ran a call twice
     # Each call: one racer ran it, the other lost the dispatch and reports it in flight.
-    for x, y in zip(ra, rb, strict=True):
+    for x, y in zip(ra.results, rb.results, strict=True):
         assert sorted([x.status, y.status]) == ["ok", "outcome_unknown"]
 
 
@@ -203,10 +203,10 @@ async def test_a_late_outcome_never_overwrites_what_a_successor_settled(
     )
     await started.wait()
     await RedisCheckpointStore(any_client, keys).save(record("t1", epoch=3, seq=4))
-    (res,) = await executor(any_client, keys, registry).run_batch("t1", 3, 0, calls)
+    (res,) = (await executor(any_client, keys, registry).run_batch("t1", 3, 0, calls)).results
     assert res.status == "outcome_unknown"  # in flight under the zombie: never re-run
     release.set()
-    assert (await zombie)[0].output == "late"
+    assert (await zombie).results[0].output == "late"
     (entry,) = (await owned.entries("t1")).values()
     assert (entry.state, entry.epoch) == ("outcome_unknown", 3)
 
@@ -235,15 +235,18 @@ async def test_a_batchs_idempotent_calls_reach_the_runner_as_one_group(
         ToolCall(id="n1", name="counter_increment", args={}),
         ToolCall(id="e2", name="echo", args={"text": "b"}),
     ]
-    results = await ex.run_batch("t1", 2, 0, calls)
-    assert [(r.call_id, r.status) for r in results] == [("e1", "ok"), ("n1", "ok"), ("e2", "ok")]
+    run = await ex.run_batch("t1", 2, 0, calls)
+    assert [(r.call_id, r.status) for r in run.results] == [
+        ("e1", "ok"), ("n1", "ok"), ("e2", "ok")
+    ]  # fmt: skip
+    assert run.settles == ()  # each journaled as it ended
     assert sorted(sent) == [("alone", "n1"), ("group", "e1", "e2")]
     states = {e.state for e in (await owned.entries("t1")).values()}
     assert states == {"committed"}
     # Deferred: the group that ends the batch leaves both its outcomes to the save.
     sent.clear()
-    await ex.run_batch("t1", 2, 1, [calls[0], calls[2]], defer=True)
-    assert sent == [("group", "e1", "e2")] and len(ex.take_settles()) == 2
+    deferred = await ex.run_batch("t1", 2, 1, [calls[0], calls[2]], defer=True)
+    assert sent == [("group", "e1", "e2")] and len(deferred.settles) == 2
     # A lone idempotent call is not a group.
     sent.clear()
     await ex.run_batch("t1", 2, 2, [calls[0]])

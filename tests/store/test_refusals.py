@@ -88,7 +88,7 @@ async def test_a_refused_effect_did_not_happen_and_is_tried_again(
         refusing_counter(real_client, 1), LocalToolRunner(), ToolLedger(real_client, keys), effects
     )
     call = ToolCall(id="c0", name="counter_increment", args={})
-    (res,) = await executor.run_batch("t1", 2, 0, [call])
+    (res,) = (await executor.run_batch("t1", 2, 0, [call])).results
     assert res.status == "ok" and res.output == "1"  # not outcome_unknown: it had not run
     key = call_key("t1", 0, call, 0)
     assert await effects.counts("t1") == {key: 1}  # and ran once when tried again
@@ -104,7 +104,9 @@ async def test_an_effect_refused_every_time_is_reported_not_run(
         refusing_counter(real_client, tries), LocalToolRunner(), ToolLedger(real_client, keys),
         effects,
     )  # fmt: skip
-    (res,) = await executor.run_batch("t1", 2, 0, [ToolCall(id="c0", name="counter_increment")])
+    (res,) = (
+        await executor.run_batch("t1", 2, 0, [ToolCall(id="c0", name="counter_increment")])
+    ).results
     assert res.status == "error"
     assert "was not run" in res.output and "maxmemory" in res.output and "no effect" in res.output
     assert await effects.counts("t1") == {}
@@ -131,9 +133,8 @@ async def test_a_refused_dispatch_runs_nothing_then_runs_each_call_once(
     ledger = RefusedDispatch(real_client, keys)
     effects = EffectCounters(real_client, keys)
     calls = [ToolCall(id=t, name="counter_increment", args={"text": t}) for t in "abc"]
-    results = await BatchExecutor(BUILTIN_TOOLS, LocalToolRunner(), ledger, effects).run_batch(
-        "t1", 2, 0, calls
-    )
+    executor = BatchExecutor(BUILTIN_TOOLS, LocalToolRunner(), ledger, effects)
+    results = (await executor.run_batch("t1", 2, 0, calls)).results
     assert ledger.refused == 1
     assert [r.status for r in results] == ["ok"] * 3
     assert sorted((await effects.counts("t1")).values()) == [1, 1, 1]

@@ -35,6 +35,7 @@ from actors.engine.scenario import Scenario
 from actors.engine.scripted import scripted_turn
 from actors.engine.submission import new_turns
 from actors.engine.toolrun import BatchExecutor
+from actors.engine.turn_checkpoints import TurnCheckpoints
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.errors import StoreError
@@ -84,7 +85,7 @@ async def durable_loop(
         loop = await engine.build_loop(
             record,
             spec,
-            checkpoints=checkpoints,
+            checkpoints=TurnCheckpoints(checkpoints, ledger),
             tools=BatchExecutor(registry, engine.runner, ledger, None, agent=agent),
             inbox=MemoryInbox(),
         )
