@@ -43,8 +43,8 @@ from store.connection import connect
 from store.durability import DurabilityWait
 from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
-from store.lane import consecutive
 from store.save_script import SAVE_LUA, SaveCall
+from store.transport import transport_of
 
 TURNS, MESSAGES, PAYLOAD_BYTES = 1000, 12, 500
 #: Batches in flight at once per client process (their saves together: the turns).
@@ -75,6 +75,7 @@ async def _client(url: str, namespace: str, part: int, parts: int, mode: str, se
             command = ("EVALSHA", sha, len(keys), *keys, *args)
             calls.append(command if mode == "script" else ("SET", keys[0], b"x" * PAYLOAD_BYTES))
     batch = len(records) // BATCHES
+    transport, slot_key = transport_of(client), store.keys.turn(records[0].turn_id)  # one server
     done, next_call = 0, 0
     ready.put(part)
     await asyncio.get_running_loop().run_in_executor(None, go.wait)
@@ -85,7 +86,8 @@ async def _client(url: str, namespace: str, part: int, parts: int, mode: str, se
         while time.perf_counter() < stop and next_call < len(calls):
             sent = calls[next_call : next_call + batch]
             next_call += batch
-            for reply in await consecutive(client, [*sent, *([wait] if wait else [])]):
+            out = await transport.send(slot_key, sent, wait=wait)
+            for reply in (*out.replies, *out.waits):
                 if isinstance(reply, Exception):
                     raise reply
             done += len(sent)

@@ -16,12 +16,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from store.connection import StoreClient
 from store.lane import lane_of
+from store.transport import transport_of
 
 __all__ = ["Batcher", "ScriptCalls"]
 
@@ -98,58 +98,40 @@ _ScriptCall = tuple[AsyncScript, list[str], list[bytes | str | int]]
 
 
 class ScriptCalls:
-    """Script calls of concurrent callers in shared pipelines, each still its own atomic step
-    with its own answer. On a Redis Cluster each call goes alone to its slot's node."""
+    """Script calls of concurrent callers in shared round trips, each still its own atomic
+    step with its own answer (:mod:`store.transport` sends them and applies its rules). On
+    one server, what queues while a round trip is out goes in the next (on a lane, the lane
+    writes concurrent calls together by itself); on a Redis Cluster each call goes alone to
+    its slot's node."""
 
     def __init__(self, client: StoreClient) -> None:
-        self.client = client
-        self._lane = lane_of(client)
+        self.transport = transport_of(client)
         self._batcher: Batcher[_ScriptCall, object] | None = (
             None
-            if self._lane is not None or isinstance(client, aioredis.RedisCluster)
+            if lane_of(client) is not None or isinstance(client, aioredis.RedisCluster)
             else Batcher(self._send)
         )
 
     @property
     def batches(self) -> int:
-        """Pipelines sent so far (0 on a Redis Cluster or a lane)."""
+        """Round trips shared by calls so far (0 on a Redis Cluster or a lane)."""
         return 0 if self._batcher is None else self._batcher.batches
 
     async def call(
         self, script: AsyncScript, keys: list[str], args: list[bytes | str | int] | None = None
     ) -> Any:
         """The script's reply; raises what Redis answered this call (the caller translates)."""
-        lane = self._lane
-        if lane is not None:  # a lane writes concurrent calls together by itself
-            command = ("EVALSHA", script.sha, len(keys), *keys, *(args or []))
-            try:
-                return await lane.call(*command)
-            except redis.exceptions.NoScriptError:  # the server lost its scripts: load, resend
-                await lane.call("SCRIPT", "LOAD", script.script)
-                return await lane.call(*command)
         if self._batcher is None:
-            return await script(keys=keys, args=args or [])
-        reply = await self._batcher.submit((script, keys, args or []))
+            (reply,) = await self._send([(script, keys, args or [])])
+        else:
+            reply = await self._batcher.submit((script, keys, args or []))
         if isinstance(reply, Exception):  # Redis's answer to this call alone
             raise reply
         return reply
 
     async def _send(self, calls: list[_ScriptCall]) -> list[object]:
-        """The calls in one pipeline: each one's reply, or the error Redis answered for it.
-        Sent by ``EVALSHA`` alone; a server that lost its scripts (a restart, a failover)
-        answers NOSCRIPT, such a call did nothing and goes again after ``SCRIPT LOAD``."""
-        out: dict[int, object] = {}
-        todo = list(range(len(calls)))
-        for _ in range(2):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    script, keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                replies: list[object] = await pipe.execute(raise_on_error=False)
-            out.update(zip(todo, replies, strict=True))
-            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)]
-            if not todo:
-                break
-            for script in {calls[i][0].sha: calls[i][0] for i in todo}.values():
-                await self.client.script_load(script.script)
-        return [out[i] for i in range(len(calls))]
+        """The calls in one round trip (on one server: any key finds it), by ``EVALSHA``."""
+        commands = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls
+        ]
+        return (await self.transport.send(calls[0][1][0], commands)).replies

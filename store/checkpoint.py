@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import redis
 import redis.asyncio as aioredis
 
 from bus.errors import (
@@ -37,7 +36,6 @@ from bus.errors import (
     RecordTooLarge,
     StaleOwner,
     StoreError,
-    StoreUnavailable,
     TurnExists,
 )
 from store.batcher import ScriptCalls
@@ -53,16 +51,16 @@ from store.connection import StoreClient
 from store.durability import Durability, DurabilityWait
 from store.failures import reading, translated
 from store.keys import KeyLayout
-from store.lane import consecutive
 from store.lua import lua_script
-from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip, slot_of
+from store.nodes import slot_of
 from store.records import CheckpointRecord, SaveAck, Settle, TurnSpec
 from store.replies import raw as raw_bytes
 from store.replies import text
 from store.retention import Retention
 from store.save_script import REPLAYED, SAVE_LUA, SaveCall, save_answer
-from store.transaction import REDIRECT_ATTEMPTS, AtomicSave, ShardBatch
+from store.transaction import AtomicSave, ShardBatch
 from store.transcript import KnownBodies
+from store.transport import transport_of
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +99,7 @@ class RedisCheckpointStore:
         retention: Retention = Retention(),
     ) -> None:
         self.client = client
+        self.transport = transport_of(client)
         self.retention = retention
         self.atomic = atomic
         self.keys = keys
@@ -193,84 +192,33 @@ class RedisCheckpointStore:
     async def _pipelined(
         self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
     ) -> list[object]:
-        """Every save's script in one pipeline (one round trip), the durability wait last.
+        """Every save's script by ``EVALSHA`` (redis-py's pipeline would first ask ``SCRIPT
+        EXISTS``, one more round trip per batch), the saves of each slot in one round trip to
+        its node with that node's durability wait after them (a ``WAIT`` covers the writes of
+        its connection only), the slots at once; on one server, one round trip for all. A
+        save that ran nothing (``NOSCRIPT``, a moved slot) goes again by the transport's
+        rules (:mod:`store.transport`)."""
 
-        The scripts go by ``EVALSHA`` alone: redis-py's pipeline would first ask ``SCRIPT
-        EXISTS``, one more round trip per batch (``phaseline bench`` profiled it). A server
-        that lost its script cache (restart, failover) answers NOSCRIPT: such a save did
-        nothing, so it is sent again after ``SCRIPT LOAD``.
-        """
-        if isinstance(self.client, aioredis.RedisCluster):
-            return await self._pipelined_by_slot(writes, sent, wait)
-        out: dict[int, object] = {}
-        todo = sent
-        for _ in range(2):
-            with translated(f"save {len(todo)} records"):
-                commands: list[tuple[object, ...]] = []
-                for i in todo:
+        async def on_node(group: list[int]) -> list[object]:
+            with translated(f"save {len(group)} records"):
+                commands = []
+                for i in group:
                     keys, args = self._save_call(writes[i].record, writes[i].spec).script_args()
                     commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
-                if wait:
-                    commands.append(wait)  # same connection as the saves
-                replies: list[object] = await consecutive(self.client, commands)
+                out = await self.transport.send(
+                    self.keys.turn(writes[group[0]].record.turn_id), commands, wait=wait
+                )
+            replies = out.replies
             if wait:
-                replies = self._unless_durable([writes[i] for i in todo], replies[:-1], replies[-1])
-            out.update(zip(todo, replies, strict=True))
-            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)]
-            if not todo:
-                break
-            with translated("load the save script"):
-                await self.client.script_load(SAVE_LUA)
-        return [out[i] for i in sent]
+                replies = [
+                    self._unless_durable([writes[i]], [reply], waited)[0]
+                    for i, reply, waited in zip(group, replies, out.waits, strict=True)
+                ]
+            return replies
 
-    async def _pipelined_by_slot(
-        self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
-    ) -> list[object]:
-        """On a Redis Cluster: the scripts of each slot in one round trip to its primary, with
-        that primary's own durability wait after them (a ``WAIT`` covers the writes of its
-        connection only), the slots at once."""
         return await _per_group(
-            sent,
-            lambda i: slot_of(self.client, self.keys.turn(writes[i].record.turn_id)),
-            lambda group: self._scripts_on_node(writes, group, wait),
+            sent, lambda i: slot_of(self.client, self.keys.turn(writes[i].record.turn_id)), on_node
         )
-
-    async def _scripts_on_node(
-        self, writes: Sequence[_Write], group: list[int], wait: tuple[str | int, ...] | None
-    ) -> list[object]:
-        """One slot's saves on a raw connection to its primary. A reply that says nothing ran
-        (``NOSCRIPT`` after a restart or failover, a redirect after the slot moved) sends that
-        save again: with ``SCRIPT LOAD`` first, or to the new primary."""
-        out: dict[int, object] = {}
-        todo, load = group, False
-        slot_key = self.keys.turn(writes[group[0]].record.turn_id)
-        for _ in range(REDIRECT_ATTEMPTS):
-            with translated(f"save {len(todo)} records"):
-                commands: list[tuple[object, ...]] = [("SCRIPT", "LOAD", SAVE_LUA)] * load
-                for i in todo:
-                    keys, args = self._save_call(writes[i].record, writes[i].spec).script_args()
-                    commands.append(("EVALSHA", self._save_script.sha, len(keys), *keys, *args))
-                if wait:
-                    commands.append(wait)
-                async with node_connection(self.client, slot_key) as conn:
-                    replies = await roundtrip(conn, commands)
-            replies = replies[1:] if load else replies
-            if wait:
-                replies = self._unless_durable([writes[i] for i in todo], replies[:-1], replies[-1])
-            out.update(zip(todo, replies, strict=True))
-            load = any(isinstance(out[i], redis.exceptions.NoScriptError) for i in todo)
-            moved = any(is_redirect(out[i]) for i in todo)
-            todo = [i for i in todo if isinstance(out[i], redis.exceptions.NoScriptError)
-                    or is_redirect(out[i])]  # fmt: skip
-            if not todo:
-                break
-            if moved:
-                await refresh_topology(self.client)
-        return [
-            StoreUnavailable(f"save of {writes[i].record.turn_id}: {r}") if is_redirect(r) else r
-            for i in group
-            for r in (out[i],)
-        ]
 
     async def _transactions(
         self, writes: Sequence[_Write], sent: list[int], wait: tuple[str | int, ...] | None
@@ -281,7 +229,7 @@ class RedisCheckpointStore:
             batch = ShardBatch(
                 [self._save_call(writes[i].record, writes[i].spec) for i in group], wait
             )
-            replies, wait_reply = await batch.commit(self.client)
+            replies, wait_reply = await batch.commit(self.transport)
             if wait and wait_reply is not None:
                 replies = self._unless_durable([writes[i] for i in group], replies, wait_reply)
             return replies

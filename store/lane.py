@@ -30,7 +30,7 @@ import redis
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 
-__all__ = ["Lane", "LaneRedis", "consecutive", "lane_of"]
+__all__ = ["Lane", "LaneRedis", "lane_of"]
 
 #: Backoff between tries of a command whose connection failed: doubling from this, capped at 1 s
 #: (redis-py's ``retry_policy`` of :mod:`store.connection`).
@@ -276,19 +276,3 @@ class LaneRedis(aioredis.Redis):
 def lane_of(client: object) -> Lane | None:
     """``client``'s lane, or None where commands go through redis-py only."""
     return client.lane if isinstance(client, LaneRedis) else None
-
-
-async def consecutive(
-    client: aioredis.Redis | aioredis.RedisCluster, commands: Sequence[Sequence[Any]]
-) -> list[Any]:
-    """``commands`` sent one after the other on one connection of one server (so a durability
-    wait last covers the others): on the client's lane if it has one, else in a redis-py
-    pipeline. Error replies come back as their exceptions."""
-    lane = lane_of(client)
-    if lane is not None:
-        return await lane.calls(commands)
-    async with client.pipeline(transaction=False) as pipe:
-        for command in commands:
-            pipe.execute_command(*command)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-    return replies

@@ -26,13 +26,13 @@ from typing import Any
 
 import redis
 
-from bus.errors import StoreError, StoreUnavailable
+from bus.errors import StoreError
 from store.codec import EncodedRecord
-from store.connection import StoreClient
 from store.lua import lua_script
-from store.nodes import is_redirect, node_connection, refresh_topology, roundtrip
+from store.nodes import is_redirect, roundtrip
 from store.replies import text
 from store.save_script import SaveCall, SaveStatus, fence
+from store.transport import Moved, Transport
 from store.usage import FENCED_SAVE
 
 __all__ = ["AtomicSave", "ShardBatch", "fence", "save_commands"]
@@ -43,13 +43,6 @@ CAS_LUA = lua_script("ledger_cas.lua")
 
 #: Times one shard's batch is read and tried again after losing a WATCH race.
 WATCH_ATTEMPTS = 16
-
-#: Times a batch follows its slot to a new node (a cluster failover) before it fails.
-REDIRECT_ATTEMPTS = 5
-
-
-class _Moved(Exception):
-    """The node no longer serves the batch's slot (a failover): nothing ran."""
 
 
 class AtomicSave(StrEnum):
@@ -111,23 +104,16 @@ class ShardBatch:
     wait: tuple[str | int, ...] | None
     """The durability command sent after ``EXEC`` (None: none)."""
 
-    async def commit(self, client: StoreClient) -> tuple[list[object], object]:
+    async def commit(self, transport: Transport) -> tuple[list[object], object]:
         """Each save's reply in the script's shape (``['ok', id]``, a refusal, or an
         exception), and the reply of the durability command (None without one).
 
         On a cluster whose slot map moved (a failover), the node answers every command with
-        a redirect and nothing runs: the client reads the map again and the batch goes to
-        the slot's new primary."""
+        a redirect and nothing runs: the transport reads the map again and the batch goes to
+        the slot's new primary (:meth:`~store.transport.Transport.on_node`)."""
         slot_key = self.calls[0].keys.record
         try:
-            for _ in range(REDIRECT_ATTEMPTS):
-                try:
-                    async with node_connection(client, slot_key) as conn:
-                        return await self._watched(conn)
-                except _Moved:
-                    await refresh_topology(client)
-            moved = StoreUnavailable(f"the slot of {slot_key} kept moving; try again")
-            return [moved] * len(self.calls), None
+            return await transport.on_node(slot_key, self._watched)
         except (redis.RedisError, OSError, StoreError) as exc:
             failed = (
                 exc
@@ -179,7 +165,7 @@ class ShardBatch:
                 reads.append(("EXISTS", c.keys.record, c.keys.spec))
         got = await roundtrip(conn, reads)
         if any(is_redirect(g) for g in got[: len(settles) + 1]):
-            raise _Moved
+            raise Moved
         got = got[len(settles) :]
         replays = await self._replays(conn, got)
         replies: list[object] = []

@@ -44,8 +44,9 @@ from store.connection import StoreClient, connect
 from store.durability import DurabilityWait
 from store.failures import translated
 from store.keys import KeyLayout
-from store.lane import consecutive, lane_of
+from store.lane import lane_of
 from store.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
+from store.transport import transport_of
 
 SCENARIO = Scenario(
     name="durable_loop", rounds=10, tools_per_round=1, tools=["echo"], payload_bytes=500
@@ -148,8 +149,8 @@ def _cheapest_write(
         command = await wait.command()
         t0 = time.perf_counter()
         with translated("bench write"):  # sent as the saves are
-            commands = [("SET", key, value), *([command] if command else [])]
-            for reply in await consecutive(client, commands):
+            sent = await transport_of(client).send(key, [("SET", key, value)], wait=command)
+            for reply in (*sent.replies, *sent.waits):
                 if isinstance(reply, Exception):
                     raise reply
         return (time.perf_counter() - t0) * 1000
