@@ -3,9 +3,10 @@ in the next, so they share one round trip (and, for saves, one durability wait).
 
 :class:`Batcher` is the mechanism, used by the group commit of saves (:mod:`store.group_commit`,
 and the CheckpointActor's client); :class:`ScriptCalls` puts the script calls of concurrent
-turns (the ledger's claims and compare-and-sets, a turn's start) in shared pipelines, or on the
-client's :class:`~store.lane.Lane` where it has one (which writes what concurrent callers send
-in one turn of the event loop together by itself). redis-py spends about 100 µs of client
+turns (the ledger's claims and compare-and-sets, a turn's start) in shared round trips of the
+transport (:mod:`store.transport`), or leaves them to the client's :class:`~store.lane.Lane`
+where it has one (which writes what concurrent callers send in one turn of the event loop
+together by itself). redis-py spends about 100 µs of client
 CPU on a command sent alone and about 13 on one in a pipeline (200 concurrent ``EVALSHA``
 against 200 in one pipeline: ``scripts/client_costs.py``).
 """
