@@ -141,8 +141,12 @@ async def test_the_first_calls_to_a_new_endpoint_are_paced_until_it_refuses(
     """200 turns starting at once against a provider that takes 100 at once met 100 refusals:
     the first calls go 10 ms apart (ten at once), so its first refusal stops the rest."""
     free = Schedule()
+    t0 = await server_ms(any_client)
     admitted = [await limiter.admit(EP, f"t{i}", free, 1) for i in range(12)]
-    assert admitted[:10] == [0] * 10 and 0 < admitted[10] <= 0.02
+    assert admitted[:10] == [0] * 10 and admitted[10] <= 0.02
+    # the eleventh may go 10 ms after the first: it waits what is left of that (nothing on a
+    # machine too busy to make eleven calls in 10 ms)
+    assert admitted[10] > 0 or await server_ms(any_client) - t0 >= 9
     await limiter.pause(EP, 0.001, 0)  # the first refusal: the provider's own spacing, 100 ms
     assert await gap_ms(any_client, keys) == 100
     # under a declared rate, no such pacing: the schedule is the agent's word
