@@ -41,10 +41,11 @@ from actors.cluster.local_nodes import LocalNodes
 from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
-from actors.harness.chaos import ChaosSettings, run_chaos
+from actors.harness.chaos import run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.chaos_runtime import chaos_runtime
+from actors.harness.chaos_settings import ChaosSettings
 from actors.harness.links import outside_links
 from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
 from store.embedded import EmbeddedRedis

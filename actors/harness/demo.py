@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.cluster.runtime import Runtime
-from actors.harness.chaos import ChaosMonkey, ChaosSettings
+from actors.harness.chaos_monkey import ChaosMonkey
 from actors.harness.chaos_report import Fault
+from actors.harness.chaos_settings import ChaosSettings
 from actors.harness.links import Links
 from actors.harness.targets import ChaosTarget
 from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
