@@ -44,7 +44,7 @@ from store.lua import lua_script
 from store.replies import text
 
 __all__ = [
-    "Claim",
+    "ClaimOutcome",
     "ClaimResult",
     "Holder",
     "NamespaceOwner",
@@ -132,7 +132,7 @@ class Holder:
         return self.host == socket.gethostname() and not pid_running(self.pid)
 
 
-class Claim(StrEnum):
+class ClaimOutcome(StrEnum):
     """What a claim found."""
 
     ACQUIRED = "acquired"
@@ -145,7 +145,7 @@ class Claim(StrEnum):
 class ClaimResult:
     """The answer to a claim."""
 
-    claim: Claim
+    claim: ClaimOutcome
     """Acquired, or held by the claimer's own cluster."""
     holder: Holder
     """Who holds the namespace now."""
@@ -181,18 +181,18 @@ class NamespaceOwner:
         reply = await self._claim_script(me, replacing, cross=False)
         key = self.keys.owner()
         if text(reply[0]) == "acquired":
-            return ClaimResult(Claim.ACQUIRED, await self.holder() or me)
+            return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
         holder = _holder(key, reply[1:])
         if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
             reply = await self._claim_script(me, holder.owner, cross=True)
             if text(reply[0]) == "acquired":
                 log.warning("namespace %r: took it over from %s, which is gone",
                             self.keys.namespace, holder.line())  # fmt: skip
-                return ClaimResult(Claim.ACQUIRED, await self.holder() or me)
+                return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
             holder = _holder(key, reply[1:])
         if holder.cluster != me.cluster:
             raise self._held(holder)
-        return ClaimResult(Claim.SAME_CLUSTER, holder)
+        return ClaimResult(ClaimOutcome.SAME_CLUSTER, holder)
 
     async def refuse_if_held(self) -> None:
         """:class:`NamespaceHeld` if anyone but a gone in-process holder (whom a claim takes
@@ -266,7 +266,7 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
     me = Holder.me(f"{IN_PROCESS}{socket.gethostname()}:{os.getpid()}")
     me = Holder(me.cluster, me.owner, me.host, me.pid, command)  # auth: in process
     result = await owners.claim(me)
-    if result.claim is Claim.SAME_CLUSTER:  # this very process holds it already
+    if result.claim is ClaimOutcome.SAME_CLUSTER:  # this very process holds it already
         yield result.holder
         return
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.cluster.deployment import Deployment
-from actors.cluster.info import Answer, ServiceInfo, Verdict
+from actors.cluster.info import Answer, SaveVerdict, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
 from actors.engine.config import CheckpointSettings
@@ -61,19 +61,19 @@ async def save_wire_batch(store: RedisCheckpointStore, blobs: list[bytes]) -> li
             records.append(EncodedRecord.from_wire(blob))
             where.append(i)
         except ValueError as exc:
-            answers[i] = Answer(Verdict.ERROR, f"invalid record: {exc}")
+            answers[i] = Answer(SaveVerdict.ERROR, f"invalid record: {exc}")
     for i, result in zip(where, await store.save_many(records), strict=True):
         if isinstance(result, SaveAck):
-            answers[i] = Answer(Verdict.OK, result.event_id, result.inbox_len)
+            answers[i] = Answer(SaveVerdict.OK, result.event_id, result.inbox_len)
         elif isinstance(result, AlreadySaved):
-            answers[i] = Answer(Verdict.OK, REPLAYED)
+            answers[i] = Answer(SaveVerdict.OK, REPLAYED)
         elif isinstance(result, StaleOwner):
-            answers[i] = Answer(Verdict.STALE, str(result))
+            answers[i] = Answer(SaveVerdict.STALE, str(result))
         elif isinstance(result, RecordTooLarge):
-            answers[i] = Answer(Verdict.TOO_LARGE, str(result))
+            answers[i] = Answer(SaveVerdict.TOO_LARGE, str(result))
         else:
-            answers[i] = Answer(Verdict.ERROR, str(result))
-    return [a or Answer(Verdict.ERROR, "not answered") for a in answers]
+            answers[i] = Answer(SaveVerdict.ERROR, str(result))
+    return [a or Answer(SaveVerdict.ERROR, "not answered") for a in answers]
 
 
 class CheckpointActor:

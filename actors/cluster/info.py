@@ -24,9 +24,9 @@ __all__ = [
     "Answer",
     "HostInfo",
     "MCPSessionInfo",
+    "SaveVerdict",
     "ServiceInfo",
     "SupervisorInfo",
-    "Verdict",
     "this_node",
 ]
 
@@ -135,7 +135,7 @@ class ServiceInfo(_Info):
         return cls(pid=os.getpid(), counts=counts, node_id=this_node(), mcp=mcp).wire()
 
 
-class Verdict(StrEnum):
+class SaveVerdict(StrEnum):
     """What became of one record of a batch."""
 
     OK = "ok"
@@ -152,12 +152,12 @@ class Verdict(StrEnum):
 class Answer:
     """The CheckpointActor's answer for one record of a batch."""
 
-    verdict: Verdict
+    verdict: SaveVerdict
     """What became of the record."""
     detail: str
-    """The event id for :attr:`Verdict.OK`, else why."""
+    """The event id for :attr:`SaveVerdict.OK`, else why."""
     inbox_len: int | None = None
-    """For :attr:`Verdict.OK`: the turn's inbox length the save saw (None: not told)."""
+    """For :attr:`SaveVerdict.OK`: the turn's inbox length the save saw (None: not told)."""
 
     def wire(self) -> tuple[str, str, int]:
         return (self.verdict.value, self.detail, -1 if self.inbox_len is None else self.inbox_len)
@@ -172,16 +172,16 @@ class Answer:
             and isinstance(reply[2], int)
         ):
             with contextlib.suppress(ValueError):
-                return cls(Verdict(reply[0]), reply[1], None if reply[2] < 0 else reply[2])
-        return cls(Verdict.ERROR, f"malformed answer {reply!r:.80}")
+                return cls(SaveVerdict(reply[0]), reply[1], None if reply[2] < 0 else reply[2])
+        return cls(SaveVerdict.ERROR, f"malformed answer {reply!r:.80}")
 
     def ack(self, record: CheckpointRecord) -> SaveAck:
         """The save's ack, or its typed refusal raised."""
-        if self.verdict is Verdict.OK:
+        if self.verdict is SaveVerdict.OK:
             return SaveAck(record.turn_id, record.epoch, record.seq, self.detail, self.inbox_len)
-        if self.verdict is Verdict.STALE:
+        if self.verdict is SaveVerdict.STALE:
             raise StaleOwner(self.detail)
-        if self.verdict is Verdict.TOO_LARGE:
+        if self.verdict is SaveVerdict.TOO_LARGE:
             raise RecordTooLarge(self.detail)
         raise StoreError(self.detail)
 

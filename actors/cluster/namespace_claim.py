@@ -7,7 +7,7 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.joining import ray_auth, ray_cluster_id
 from actors.cluster.refs import named
 from store.connection import StoreClient
-from store.ownership import Claim, Holder, NamespaceOwner
+from store.ownership import ClaimOutcome, Holder, NamespaceOwner
 
 __all__ = ["claim_namespace", "may_stop"]
 
@@ -19,13 +19,13 @@ async def claim_namespace(client: StoreClient, dep: Deployment) -> Holder | None
     owners = NamespaceOwner(client, dep.keys, ttl_s=dep.settings.supervisor.owner_ttl_s)
     me = Holder.me(ray_cluster_id(), ray_auth())
     result = await owners.claim(me)
-    if result.claim is Claim.ACQUIRED:
+    if result.claim is ClaimOutcome.ACQUIRED:
         return me
     running = named(dep.name("supervisor")) is not None
     if running and not result.holder.is_gone():
         return None
     again = await owners.claim(me, replacing=result.holder.owner)
-    return me if again.claim is Claim.ACQUIRED else None
+    return me if again.claim is ClaimOutcome.ACQUIRED else None
 
 
 def may_stop(owner: Holder | None, holder: Holder | None) -> bool:

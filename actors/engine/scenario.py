@@ -26,7 +26,7 @@ FaultKind = Literal[
 ]
 
 
-class Fault(BaseModel):
+class ModelFault(BaseModel):
     """A model fault injected at one call of the turn."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -62,7 +62,7 @@ class Scenario(BaseModel):
     """Tools whose calls wait for an approval in this scenario."""
     prompt: str = "Run the scripted task."
     """The user message that opens the turn."""
-    faults: tuple[Fault, ...] = ()
+    faults: tuple[ModelFault, ...] = ()
     """Injected model faults."""
     replies: Literal["fixed", "random"] = "fixed"
     """``fixed``: each reply a pure function of the scenario and the transcript, so a resumed
@@ -93,7 +93,7 @@ class Scenario(BaseModel):
             raise ValueError(f"require_approval names tools not in tools: {sorted(unknown)}")
         return self
 
-    def fault_at(self, call: int) -> Fault | None:
+    def fault_at(self, call: int) -> ModelFault | None:
         return next((f for f in self.faults if f.at_call == call), None)
 
 

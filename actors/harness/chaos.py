@@ -53,8 +53,7 @@ from typing import Any
 
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
-from actors.engine.scenario import Fault as ModelFault
-from actors.engine.scenario import Scenario
+from actors.engine.scenario import ModelFault, Scenario
 from actors.harness.bad_tools import RAISING
 from actors.harness.chaos_monkey import ChaosMonkey
 from actors.harness.chaos_report import ChaosReport, Fault

@@ -19,7 +19,7 @@ from ray.actor import ActorHandle
 
 from actors.cluster.checkpoint_actor import CheckpointActor, CheckpointClient, actor_sender
 from actors.cluster.deployment import Deployment
-from actors.cluster.info import Verdict
+from actors.cluster.info import SaveVerdict
 from actors.cluster.recovery_actor import RecoveryActor
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.supervisor import Supervisor
@@ -110,7 +110,7 @@ async def test_the_checkpoint_actor_saves_fenced_through_its_ref(
     with pytest.raises(StaleOwner):  # an older epoch is refused, by the store's fence
         await client.save(record("t1", epoch=1, seq=2))
     answers = await ref.save_batch([b"not a record"])
-    assert [a.verdict for a in answers] == [Verdict.ERROR]
+    assert [a.verdict for a in answers] == [SaveVerdict.ERROR]
     counts = (await ref.hello()).counts
     assert counts["saves"] == 3 and counts["batches"] == 3
 
@@ -141,7 +141,7 @@ async def test_malformed_replies_are_typed_errors_at_the_seam() -> None:
     with pytest.raises(StoreError, match="to 2 saves"):
         await CheckpointRef(answering([("ok", "1-0")])).save_batch([b"a", b"b"])
     answers = await CheckpointRef(answering([("maybe", "x")])).save_batch([b"a"])
-    assert answers[0].verdict is Verdict.ERROR and "malformed" in answers[0].detail
+    assert answers[0].verdict is SaveVerdict.ERROR and "malformed" in answers[0].detail
     with pytest.raises(PhaselineError, match="decision"):
         await RecoveryRef(answering({"action": "dance"})).decide(Problem.RETRYABLE)
     status = encode_event(StatusEvent("t", 1, Status.IDLE_SOFT, "idle", 1))

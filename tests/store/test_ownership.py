@@ -23,7 +23,7 @@ from actors.engine.scripted import scripted_turn
 from bus.errors import NamespaceHeld
 from store.connection import StoreClient, connect
 from store.keys import KeyLayout
-from store.ownership import Claim, Holder, NamespaceOwner
+from store.ownership import ClaimOutcome, Holder, NamespaceOwner
 from tests.support.polling import eventually
 from tests.support.processes import PHASELINE, ROOT, phaseline
 
@@ -37,18 +37,19 @@ async def test_a_free_namespace_is_claimed_and_another_cluster_is_refused(
 ) -> None:
     owners = NamespaceOwner(any_client, keys, ttl_s=20)
     first = await owners.claim(holder("cluster-a", "tok-a"))
-    assert first.claim is Claim.ACQUIRED and first.holder.since_ms > 0
+    assert first.claim is ClaimOutcome.ACQUIRED and first.holder.since_ms > 0
     with pytest.raises(NamespaceHeld) as refused:
         await owners.claim(holder("cluster-b", "tok-b"))
     assert "phaseline serve (pid 1 on host-x, Ray cluster cluster-a)" in str(refused.value)
     # its own cluster finds the deployment and attaches; the owner stays
     same = await owners.claim(holder("cluster-a", "tok-a2"))
-    assert same.claim is Claim.SAME_CLUSTER and same.holder.owner == "tok-a"
+    assert same.claim is ClaimOutcome.SAME_CLUSTER and same.holder.owner == "tok-a"
     # a takeover names the owner it replaces, and only that one
     wrong = await owners.claim(holder("cluster-a", "tok-a2"), replacing="tok-x")
-    assert wrong.claim is Claim.SAME_CLUSTER
+    assert wrong.claim is ClaimOutcome.SAME_CLUSTER
     took = await owners.claim(holder("cluster-a", "tok-a2", pid=2), replacing="tok-a")
-    assert took.claim is Claim.ACQUIRED and took.holder.owner == "tok-a2" and took.holder.pid == 2
+    assert took.claim is ClaimOutcome.ACQUIRED
+    assert took.holder.owner == "tok-a2" and took.holder.pid == 2
     # the deployment of another cluster cannot renew it; only the owner releases it
     assert await owners.renew("cluster-b", None) is False
     assert await owners.renew("cluster-a", None) is True
@@ -72,7 +73,7 @@ async def test_a_lapsed_lease_is_taken_by_the_next_claim(
         return await owners.holder() is None
 
     await eventually(lapsed, timeout=10, what="the lease to lapse")
-    assert (await owners.claim(holder("cluster-b", "tok-b"))).claim is Claim.ACQUIRED
+    assert (await owners.claim(holder("cluster-b", "tok-b"))).claim is ClaimOutcome.ACQUIRED
     assert await owners.renew("cluster-a", holder("cluster-a", "tok-a")) is False
 
 
@@ -238,7 +239,7 @@ async def test_a_serve_whose_namespace_is_taken_stops_its_actors_and_exits_1(
         if holder is not None:
             assert await owners.release(holder.owner)
         thief = Holder("another-cluster", "t0ken", "elsewhere", 1, "thief serve")
-        assert (await owners.claim(thief)).claim is Claim.ACQUIRED
+        assert (await owners.claim(thief)).claim is ClaimOutcome.ACQUIRED
         async with asyncio.timeout(120):
             out = (await proc.stdout.read()).decode()
             code = await proc.wait()
@@ -266,9 +267,9 @@ async def test_a_gone_in_process_holder_is_taken_over_at_once(
     await gone.wait()
     host = socket.gethostname()
     dead = Holder("in-process:x:1", "tok-dead", host, gone.pid, "phaseline run")
-    assert (await owners.claim(dead)).claim is Claim.ACQUIRED
+    assert (await owners.claim(dead)).claim is ClaimOutcome.ACQUIRED
     took = await owners.claim(Holder("in-process:y:2", "tok-new", host, os.getpid(), "resume"))
-    assert took.claim is Claim.ACQUIRED and took.holder.owner == "tok-new"
+    assert took.claim is ClaimOutcome.ACQUIRED and took.holder.owner == "tok-new"
     with pytest.raises(NamespaceHeld):  # this process is alive
         await owners.claim(Holder("in-process:z:3", "tok-z", host, 1, "run"))
     await owners.release("tok-new")

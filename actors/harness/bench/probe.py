@@ -25,7 +25,7 @@ import ray
 
 from actors.cluster.checkpoint_actor import CheckpointClient, actor_sender, local_sender
 from actors.cluster.deployment import Deployment
-from actors.cluster.info import Verdict
+from actors.cluster.info import SaveVerdict
 from actors.cluster.refs import CheckpointRef
 from actors.engine.gc_tuning import tune_gc
 from actors.harness.bench.sizes import bench_record
@@ -133,7 +133,7 @@ class BenchProbe:
     async def _unbatched(self, record: CheckpointRecord) -> None:
         encoded = EncodedRecord.of(record, self._unbatched_known)
         (answer,) = await self.send([encoded.to_wire()])
-        ok = answer.verdict is Verdict.OK
+        ok = answer.verdict is SaveVerdict.OK
         self._unbatched_known.settle(record.turn_id, record.seq, landed=ok, in_progress=True)
         if not ok:
             raise StoreError(f"unbatched save refused: {answer.verdict}: {answer.detail}")
