@@ -1,8 +1,8 @@
 """The ``phaseline`` command line, a module per group of verbs, all registered on one group.
 
 * :mod:`actors.cli.app`: the group, its shared options and how a verb reaches Redis and Ray;
-* :mod:`actors.cli.runs`: ``run``, ``resume``, ``demo``;
-* :mod:`actors.cli.harness`: ``chaos``, ``bench``;
+* :mod:`actors.cli.runs`: ``run``, ``resume``;
+* :mod:`actors.cli.harness`: ``demo``, ``chaos``, ``bench``;
 * :mod:`actors.cli.views`: ``inspect``, ``watch``, ``status``;
 * :mod:`actors.cli.sessions`: ``submit``, ``chat``;
 * :mod:`actors.cli.serve`: ``serve``, ``redis``;

@@ -1,4 +1,5 @@
-"""The harness verbs: ``chaos`` (kill things, judge the turns) and ``bench``."""
+"""The harness verbs: ``demo`` (a host killed under concurrent turns, a verdict), ``chaos``
+(kill things, judge the turns) and ``bench``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from actors.cli.runs import (
     _Bar,
     _nodes_option,
     _ray_nodes,
+    _report_option,
+    _run_on_ray,
     _verdict_option,
     _work,
     _work_options,
@@ -38,16 +41,18 @@ from actors.cli.runs import (
 )
 from actors.cluster.joining import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
+from actors.cluster.runtime import Runtime
 from actors.engine.config import Settings
-from actors.engine.run_stats import new_run_id
+from actors.engine.run_stats import new_run_id, turn_ids
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import run_chaos
 from actors.harness.chaos_report import ChaosReport
 from actors.harness.chaos_report import plot as plot_chaos
 from actors.harness.chaos_runtime import chaos_runtime
 from actors.harness.chaos_settings import ChaosSettings
-from actors.harness.links import outside_links
-from actors.harness.targets import TARGETS, ChaosTarget, parse_targets
+from actors.harness.demo import DemoReport, run_demo
+from actors.harness.links import Links, outside_links
+from actors.harness.targets import LOCAL_ONLY, TARGETS, ChaosTarget, parse_targets
 from store.embedded import EmbeddedRedis
 from store.embedded_cluster import EmbeddedCluster
 
@@ -253,3 +258,86 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
     table.add_row("turns/s", str(data["turns_per_s"]))
     table.add_row(f"verdict ({cfg.verdict.value})", "[green]ok" if data["ok"] else "[red]NOT OK")
     return table
+
+
+@main.command()
+@_common
+@_work_options
+@click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
+@click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
+@_nodes_option
+@click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
+              help="SIGKILL host 0 once this fraction of the turns has durable progress (a "
+                   "checkpoint past submission), while they run (0: as soon as they are "
+                   "submitted).")  # fmt: skip
+@click.option("--ray-address", default=None, help="Join this Ray cluster.")
+@click.option("--faults", default=None, metavar="provider,partition",
+              help="Bring the world outside too while the turns run, a fault every "
+                   "~3 s: provider (storms at the model endpoint; an --agent whose model reads "
+                   "OPENAI_BASE_URL), partition (one host cut from Redis or the model for a few "
+                   "seconds).")  # fmt: skip
+@_verdict_option
+@_report_option
+def demo(
+    redis_url: str | None, namespace: str | None, config_path: str | None,
+    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
+    hosts: int, nodes: int, kill_at: float, ray_address: str | None, faults: str | None,
+    verdict_mode: str | None, report: str | None,
+) -> None:  # fmt: skip
+    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
+    of a scenario (default demo: random replies, a non-idempotent tool), or of an agent on one
+    input. The exact verdict compares
+    each transcript with a fault-free run in this process (the endpoint must answer each
+    conversation deterministically: a local model at temperature 0 does); --verdict promises
+    checks the runtime's promises for any model."""
+    rid = f"demo{new_run_id()}"
+    settings = _settings(config_path, redis_url, namespace or rid)
+    if scenario_path is None and agent_path is None:
+        scenario_path = "demo"
+    work = _work(scenario_path, agent_path, input_text)
+    ids = turn_ids(rid, turns)
+    bar = _Bar(turns, f"demo {rid}", force=True)
+    outside: tuple[ChaosTarget, ...] = ()
+    if faults is not None:
+        outside = parse_targets(
+            faults, embedded=False, local=ray_address is None, http=work.scenario is None
+        )
+        if not outside or any(t not in LOCAL_ONLY for t in outside):
+            raise BadInput(f"--faults takes {', '.join(LOCAL_ONLY)}; got {faults!r}")
+
+    mode = verdict_for(verdict_mode, work)
+
+    def killed(pid: int) -> None:
+        console.print(
+            f"[yellow]SIGKILLed host 0 (pid {pid}) on purpose: the demo's kill. Ray reports "
+            "the worker's death next (it may guess the OOM killer); its turns resume elsewhere."
+        )
+
+    async def go(rt: Runtime, links: Links | None) -> DemoReport:
+        with bar.progress:
+            return await run_demo(
+                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed,
+                faults=outside, links=links,
+            )  # fmt: skip
+
+    with _ray_nodes(nodes, ray_address) as (address, _local):
+        result = _run_on_ray(
+            settings, hosts, address, go, faults=outside, http=work.scenario is None
+        )
+    data = result.as_dict()
+    title = f"demo {rid}: {count(turns, 'turn')} of {work.label} on {count(hosts, 'host')}"
+    table = Table(title=title, show_header=False)
+    for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
+              "duplicate_side_effects", "orphaned_side_effects", "kills", "faults", "respawns",
+              "wall_s", "turns_per_s"):  # fmt: skip
+        value = data[k]
+        table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
+    table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")
+    out.print(table)
+    for kind, examples in result.verdict.as_dict()["examples"].items():  # type: ignore[attr-defined]
+        for line in examples:
+            console.print(f"[red]{kind}: {line}")
+    if report:
+        Path(report).write_text(json.dumps(data, indent=2) + "\n")
+    if not result.ok:
+        sys.exit(ExitStatus.ERROR)

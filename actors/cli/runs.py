@@ -1,5 +1,5 @@
-"""Running turns from the command line: ``run``, ``resume`` and ``demo``, with their progress bar
-and summaries."""
+"""Running turns from the command line: ``run`` and ``resume``, with the progress bar,
+summaries and Ray options they share with the harness verbs."""
 
 from __future__ import annotations
 
@@ -40,9 +40,8 @@ from actors.engine.front_desk import FrontDesk
 from actors.engine.run_stats import RunStats, new_run_id, turn_ids
 from actors.engine.scenario import load_scenario
 from actors.engine.turn_engine import TurnEngine
-from actors.harness.demo import DemoReport, run_demo
 from actors.harness.links import Links, outside_links
-from actors.harness.targets import LOCAL_ONLY, ChaosTarget, parse_targets
+from actors.harness.targets import ChaosTarget
 from actors.harness.verdict import VerdictMode
 from actors.harness.work import Work
 from bus.errors import RecordNotFound
@@ -418,86 +417,3 @@ def resume(
     stats = _either(in_process, in_proc, on_ray, settings, hosts, ray_address)
     _summary("resume", stats, report)
     _exit_unless_final(stats)
-
-
-@main.command()
-@_common
-@_work_options
-@click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
-@click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
-@_nodes_option
-@click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
-              help="SIGKILL host 0 once this fraction of the turns has durable progress (a "
-                   "checkpoint past submission), while they run (0: as soon as they are "
-                   "submitted).")  # fmt: skip
-@click.option("--ray-address", default=None, help="Join this Ray cluster.")
-@click.option("--faults", default=None, metavar="provider,partition",
-              help="Bring the world outside too while the turns run, a fault every "
-                   "~3 s: provider (storms at the model endpoint; an --agent whose model reads "
-                   "OPENAI_BASE_URL), partition (one host cut from Redis or the model for a few "
-                   "seconds).")  # fmt: skip
-@_verdict_option
-@_report_option
-def demo(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, nodes: int, kill_at: float, ray_address: str | None, faults: str | None,
-    verdict_mode: str | None, report: str | None,
-) -> None:  # fmt: skip
-    """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
-    of a scenario (default demo: random replies, a non-idempotent tool), or of an agent on one
-    input. The exact verdict compares
-    each transcript with a fault-free run in this process (the endpoint must answer each
-    conversation deterministically: a local model at temperature 0 does); --verdict promises
-    checks the runtime's promises for any model."""
-    rid = f"demo{new_run_id()}"
-    settings = _settings(config_path, redis_url, namespace or rid)
-    if scenario_path is None and agent_path is None:
-        scenario_path = "demo"
-    work = _work(scenario_path, agent_path, input_text)
-    ids = turn_ids(rid, turns)
-    bar = _Bar(turns, f"demo {rid}", force=True)
-    outside: tuple[ChaosTarget, ...] = ()
-    if faults is not None:
-        outside = parse_targets(
-            faults, embedded=False, local=ray_address is None, http=work.scenario is None
-        )
-        if not outside or any(t not in LOCAL_ONLY for t in outside):
-            raise BadInput(f"--faults takes {', '.join(LOCAL_ONLY)}; got {faults!r}")
-
-    mode = verdict_for(verdict_mode, work)
-
-    def killed(pid: int) -> None:
-        console.print(
-            f"[yellow]SIGKILLed host 0 (pid {pid}) on purpose: the demo's kill. Ray reports "
-            "the worker's death next (it may guess the OOM killer); its turns resume elsewhere."
-        )
-
-    async def go(rt: Runtime, links: Links | None) -> DemoReport:
-        with bar.progress:
-            return await run_demo(
-                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed,
-                faults=outside, links=links,
-            )  # fmt: skip
-
-    with _ray_nodes(nodes, ray_address) as (address, _local):
-        result = _run_on_ray(
-            settings, hosts, address, go, faults=outside, http=work.scenario is None
-        )
-    data = result.as_dict()
-    title = f"demo {rid}: {count(turns, 'turn')} of {work.label} on {count(hosts, 'host')}"
-    table = Table(title=title, show_header=False)
-    for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
-              "duplicate_side_effects", "orphaned_side_effects", "kills", "faults", "respawns",
-              "wall_s", "turns_per_s"):  # fmt: skip
-        value = data[k]
-        table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
-    table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")
-    out.print(table)
-    for kind, examples in result.verdict.as_dict()["examples"].items():  # type: ignore[attr-defined]
-        for line in examples:
-            console.print(f"[red]{kind}: {line}")
-    if report:
-        Path(report).write_text(json.dumps(data, indent=2) + "\n")
-    if not result.ok:
-        sys.exit(ExitStatus.ERROR)
