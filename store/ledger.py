@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from bus.errors import StaleOwner, StoreError
@@ -185,27 +186,15 @@ class ToolLedger:
         keys = [self.keys.turn(turn_id), key, self.keys.usage_of(turn_id)]
         with reading(key, f"claim a batch of {turn_id}"):
             answer = await self.scripts.call(self._claim, keys, args)
-        status = text(answer[0]) if isinstance(answer, list) and answer else ""
-        if status == "fenced":
-            raise self._fenced(turn_id, epoch, answer)
-        if status != "ok" or len(answer) != len(claims) + 1:
-            raise StoreError(f"ledger claim of {turn_id}: unexpected reply {answer!r:.80}")
+        per_call = _answered("claim", turn_id, epoch, answer, len(claims))
         return {
             c.call_key: None if won == 1 else self._read(key, c.call_key, raw_bytes(won))
-            for c, won in zip(claims, answer[1:], strict=True)
+            for c, won in zip(claims, per_call, strict=True)
         }
 
     @classmethod
     def _read(cls, key: str, field: str, raw: bytes) -> LedgerRead:
         return LedgerRead(cls._decode(key, field, raw), raw)
-
-    @staticmethod
-    def _fenced(turn_id: str, epoch: int | None, reply: list[Any]) -> StaleOwner:
-        stored = text(reply[1]) if len(reply) > 1 else ""
-        return StaleOwner(
-            f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
-            f"{stored or 'gone'}"
-        )
 
     @staticmethod
     def _decode(key: str, field: str, raw: bytes) -> LedgerEntry:
@@ -232,9 +221,31 @@ class ToolLedger:
                 [self.keys.turn(turn_id), self.keys.tools(turn_id), self.keys.usage_of(turn_id)],
                 args,
             )
-        status = text(reply[0]) if isinstance(reply, list) and reply else ""
-        if status == "fenced":
-            raise self._fenced(turn_id, epoch, reply)
-        if status != "ok" or len(reply) != len(changes) + 1:
-            raise StoreError(f"ledger write of {turn_id}: unexpected reply {reply!r:.80}")
-        return {k: int(won) == 1 for k, won in zip(changes, reply[1:], strict=True)}
+        per_call = _answered("write", turn_id, epoch, reply, len(changes))
+        return {k: int(won) == 1 for k, won in zip(changes, per_call, strict=True)}
+
+
+class LedgerAnswer(StrEnum):
+    """The first word of the answer of ``ledger_claim.lua`` and ``ledger_cas.lua``."""
+
+    OK = "ok"
+    """Applied: the rest of the answer says, per call, what became of it."""
+    FENCED = "fenced"
+    """Refused as a whole: the record's stored epoch (the answer's second element) is not
+    the caller's (counted in the shard's usage hash: ``store.usage``)."""
+
+
+def _answered(what: str, turn_id: str, epoch: int | None, reply: object, calls: int) -> list[Any]:
+    """The per-call part of a ledger script's answer: :class:`StaleOwner` for a fenced one,
+    :class:`StoreError` for anything but ``calls`` answers after :attr:`LedgerAnswer.OK`."""
+    word = text(reply[0]) if isinstance(reply, list) and reply else ""
+    if word == LedgerAnswer.FENCED:
+        assert isinstance(reply, list)
+        stored = text(reply[1]) if len(reply) > 1 else ""
+        raise StaleOwner(
+            f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
+            f"{stored or 'gone'}"
+        )
+    if word != LedgerAnswer.OK or not isinstance(reply, list) or len(reply) != calls + 1:
+        raise StoreError(f"ledger {what} of {turn_id}: unexpected reply {reply!r:.80}")
+    return reply[1:]

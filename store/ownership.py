@@ -180,12 +180,12 @@ class NamespaceOwner:
         gone (SIGKILLed), is taken over at once instead of after its lease lapses."""
         reply = await self._claim_script(me, replacing, cross=False)
         key = self.keys.owner()
-        if text(reply[0]) == "acquired":
+        if _acquired(reply):
             return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
         holder = _holder(key, reply[1:])
         if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
             reply = await self._claim_script(me, holder.owner, cross=True)
-            if text(reply[0]) == "acquired":
+            if _acquired(reply):
                 log.warning("namespace %r: took it over from %s, which is gone",
                             self.keys.namespace, holder.line())  # fmt: skip
                 return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
@@ -288,3 +288,12 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
         task.cancel()
         with contextlib.suppress(PhaselineError):
             await owners.release(me.owner)
+
+
+#: ``owner_claim.lua``'s answer when the claim took the namespace (else the holder's fields).
+ACQUIRED = "acquired"
+
+
+def _acquired(reply: list[bytes | str]) -> bool:
+    """Whether ``owner_claim.lua`` answered that the claim took the namespace."""
+    return bool(reply) and text(reply[0]) == ACQUIRED
