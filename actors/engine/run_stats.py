@@ -27,6 +27,9 @@ class RunStats:
     resumed: int = 0
     outcomes: Counter[Outcome | RunStop] = field(default_factory=Counter)
     checkpoints: int = 0
+    """Checkpoints of the turns that ended, each counted once: the seq of every final record
+    (every save by every owner, resume claims included), read from the loop in process and
+    from the records on Ray."""
     failed_saves: int = 0
     idle_soft: int = 0
     hard_cancels: int = 0
@@ -70,7 +73,8 @@ class RunStats:
         self.outcomes[outcome.outcome] += 1
         if isinstance(outcome.outcome, Outcome) and outcome.outcome.suspended:
             self.suspended.append(outcome.turn_id)
-        self.checkpoints += outcome.saves
+        if isinstance(outcome.outcome, Outcome):
+            self.checkpoints += outcome.seq
         self.failed_saves += outcome.failed_saves
         self.note_error(outcome.outcome, outcome.error)
 

@@ -160,7 +160,7 @@ class LoopState:
     def _outcome(self, outcome: Outcome | RunStop) -> TurnOutcome:
         return TurnOutcome(
             self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages),
-            self._counters.last_error,
+            self._counters.last_error, seq=self._saved.seq,
         )  # fmt: skip
 
     async def _note_step(self) -> None:

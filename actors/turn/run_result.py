@@ -52,6 +52,9 @@ class TurnOutcome:
     """Transcript length at the end."""
     error: TurnError | None = None
     """The turn's last model or tool error (the record's ``Counters.last_error``)."""
+    seq: int = 0
+    """The seq of the turn's last record this run knew (its final one, for an
+    :class:`Outcome`): how many checkpoints the record went through, by every owner."""
 
     @property
     def leaves_in_progress(self) -> bool:
