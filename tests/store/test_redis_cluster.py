@@ -56,7 +56,10 @@ async def test_a_primary_killed_under_saves_loses_no_save_acknowledged_with_wait
         )
     assert report.lost_saves == 0 and report.lost_turns == 0, report
     assert report.acknowledged >= 24 * 40, report  # every writer went on after the failover
-    assert report.failed_saves > 0, report  # the kill did interrupt the saves of its slot
+    # The kill did interrupt the saves of its slot: they failed and were sent again, or (the
+    # transport resending a round trip its connection lost, store.transport) they waited for
+    # the replica to take over.
+    assert report.failed_saves > 0 or report.stall_s >= 1.0, report
 
 
 async def test_without_wait_a_lagging_replica_loses_acknowledged_saves() -> None:
