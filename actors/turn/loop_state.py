@@ -103,8 +103,6 @@ class LoopState:
         self._journal = journal
         self._lost_reply = lost_reply
         self._last_save: float | None = None
-        """Outcomes of the last tool batch not journaled yet: the checkpoint after the batch
-        carries them, or they are journaled on their own if it saves nothing."""
         self._inbox_len = inbox_len
         """The inbox's length as the last save (or the start) saw it, until a model call
         makes it stale (None: read the inbox at the next boundary)."""
