@@ -323,7 +323,7 @@ class TurnActor:
         if outcome.outcome is RunStop.RELEASED:  # counted once, by the host that ends it
             self._poke(self.directory.handle_for(turn_id))
         else:
-            self.engine.count(outcome)
+            self.engine.stats.add(outcome)  # a turn run outside run_new: counted
         if "/" in turn_id and not isinstance(outcome.outcome, RunStop):  # a session is free
             self._background(self._open_queued(turn_id.split("/")[0]))
 

@@ -11,13 +11,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import time
+from collections.abc import Callable
 from enum import StrEnum
 
 from actors.engine.imports import load_by_path
 from actors.turn.agent import Agent, ModelContext
 from actors.turn.tools import ToolRegistry
 from bus.errors import ConfigError
+from bus.events import LiveEvent, Recovering
+from bus.outcomes import Action, EngineProblem
 from store.records import CheckpointRecord, TurnInput
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AgentChange",
@@ -27,6 +34,7 @@ __all__ = [
     "check_agent",
     "load_agent",
     "noted_agent",
+    "record_on",
     "refuse_unrunnable",
 ]
 
@@ -140,3 +148,31 @@ def agent_problem(path: str, turn_input: TurnInput) -> str:
     except ConfigError as exc:
         return str(exc)
     return ""
+
+
+def record_on(
+    record: CheckpointRecord,
+    agent: str,
+    fingerprint: str,
+    policy: AgentChange,
+    *,
+    on_event: Callable[[LiveEvent], None] | None = None,
+) -> CheckpointRecord:
+    """``record`` as it starts on ``agent`` here: the agent named (a record of schema 2 names
+    none), its failures to load in a row ended (it loads here), and the agent it runs on noted
+    (:func:`noted_agent`), a change logged and published."""
+    if record.agent != agent:
+        record = record.model_copy(update={"agent": agent})
+    if record.counters.agent_failures:
+        counters = record.counters.model_copy(update={"agent_failures": 0})
+        record = record.model_copy(update={"counters": counters})
+    record, change = noted_agent(record, fingerprint, policy)
+    if change:
+        log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
+        if on_event is not None:
+            on_event(
+                Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
+                           Action.CONTINUE, f"the agent changed ({change}); going on with it",
+                           int(time.time() * 1000))
+            )  # fmt: skip
+    return record

@@ -18,10 +18,12 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 from actors.engine.imports import load_by_path
-from bus.errors import ConfigError
+from bus.errors import ConfigError, StoreError
 from store.archive import FinishedTurn
+from store.ledger import ToolLedger
+from store.records import CheckpointRecord
 
-__all__ = ["OnFinish", "call_on_finish", "load_on_finish"]
+__all__ = ["OnFinish", "call_on_finish", "load_on_finish", "on_finish_of"]
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +49,15 @@ async def call_on_finish(hook: OnFinish, turn: FinishedTurn) -> bool:
         log.exception("on_finish hook failed for turn %s", turn.turn_id)
         return False
     return True
+
+
+async def on_finish_of(hook: OnFinish, final: CheckpointRecord, ledger: ToolLedger) -> bool:
+    """Call ``hook`` with a turn that ended here (its final record and its ledger); False if
+    its ledger could not be read or the hook raised (each logged)."""
+    try:
+        entries = await ledger.entries(final.turn_id)
+    except StoreError as exc:
+        log.error("on_finish of turn %s not called, its ledger is unreadable: %s",
+                  final.turn_id, exc)  # fmt: skip
+        return False
+    return await call_on_finish(hook, FinishedTurn(final, entries))

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,14 +20,14 @@ from actors.engine.agents import (
     AgentChanged,
     agent_fingerprint,
     load_agent,
-    noted_agent,
+    record_on,
     refuse_unrunnable,
 )
 from actors.engine.config import Settings
 from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.listeners import Listeners
 from actors.engine.local_tools import LocalToolRunner
-from actors.engine.on_finish import OnFinish, call_on_finish, load_on_finish
+from actors.engine.on_finish import load_on_finish, on_finish_of
 from actors.engine.probation import Probations
 from actors.engine.resume import (
     Parked,
@@ -38,6 +37,7 @@ from actors.engine.resume import (
     plan_resume,
 )
 from actors.engine.run_stats import RunStats, still_in_progress
+from actors.engine.running import RunningTurns
 from actors.engine.setbacks import Setbacks
 from actors.engine.submission import new_turns, queued_turn, session_turn
 from actors.engine.toolrun import (
@@ -52,11 +52,9 @@ from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules
 from bus.errors import BudgetExhausted, ConfigError, PhaselineError, StaleOwner, StoreError
-from bus.events import Recovering
-from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
-from bus.phase import Transition, TurnPhase
+from bus.outcomes import Outcome, SaveReason
+from bus.phase import Transition
 from store.approvals import Approvals
-from store.archive import FinishedTurn
 from store.checkpoint import RedisCheckpointStore
 from store.connection import StoreClient
 from store.effects import EffectCounters
@@ -71,7 +69,7 @@ from store.sessions import Sessions
 log = logging.getLogger(__name__)
 
 
-class TurnEngine:
+class TurnEngine(RunningTurns):
     """Runs turns in this event loop. Callers hold turn ids, never loop objects."""
 
     def __init__(
@@ -289,11 +287,6 @@ class TurnEngine:
         """The sessions with turns queued behind their running one (``submit --if-busy queue``)."""
         return await self.sessions.queued_sessions()
 
-    def count(self, outcome: TurnOutcome) -> None:
-        """Count a turn this engine's host ran outside :meth:`run_new` and the resumes (a Ray
-        host's own tasks) in :attr:`stats`."""
-        self.stats.add(outcome)
-
     async def load(self, turn_id: str) -> CheckpointRecord:
         """The turn's stored record (:class:`RecordNotFound`, :class:`RecordError`)."""
         return await self.store.load(turn_id)
@@ -380,13 +373,11 @@ class TurnEngine:
         """A loop for ``record`` running the agent of ``spec``, wired to this engine; ``deps``
         replace TurnDeps members."""
         agent = load_agent(spec.agent)
-        if record.agent != spec.agent:  # a record of schema 2 names no agent
-            record = record.model_copy(update={"agent": spec.agent})
-        if record.counters.agent_failures:  # it loads here: the failures in a row end
-            counters = record.counters.model_copy(update={"agent_failures": 0})
-            record = record.model_copy(update={"counters": counters})
         registry = await self.runner.registry(spec.agent, agent, spec.input)
-        record = self._note_agent(record, agent_fingerprint(agent, registry))
+        record = record_on(
+            record, spec.agent, agent_fingerprint(agent, registry), self.settings.on_agent_change,
+            on_event=self.hooks.on_event,
+        )  # fmt: skip
         wired = TurnDeps(
             llm=agent.client(
                 ModelContext(
@@ -409,15 +400,7 @@ class TurnEngine:
             listener=self._transition,
             events=self.hooks.on_event,
         )
-        limits = agent.settings
-        tuned = dataclasses.replace(
-            settings or self.settings.loop,
-            max_tool_rounds=limits.max_tool_rounds,
-            compact_at_chars=limits.compact_at_chars,
-            loop_thresholds=limits.loop_thresholds,
-            max_tokens_per_turn=limits.max_tokens_per_turn,
-            max_tokens_per_session=limits.max_tokens_per_session,
-        )
+        tuned = agent.settings.tuned(settings or self.settings.loop)
         given = deps.get("checkpoints")
         if given is not None and not isinstance(given, TurnCheckpoints):  # for this turn
             deps["checkpoints"] = TurnCheckpoints(given, self.ledger)
@@ -432,19 +415,6 @@ class TurnEngine:
             journal=journal,
             lost_reply=lost_reply,
         )
-
-    def _note_agent(self, record: CheckpointRecord, fingerprint: str) -> CheckpointRecord:
-        """:func:`~actors.engine.agents.noted_agent`, its change logged and published."""
-        record, change = noted_agent(record, fingerprint, self.settings.on_agent_change)
-        if change:
-            log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
-            if self.hooks.on_event is not None:
-                self.hooks.on_event(
-                    Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
-                               Action.CONTINUE, f"the agent changed ({change}); going on with it",
-                               int(time.time() * 1000))
-                )  # fmt: skip
-        return record
 
     async def drive(self, loop: TurnLoop) -> TurnOutcome:
         """Run a loop to its end, reachable by :meth:`cancel_llm` while it runs."""
@@ -470,22 +440,11 @@ class TurnEngine:
                     loop.turn_id, loop.epoch, int(time.time() * 1000), how
                 )
         self.setbacks.succeeded(loop.turn_id)
-        final = loop.saved
+        final, hook = loop.saved, self.hooks.on_finish
         ended = isinstance(outcome.outcome, Outcome) and not outcome.outcome.suspended
-        if self.hooks.on_finish is not None and ended and not final.in_progress:
-            await self._finished(self.hooks.on_finish, final)
+        if hook is not None and ended and not final.in_progress:
+            self.stats.on_finish_failures += not await on_finish_of(hook, final, self.ledger)
         return outcome
-
-    async def _finished(self, hook: OnFinish, final: CheckpointRecord) -> None:
-        try:
-            ledger = await self.ledger.entries(final.turn_id)
-        except StoreError as exc:
-            log.error("on_finish of turn %s not called, its ledger is unreadable: %s",
-                      final.turn_id, exc)  # fmt: skip
-            self.stats.on_finish_failures += 1
-            return
-        if not await call_on_finish(hook, FinishedTurn(final, ledger)):
-            self.stats.on_finish_failures += 1
 
     async def start(self, record: CheckpointRecord, spec: TurnSpec, **loop_kw: Any) -> TurnOutcome:
         """Run ``record`` (``loop_kw`` go to :meth:`build_loop`). An agent that does not load
@@ -520,49 +479,6 @@ class TurnEngine:
             log.error("turn %s interrupted: %s", record.turn_id, exc)
             return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
         return await self.start(claimed, spec, resume_from=record.reason)
-
-    # -- what watchdogs and operators may ask -------------------------------------------------
-
-    def running(self) -> list[str]:
-        return list(self._loops)
-
-    def phases(self) -> list[Transition]:
-        """The current phase of every running turn, as the transition that entered it."""
-        out = []
-        for loop in self._loops.values():
-            t = loop.tracker
-            out.append(
-                Transition(t.turn_id, t.epoch, t.seq, t.phase, t.phase, int(t.entered_at * 1000))
-            )
-        return out
-
-    def phase_counts(self) -> Counter[TurnPhase]:
-        """How many running turns are in each phase (a host's gauge, read every heartbeat:
-        counted without building a transition per turn)."""
-        return Counter(loop.tracker.phase for loop in self._loops.values())
-
-    def cancel_llm(self, turn_id: str, epoch: int) -> bool:
-        """Cancel a running turn's model call, if it is still that epoch's."""
-        loop = self._loops.get(turn_id)
-        if loop is None or loop.epoch != epoch:
-            return False
-        cancelled = loop.cancel_llm()
-        self.stats.hard_cancels += cancelled
-        return cancelled
-
-    def cancel(self, turn_id: str) -> bool:
-        """An operator's cancel, already durable in the turn's inbox (``actors.engine.cancel``):
-        end its in-flight model call and waits now. False if the turn does not run here."""
-        loop = self._loops.get(turn_id)
-        if loop is None:
-            return False
-        loop.request_cancel()
-        return True
-
-    def pending_approval(self, turn_id: str) -> str | None:
-        """Call key a running turn waits on for approval, if any."""
-        loop = self._loops.get(turn_id)
-        return None if loop is None else loop.pending_approval
 
     # -- local watchdog -----------------------------------------------------------------------
 

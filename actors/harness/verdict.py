@@ -72,7 +72,7 @@ async def reference_transcript(
         EngineSettings(loop=LoopSettings(checkpoint_min_interval_s=0)),
     )
     await engine.run_new(*work.reference(), ["reference"])
-    return (await engine.load("reference")).messages
+    return (await engine.store.load("reference")).messages
 
 
 async def expected_for(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from actors.turn.llm import Admission, LLMClient
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
+from actors.turn.settings import LoopSettings
 from actors.turn.tools import EffectSink, ToolRegistry
 from store.records import TurnInput
 
@@ -78,6 +79,17 @@ class AgentSettings:
         bad = {k: v for k, v in self.tool_timeouts.items() if not v > 0}
         if bad:
             raise ValueError(f"tool timeouts must be > 0 s: {bad}")
+
+    def tuned(self, base: LoopSettings) -> LoopSettings:
+        """``base`` (the deployment's loop settings) with this agent's limits."""
+        return replace(
+            base,
+            max_tool_rounds=self.max_tool_rounds,
+            compact_at_chars=self.compact_at_chars,
+            loop_thresholds=self.loop_thresholds,
+            max_tokens_per_turn=self.max_tokens_per_turn,
+            max_tokens_per_session=self.max_tokens_per_session,
+        )
 
 
 @dataclass(frozen=True, slots=True)
