@@ -202,10 +202,12 @@ class ChaosMonkey:
         if self.links is None or not self.links.hosts:
             raise ConfigError("the hosts were not started behind links of their own")
         slots = range(len(self.links.hosts))
-        running = {slot: await self._affected(slot) for slot in slots}
-        busy = [slot for slot in slots if running[slot]]  # a cut an idle host never sees
-        slot = self.rng.choice(busy or list(slots))
-        affected = running[slot]
+        # a cut an idle host never sees: one listing says which hosts run turns
+        busy = {self.rt.dep.slot_of(t) for t in await self.rt.store.list_in_progress()}
+        if await self.isolation.current() is not None:
+            busy.add(self.rt.dep.isolation_slot)
+        slot = self.rng.choice(sorted(busy & set(slots)) or list(slots))
+        affected = await self._affected(slot)
         gen = (await self.rt.hosts.generations()).get(slot, 0)
         host = self.links.of(slot, gen)
         cuttable = [("redis", host.redis)] + ([("model", host.model)] if host.model else [])
