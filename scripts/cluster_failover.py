@@ -26,6 +26,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per durability")
     parser.add_argument("--turns", type=int, default=48, help="concurrent writers")
     parser.add_argument("--lag", type=float, default=0.0, help="seconds the replica lags")
+    parser.add_argument(
+        "--unsent",
+        type=int,
+        default=0,
+        help="under ack, hold the replica until the primary keeps this many bytes for it beyond"
+        " its socket (under replicas:1 the writers wait for the replica and fill nothing)",
+    )
     parser.add_argument("--payload", type=int, default=0, help="bytes of each save's message")
     args = parser.parse_args()
     for durability in ("ack", "replicas:1"):
@@ -34,6 +41,7 @@ def main() -> None:
                 report = asyncio.run(
                     failover_under_saves(
                         cluster, durability=durability, turns=args.turns, lag_s=args.lag,
+                        unsent_bytes=args.unsent if durability == "ack" else 0,
                         payload_bytes=args.payload,
                     )
                 )  # fmt: skip

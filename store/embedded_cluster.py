@@ -270,11 +270,19 @@ class EmbeddedCluster:
                 return self.node_of_port(info.port)
         raise StoreError(f"the primary on port {primary.port} has no live replica")
 
+    def unsent_to_replicas(self, primary: EmbeddedRedis) -> int:
+        """Bytes of the replication stream ``primary`` holds for its replicas and has not
+        written to their sockets (the ``omem`` of its replica connections): what a replica
+        cannot have when the primary dies now."""
+        with self._client(primary) as c:
+            return sum(int(conn.get("omem", 0)) for conn in c.client_list(_type="replica"))
+
     def fail_over(
         self,
         primary: EmbeddedRedis,
         *,
         lag_s: float = 0.0,
+        unsent_bytes: int = 0,
         on_kill: Callable[[], None] | None = None,
     ) -> tuple[float, float]:
         """SIGKILL a primary, wait until its replica serves its slots, start it again and wait
@@ -285,13 +293,21 @@ class EmbeddedCluster:
         writes of that time have not reached it when the primary dies, as a replica behind a
         slow or partitioned link would be; it is let go (SIGCONT) right after the kill. On one
         machine this is how the window of asynchronous replication is opened at all.
-        ``on_kill`` is called right after the SIGKILL."""
+        ``unsent_bytes``: then hold it until the primary keeps at least that many bytes for it
+        that are not even in the kernel's socket buffers (:meth:`unsent_to_replicas`). A
+        stopped process's socket still takes a few MB, and a replica that read them when let
+        go lost nothing: time alone opened the window only on a machine fast enough to write
+        past them. ``on_kill`` is called right after the SIGKILL."""
         stopped = None
-        if lag_s > 0:
+        if lag_s > 0 or unsent_bytes > 0:
             stopped = self.replica_of(primary)
             assert stopped.process is not None
             stopped.process.send_signal(signal.SIGSTOP)
             time.sleep(lag_s)  # the replica's lag: the writes of this time never reach it
+            self._until(
+                lambda: self.unsent_to_replicas(primary) >= unsent_bytes,
+                f"{unsent_bytes} bytes held for the stopped replica",
+            )
         down = time.monotonic()
         primary.kill()
         if on_kill is not None:

@@ -7,10 +7,11 @@ have it, so the replica that is promoted holds every acknowledged save.
 
 :func:`failover_under_saves` measures it. Writers save turns ``seq`` 1, 2, 3 … as fast as the
 store answers (a failed save is retried: the fence recognises a replay), one primary is
-SIGKILLed mid-way (after holding its replica stopped for ``lag_s``, so its last writes have not
-reached it), its replica takes over; the writers are held from the kill until every turn's
-stored ``seq`` has been read and compared with the last one its writer saw acknowledged, then
-they go on through the killed node's return, and the comparison is made again at the end.
+SIGKILLed mid-way (after holding its replica stopped for ``lag_s`` and until ``unsent_bytes``
+of its writes are held for it, so its last writes have not reached it), its replica takes
+over; the writers are held from the kill until every turn's stored ``seq`` has been read and
+compared with the last one its writer saw acknowledged, then they go on through the killed
+node's return, and the comparison is made again at the end.
 ``scripts/cluster_failover.py`` prints the figures for both durabilities; a test asserts that
 ``replicas:1`` loses nothing.
 """
@@ -145,7 +146,13 @@ class _Writers:
 
 
 async def _fail_over_held(
-    cluster: EmbeddedCluster, client: RedisCluster, key: str, w: _Writers, *, lag_s: float
+    cluster: EmbeddedCluster,
+    client: RedisCluster,
+    key: str,
+    w: _Writers,
+    *,
+    lag_s: float,
+    unsent_bytes: int,
 ) -> tuple[float, float, dict[str, int]]:
     """SIGKILL the primary holding ``key`` under the writers, park them, wait for the
     failover and the rejoin; the seconds each took and the acknowledged saves lost. The
@@ -162,7 +169,11 @@ async def _fail_over_held(
     # over a stored n - 5 and the loss no longer shows). Until the killed node is back as
     # a replica, ``replicas:1`` saves could not be confirmed anyway.
     failover_s, rejoined_s = await asyncio.to_thread(
-        cluster.fail_over, cluster.node_of_port(int(node.port)), lag_s=lag_s, on_kill=hold
+        cluster.fail_over,
+        cluster.node_of_port(int(node.port)),
+        lag_s=lag_s,
+        unsent_bytes=unsent_bytes,
+        on_kill=hold,
     )
     await w.until(lambda: w.parked == len(w.ids))
     lost = await w.losses()
@@ -178,10 +189,12 @@ async def failover_under_saves(
     saves_before: int = 20,
     saves_after: int = 20,
     lag_s: float = 0.0,
+    unsent_bytes: int = 0,
     payload_bytes: int = 0,
 ) -> FailoverReport:
     """Run the writers; once each has ``saves_before`` acknowledged saves, SIGKILL the primary
-    of turn 0's slot (``lag_s``: its replica stopped that long first) while they keep saving,
+    of turn 0's slot (``lag_s``: its replica stopped that long first, and ``unsent_bytes``:
+    until the primary holds that much for it beyond its socket's buffers) while they keep saving,
     hold them, wait for its replica to take over and for the killed node to rejoin as a
     replica, count what the writers saw acknowledged and the cluster no longer has, and let
     them go on until each has ``saves_after`` more. ``payload_bytes``: the size of each save's
@@ -196,7 +209,7 @@ async def failover_under_saves(
     try:
         await w.until(lambda: min(w.acked.values()) >= saves_before)
         failover_s, rejoined_s, lost = await _fail_over_held(
-            cluster, client, keys.turn(ids[0]), w, lag_s=lag_s
+            cluster, client, keys.turn(ids[0]), w, lag_s=lag_s, unsent_bytes=unsent_bytes
         )
         marks = dict(w.acked)
         await w.until(lambda: all(w.acked[t] >= marks[t] + saves_after for t in ids))

@@ -63,12 +63,18 @@ async def test_a_primary_killed_under_saves_loses_no_save_acknowledged_with_wait
 
 
 async def test_without_wait_a_lagging_replica_loses_acknowledged_saves() -> None:
-    """The known window, shown: under ``ack`` the saves a primary acknowledged in the 2 s its
-    replica lagged are gone once that replica takes over (so the harness above can see a
-    loss, and ``replicas:1`` is what closes it)."""
+    """The known window, shown: under ``ack`` the saves a primary acknowledged while its
+    replica lagged (2 s, and 2 MB held for it beyond its socket's buffers) are gone once that
+    replica takes over (so the harness above can see a loss, and ``replicas:1`` is what
+    closes it)."""
     with EmbeddedCluster() as cluster:
         report = await failover_under_saves(
-            cluster, durability="ack", turns=24, lag_s=2.0, payload_bytes=32_000
+            cluster,
+            durability="ack",
+            turns=24,
+            lag_s=2.0,
+            unsent_bytes=2_000_000,
+            payload_bytes=32_000,
         )
     assert report.lost_turns > 0 and report.lost_saves > 0, report
 
