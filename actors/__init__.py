@@ -16,17 +16,17 @@ _EXPORTS = {
     "Runtime": "actors.cluster.runtime",
     "TurnEngine": "actors.engine.turn_engine",
     "RunStats": "actors.engine.turn_engine",
-    "Settings": "actors.engine.config",
-    "load_settings": "actors.engine.config",
-    "Scenario": "actors.engine.scenario",
-    "load_scenario": "actors.engine.scenario",
-    "BUILTIN_TOOLS": "actors.engine.builtin_tools",
-    "scripted_turn": "actors.engine.scripted",
+    "Settings": "actors.engine.settings.config",
+    "load_settings": "actors.engine.settings.config",
+    "Scenario": "actors.engine.models.scenario",
+    "load_scenario": "actors.engine.models.scenario",
+    "BUILTIN_TOOLS": "actors.engine.tools.builtin_tools",
+    "scripted_turn": "actors.engine.models.scripted",
     "load_agent": "actors.engine.agents",
-    "OpenAIChat": "actors.engine.openai_chat",
+    "OpenAIChat": "actors.engine.models.openai_chat",
     "FrontDesk": "actors.engine.front_desk",
     "SessionSubmit": "actors.engine.front_desk",
-    "IfBusy": "store.sessions",
+    "IfBusy": "store.domain.sessions",
     "Cancelled": "actors.engine.cancel",
     # agents
     "Agent": "actors.turn.agent",
@@ -168,14 +168,14 @@ __all__ = [
 if TYPE_CHECKING:
     from actors.cluster.runtime import Runtime
     from actors.engine.agents import load_agent
-    from actors.engine.builtin_tools import BUILTIN_TOOLS
     from actors.engine.cancel import Cancelled
-    from actors.engine.config import Settings, load_settings
     from actors.engine.front_desk import FrontDesk, SessionSubmit
-    from actors.engine.openai_chat import OpenAIChat
+    from actors.engine.models.openai_chat import OpenAIChat
+    from actors.engine.models.scenario import Scenario, load_scenario
+    from actors.engine.models.scripted import scripted_turn
     from actors.engine.run_stats import RunStats
-    from actors.engine.scenario import Scenario, load_scenario
-    from actors.engine.scripted import scripted_turn
+    from actors.engine.settings.config import Settings, load_settings
+    from actors.engine.tools.builtin_tools import BUILTIN_TOOLS
     from actors.engine.turn_engine import TurnEngine
     from actors.turn.agent import Agent, AgentSettings, ModelContext
     from actors.turn.llm import LLMClient, LLMReply, LLMRequest, ModelLimits
@@ -217,6 +217,7 @@ if TYPE_CHECKING:
     from bus.messages import Message, ToolCall, ToolResult, Usage
     from bus.outcomes import Outcome, SaveReason
     from bus.phase import TurnPhase
+    from store.domain.sessions import IfBusy
     from store.records import (
         Approval,
         CheckpointRecord,
@@ -227,7 +228,6 @@ if TYPE_CHECKING:
         TurnInput,
         TurnSpec,
     )
-    from store.sessions import IfBusy
 
 
 def __getattr__(name: str) -> Any:

@@ -271,7 +271,7 @@ LiveEvent = (
     | Finished
     | Recovering
 )
-"""Events only a watcher reads (never the shard buses): see ``store.streams`` for their
+"""Events only a watcher reads (never the shard buses): see ``store.views.streams`` for their
 per-turn stream."""
 
 WatchEvent = BusEvent | LiveEvent

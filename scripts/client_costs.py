@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What the Redis client costs a host's CPU, the two measurements behind the batching of script
-calls (store/batcher.py) and ``[host] gc_threshold`` (actors/engine/gc_tuning.py):
+calls (store/redis/batcher.py) and ``[host] gc_threshold`` (actors/engine/gc_tuning.py):
 
     .venv/bin/python scripts/client_costs.py [--redis-url URL] [--turns N]
 
 1. client CPU per ``EVALSHA``: 200 sent at once each on its own, against 200 in one pipeline,
-   and against 200 on the client's lane (``store/lane.py``); and one at a time, the round
+   and against 200 on the client's lane (``store/redis/lane.py``); and one at a time, the round
    trip and its CPU, through redis-py and on the lane;
 2. the ``durable_loop`` figure (one turn at a time, then 200 at once) under several
    young-generation GC thresholds, 700 being Python's own.
@@ -29,9 +29,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.harness.bench.durable_loop import durable_loop
-from store.connection import connect
-from store.embedded import EmbeddedRedis
-from store.lane import lane_of
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
+from store.redis.lane import lane_of
 
 THRESHOLDS = (700, 5_000, 20_000, 100_000)
 

@@ -6,9 +6,9 @@ once per durability (``ack``: Redis answered; ``replicas:1``: ``WAIT 1`` after e
 ``--lag S`` holds the primary's replica stopped for S seconds before the kill (a replica behind
 a slow or cut link): the writes of that time are what asynchronous replication can lose.
 
-Each run starts its own local cluster (three primaries, a replica each; store.embedded_cluster)
-and prints one JSON line per run (actors.harness.failover.FailoverReport).
-"""
+Each run starts its own local cluster (three primaries, a replica each;
+store.redis.embedded_cluster) and prints one JSON line per run
+(actors.harness.failover.FailoverReport)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import dataclasses
 import json
 
 from actors.harness.failover import failover_under_saves
-from store.embedded_cluster import EmbeddedCluster
+from store.redis.embedded_cluster import EmbeddedCluster
 
 
 def main() -> None:

@@ -26,14 +26,14 @@ from pathlib import Path
 import uvicorn
 
 from actors.console import ConsoleSettings, console_app
-from actors.engine.config import Settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.engine.turn_engine import TurnEngine
 from bus.phase import TurnPhase
-from store.connection import connect
-from store.embedded import EmbeddedRedis
 from store.records import CheckpointRecord, Counters, TurnSpec
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
 
 SCENARIO = {"name": "short", "rounds": 2, "tools_per_round": 1, "payload_bytes": 300}
 

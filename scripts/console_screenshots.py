@@ -31,13 +31,13 @@ from playwright.async_api import async_playwright
 
 from actors.cluster.runtime import Runtime
 from actors.console import ConsoleSettings, console_app
-from actors.engine.config import Settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.engine.turn_engine import TurnEngine
-from store.connection import connect
-from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "demo"

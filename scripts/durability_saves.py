@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.harness.bench.durability_modes import durability_modes
-from store.embedded import find_redis_server
+from store.redis.embedded import find_redis_server
 
 
 def main() -> None:

@@ -22,15 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.engine.engine_settings import EngineSettings  # noqa: E402
-from actors.engine.scenario import parse_scenario  # noqa: E402
-from actors.engine.scripted import scripted_turn  # noqa: E402
+from actors.engine.models.scenario import parse_scenario  # noqa: E402
+from actors.engine.models.scripted import scripted_turn  # noqa: E402
+from actors.engine.settings.engine_settings import EngineSettings  # noqa: E402
 from actors.engine.turn_engine import TurnEngine  # noqa: E402
 from actors.turn.settings import LoopSettings  # noqa: E402
-from store.connection import connect  # noqa: E402
-from store.embedded import EmbeddedRedis  # noqa: E402
 from store.keys import KeyLayout  # noqa: E402
 from store.records import TurnInput  # noqa: E402
+from store.redis.connection import connect  # noqa: E402
+from store.redis.embedded import EmbeddedRedis  # noqa: E402
 from tests.support.agents import TEST_KEY_ENV  # noqa: E402
 
 ROUNDS, TURNS, REPEATS = 10, 30, 2

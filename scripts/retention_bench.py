@@ -21,15 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
-from store.connection import connect
-from store.embedded import EmbeddedRedis
+from store.domain.retention import Retention
 from store.keys import KeyLayout
-from store.retention import Retention
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
 
 SCENARIO = {"name": "short", "rounds": 2, "tools_per_round": 1, "payload_bytes": 500}
 

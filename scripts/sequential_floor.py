@@ -36,9 +36,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.harness.bench.durable_loop import durable_loop
-from store.connection import connect
-from store.embedded import EmbeddedRedis
-from store.lane import lane_of
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
+from store.redis.lane import lane_of
 
 
 def fdatasync_ms(directory: Path, n: int = 2000) -> float:

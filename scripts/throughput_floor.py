@@ -35,16 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 import redis
 
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 from actors.harness.bench.sizes import bench_record
-from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
-from store.connection import connect
-from store.durability import DurabilityWait
-from store.embedded import EmbeddedRedis
 from store.keys import KeyLayout
-from store.save_script import SAVE_LUA, SaveCall
-from store.transport import transport_of
+from store.redis.connection import connect
+from store.redis.durability import DurabilityWait
+from store.redis.embedded import EmbeddedRedis
+from store.redis.transport import transport_of
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.save_script import SAVE_LUA, SaveCall
 
 TURNS, MESSAGES, PAYLOAD_BYTES = 1000, 12, 500
 #: Batches in flight at once per client process (their saves together: the turns).

@@ -22,7 +22,7 @@ from store.records import (
     MessageMeta,
     Settle,
 )
-from store.transcript import (
+from store.write.transcript import (
     DIGEST_BYTES,
     MESSAGES,
     METAS,

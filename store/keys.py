@@ -4,7 +4,7 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
 
     {ns}:{s<N>}:turn:<turn_id>      hash    the checkpoint record (records.CheckpointRecord)
     {ns}:{s<N>}:bodies:<turn_id>    hash    digest -> transcript entry or chunk of digests,
-                                            each stored once (store.transcript)
+                                            each stored once (store.write.transcript)
     {ns}:{s<N>}:spec:<turn_id>      string  msgpack TurnSpec, written once at submission
     {ns}:{s<N>}:tools:<turn_id>     hash    tool ledger: call key -> msgpack LedgerEntry, and
                                             "reply" -> msgpack ReplyJournal (the model reply
@@ -16,44 +16,46 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
     {ns}:{s<N>}:approval:<turn_id>  hash    call key -> "approve" | "deny"
     {ns}:{s<N>}:live:<turn_id>      stream  what a watcher of the turn sees (bus.events
                                             WatchEvent), capped, expires a day after its last
-                                            entry or with its finished turn (store.streams,
-                                            store.retention)
+                                            entry or with its finished turn (store.views.streams,
+                                            store.domain.retention)
     {ns}:{s<N>}:session:<session>   hash    a session's turn count and latest turn id
-                                            (store.sessions)
+                                            (store.domain.sessions)
     {ns}:{s<N>}:queue:<session>     list    a session's next turns, waiting for the one that
                                             runs (msgpack QueuedTurn), opened in order
     {ns}:{s<N>}:events              stream  one entry per save (the checkpoint event)
-    {ns}:{s<N>}:bus                 stream  phase transitions and status events (store.streams)
+    {ns}:{s<N>}:bus                 stream  phase transitions and status events
+                                            (store.views.streams)
     {ns}:{s<N>}:deadletters         stream  bus entries that failed to decode, kept for a person
     {ns}:{s<N>}:inprogress          set     turn ids whose record has in_progress = 1
     {ns}:{s<N>}:turns               zset    every turn of the shard -> submitted at (unix ms),
                                             written with its first record (listing turns
                                             without a scan)
     {ns}:{s<N>}:usage               hash    "<counter>|<agent>" -> the shard's finished turns'
-                                            tokens per agent, added by final saves (store.usage)
+                                            tokens per agent, added by final saves
+                                            (store.domain.usage)
     {ns}:{s<N>}:quarantine          hash    quarantined key -> reason
     {ns}:{s<N>}:quarantined:<id>    hash    a record moved aside because it failed to decode
     {ns}:{global}:owner             hash    who runs the namespace's deployment: Ray cluster,
                                             owner token, host, pid, command, since; expires
-                                            unless its Supervisor renews it (store.ownership)
+                                            unless its Supervisor renews it (store.domain.ownership)
     {ns}:{global}:queued            set     sessions with queued turns (advisory: a host that
                                             finds a session free opens its next one)
     {ns}:{global}:hosts             hash    host slot -> current generation (the supervisor's)
     {ns}:{global}:supervisor        hash    supervisor counters (respawns)
     {ns}:{global}:isolation         zset    turns to run alone on the isolation host -> not
-                                            before (unix ms); see store.isolation
+                                            before (unix ms); see store.domain.isolation
     {ns}:{global}:probation         hash    the turn running alone right now: turn_id, epoch,
                                             step it started (phase@position), at
     {ns}:{global}:pools             hash    tool worker pool -> its current size (the
                                             supervisor's; hosts route calls by it)
     {ns}:{global}:lease:<slot>:<gen> string a host generation's lease, renewed by the host,
-                                            expiring when it stops (store.leases)
+                                            expiring when it stops (store.domain.leases)
     {ns}:{global}:models            zset    model endpoint id -> when a process calling it last
                                             said so (unix ms): the endpoints to list, read
-                                            instead of scanning the keyspace (store.limiter)
+                                            instead of scanning the keyspace (store.domain.limiter)
     {ns}:{m:<endpoint>}:limit       hash    a model endpoint's admission state: request and
                                             token schedules, the provider's pause, waiters'
-                                            last asks (store.limiter)
+                                            last asks (store.domain.limiter)
     {ns}:{m:<endpoint>}:line        zset    calls waiting for that endpoint -> first held back
     {ns}:{m:<endpoint>}:flight      zset    its admitted calls -> when their place expires
 
@@ -93,7 +95,8 @@ def check_turn_id(turn_id: str) -> str:
 
 
 def check_endpoint(endpoint: str) -> str:
-    """Model endpoint ids (hex, :func:`store.limiter.endpoint_id`) name keys; refuse others."""
+    """Model endpoint ids (hex, :func:`store.domain.limiter.endpoint_id`) name keys; refuse
+    others."""
     if not _ENDPOINT.fullmatch(endpoint):
         raise ConfigError(f"invalid model endpoint id {endpoint!r}")
     return endpoint
@@ -119,8 +122,8 @@ def _turn_prefix(namespace: str, shards: int, turn_id: str) -> str:
     return _tag(namespace, _shard(shards, check_turn_id(turn_id)))
 
 
-#: Field of a turn's ledger hash holding its journaled reply (``store.ledger``); call keys are
-#: ``<batch>.<index>.<hex>``, so no call can take it.
+#: Field of a turn's ledger hash holding its journaled reply (``store.domain.ledger``); call keys
+#: are ``<batch>.<index>.<hex>``, so no call can take it.
 REPLY_FIELD = "reply"
 #: Fields where a journaled reply refused on resume is kept, with why (never read back).
 REPLY_REFUSED_FIELD = "reply!bad"

@@ -1,7 +1,7 @@
 """msgpack as phaseline writes and reads it: one place for the two calls every encoder makes.
 
 Its own module so that the record codec (``store.codec``) and the transcript's bodies
-(``store.transcript``), which the codec builds on, share it without importing each other.
+(``store.write.transcript``), which the codec builds on, share it without importing each other.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 #: Version of the checkpoint record layout. Bump on any incompatible change; readers
 #: quarantine records whose schema they do not know. 3: the record names its agent; 2: the
-#: transcript is content-addressed (store.transcript); 1 (the whole transcript inline). All
+#: transcript is content-addressed (store.write.transcript); 1 (the whole transcript inline). All
 #: three are read.
 SCHEMA_VERSION = 3
 
@@ -272,7 +272,7 @@ class CheckpointRecord(FrozenModel):
 
 
 #: Import path of the scripted agent: what specs written before agents existed ran.
-SCRIPTED_AGENT = "actors.engine.scripted:agent"
+SCRIPTED_AGENT = "actors.engine.models.scripted:agent"
 
 
 class TurnInput(TextModel):
@@ -430,7 +430,7 @@ class QueuedTurn(FrozenModel):
 
 
 class Approval(TextModel):
-    """A tool call's approval: asked, then decided (``store.approvals``). Kept after the
+    """A tool call's approval: asked, then decided (``store.domain.approvals``). Kept after the
     decision, so who decided, when and why stays with the turn."""
 
     state: Literal["pending", "approve", "deny"]

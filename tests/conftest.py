@@ -19,10 +19,10 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from store.connection import StoreClient, connect
-from store.embedded import EmbeddedRedis
-from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout
+from store.redis.connection import StoreClient, connect
+from store.redis.embedded import EmbeddedRedis
+from store.redis.embedded_cluster import EmbeddedCluster
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 import actors
-from actors.engine.shipped import scenario_path
+from actors.engine.settings.shipped import scenario_path
 from bus.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,14 +29,14 @@ from rich.console import Console
 
 from actors.cluster.joining import gcs_address
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings, load_settings
 from actors.engine.front_desk import FrontDesk
+from actors.engine.settings.config import Settings, load_settings
 from bus.errors import ConfigError, PhaselineError
-from store.connection import StoreClient
-from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
-from store.embedded_cluster import EmbeddedCluster
-from store.failures import translated
-from store.urls import redact_url
+from store.redis.connection import StoreClient
+from store.redis.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
+from store.redis.embedded_cluster import EmbeddedCluster
+from store.redis.failures import translated
+from store.redis.urls import redact_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -42,8 +42,8 @@ from actors.cli.runs import (
 from actors.cluster.joining import ensure_ray
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
 from actors.engine.run_stats import new_run_id, turn_ids
+from actors.engine.settings.config import Settings
 from actors.harness.bench.runner import FIGURES, FULL, QUICK, parse_figures, run_bench
 from actors.harness.chaos import run_chaos
 from actors.harness.chaos_report import ChaosReport
@@ -53,8 +53,8 @@ from actors.harness.chaos_settings import ChaosSettings
 from actors.harness.demo import DemoReport, run_demo
 from actors.harness.links import Links, outside_links
 from actors.harness.targets import LOCAL_ONLY, TARGETS, ChaosTarget, parse_targets
-from store.embedded import EmbeddedRedis
-from store.embedded_cluster import EmbeddedCluster
+from store.redis.embedded import EmbeddedRedis
+from store.redis.embedded_cluster import EmbeddedCluster
 
 log = logging.getLogger(__name__)
 

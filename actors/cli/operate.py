@@ -30,13 +30,13 @@ from actors.cli.app import (
     whoami,
 )
 from actors.engine.cancel import Cancelled
-from actors.engine.config import Settings
 from actors.engine.front_desk import FrontDesk, Waiting
+from actors.engine.settings.config import Settings
 from bus.phase import TurnPhase
 from store.codec import dump_model
-from store.connection import StoreClient
 from store.keys import check_turn_id
-from store.summaries import MAX_LOOKBACK_S, TurnFilter, TurnPage
+from store.redis.connection import StoreClient
+from store.views.summaries import MAX_LOOKBACK_S, TurnFilter, TurnPage
 
 __all__ = ["approvals", "approve", "cancel", "deny", "export", "inject", "purge", "turns"]
 

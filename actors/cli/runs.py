@@ -34,11 +34,11 @@ from actors.cli.app import (
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent, refuse_unrunnable
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineHooks
 from actors.engine.front_desk import FrontDesk
+from actors.engine.models.scenario import load_scenario
 from actors.engine.run_stats import RunStats, new_run_id, turn_ids
-from actors.engine.scenario import load_scenario
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineHooks
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.links import Links, outside_links
 from actors.harness.targets import ChaosTarget
@@ -47,10 +47,10 @@ from actors.harness.work import Work
 from bus.errors import RecordNotFound
 from bus.outcomes import Outcome
 from bus.phase import Transition, TurnPhase
-from store.connection import StoreClient
+from store.domain.ownership import NamespaceOwner, holding
 from store.keys import check_turn_id
-from store.ownership import NamespaceOwner, holding
 from store.records import CheckpointRecord
+from store.redis.connection import StoreClient
 
 
 class _Bar:
@@ -234,7 +234,7 @@ def _either(
 async def _in_process(
     client: StoreClient, settings: Settings, work: Callable[[StoreClient], Awaitable[T]]
 ) -> T:
-    """Run ``work`` holding the namespace (``store.ownership``): no deployment may run it
+    """Run ``work`` holding the namespace (``store.domain.ownership``): no deployment may run it
     meanwhile, nor another command running turns in process."""
     keys = settings.redis.key_layout()
     owners = NamespaceOwner(client, keys, ttl_s=settings.supervisor.owner_ttl_s)

@@ -28,13 +28,13 @@ from actors.cli.app import (
 )
 from actors.cluster.joining import gcs_address, ray_auth
 from actors.cluster.runtime import Runtime
-from actors.engine import local_model
-from actors.engine.config import Settings
+from actors.engine.models import local_model
+from actors.engine.settings.config import Settings
 from bus.errors import StoreError
-from store.connection import StoreClient
-from store.embedded import EmbeddedRedis
-from store.ownership import RayAuth
-from store.urls import redact_url
+from store.domain.ownership import RayAuth
+from store.redis.connection import StoreClient
+from store.redis.embedded import EmbeddedRedis
+from store.redis.urls import redact_url
 
 
 @main.command()

@@ -25,16 +25,16 @@ from actors.cli.app import (
 from actors.cli.views import _exit_for, _render
 from actors.cluster.runtime import Runtime
 from actors.engine.agents import check_agent, load_agent
-from actors.engine.config import Settings
 from actors.engine.front_desk import FrontDesk
 from actors.engine.run_stats import new_run_id
+from actors.engine.settings.config import Settings
 from actors.harness.live import LiveView
 from bus.errors import ConfigError, TurnExists
-from store.connection import StoreClient
+from store.domain.sessions import IfBusy
 from store.keys import check_session_id, check_turn_id
 from store.records import TurnInput
-from store.sessions import IfBusy
-from store.watch import watch_turn
+from store.redis.connection import StoreClient
+from store.views.watch import watch_turn
 
 
 def _say_queued(session: str, behind: str, place: int) -> None:

@@ -7,7 +7,7 @@ import os
 import click
 
 from actors.cli.app import BadInput, _common, _redis, _settings, console, main
-from actors.engine.extras import Extra, needs
+from actors.engine.settings.extras import Extra, needs
 
 __all__ = ["ui"]
 

@@ -35,10 +35,10 @@ from bus.events import WatchEvent
 from bus.outcomes import ANSWER_OUTCOMES, Outcome
 from bus.phase import TurnPhase
 from store.codec import dump_model
-from store.connection import StoreClient
 from store.keys import check_turn_id
 from store.records import CheckpointRecord
-from store.watch import watch_turn
+from store.redis.connection import StoreClient
+from store.views.watch import watch_turn
 
 
 @main.command()

@@ -5,7 +5,7 @@ snapshot and sends whatever has queued while a call was in flight as one batch, 
 throughput is not capped by one Ray call per save; under load a second batch goes out beside
 the first (``[checkpoint] batches_in_flight``), so the host makes one while the actor writes
 the other. The actor validates each record and writes the batch with
-:meth:`~store.checkpoint.RedisCheckpointStore.save_many` (one pipeline of fenced save
+:meth:`~store.write.checkpoint.RedisCheckpointStore.save_many` (one pipeline of fenced save
 scripts). Records cross Ray as msgpack, never as pickles.
 
 Where a batch goes is a :data:`BatchSender`: :func:`actor_sender` (the CheckpointActor, what
@@ -33,15 +33,15 @@ from actors.cluster.deployment import Deployment
 from actors.cluster.info import Answer, SaveVerdict, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
-from actors.engine.config import CheckpointSettings
 from actors.engine.gc_tuning import tune_gc
+from actors.engine.settings.config import CheckpointSettings
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
-from store.batcher import Batcher
-from store.checkpoint import RedisCheckpointStore
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
 from store.records import CheckpointRecord, SaveAck, Settle
-from store.save_script import REPLAYED
-from store.transcript import KnownBodies
+from store.redis.batcher import Batcher
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.save_script import REPLAYED
+from store.write.transcript import KnownBodies
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.cluster.refs import HostRef
 from actors.engine.agents import load_agent
-from actors.engine.config import Settings
-from store.connection import StoreClient
-from store.failures import translated
+from actors.engine.settings.config import Settings
 from store.keys import KeyLayout
-from store.replies import text
+from store.redis.connection import StoreClient
+from store.redis.failures import translated
+from store.redis.replies import text
 
 
 def actor_name(namespace: str, role: str) -> str:

@@ -10,7 +10,7 @@ instead of after Ray's 60 s of retries, and turns Ray's connection failure into 
 :class:`~bus.errors.ConfigError` that says what to do.
 
 The token is never written to Redis: the namespace's owner record says only *that* the
-deployment's cluster wants one (:class:`~store.ownership.RayAuth`).
+deployment's cluster wants one (:class:`~store.domain.ownership.RayAuth`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ray
 
 from actors.cluster.refs import RAY_NAMESPACE
 from bus.errors import ConfigError
-from store.ownership import RayAuth
+from store.domain.ownership import RayAuth
 
 __all__ = ["ensure_ray", "gcs_address", "ray_auth", "ray_cluster_id", "token_at_hand"]
 

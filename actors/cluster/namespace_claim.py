@@ -1,4 +1,4 @@
-"""Claiming a namespace for a deployment on Ray (``store.ownership`` holds the lease): who
+"""Claiming a namespace for a deployment on Ray (``store.domain.ownership`` holds the lease): who
 owns it, who attaches as a client, who may stop it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from actors.cluster.deployment import Deployment
 from actors.cluster.joining import ray_auth, ray_cluster_id
 from actors.cluster.refs import named
-from store.connection import StoreClient
-from store.ownership import ClaimOutcome, Holder, NamespaceOwner
+from store.domain.ownership import ClaimOutcome, Holder, NamespaceOwner
+from store.redis.connection import StoreClient
 
 __all__ = ["claim_namespace", "may_stop"]
 

@@ -18,9 +18,9 @@ from actors.cluster.metrics import metrics
 from actors.engine.resume import plan_resume, plan_to_wire
 from actors.turn.recovery import Situation, decide_recovery
 from bus.outcomes import Problem
-from store.checkpoint import RedisCheckpointStore
-from store.inbox import Inbox
-from store.ledger import ToolLedger
+from store.domain.inbox import Inbox
+from store.domain.ledger import ToolLedger
+from store.write.checkpoint import RedisCheckpointStore
 
 log = logging.getLogger(__name__)
 

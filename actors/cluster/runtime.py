@@ -32,18 +32,18 @@ from actors.cluster.placement import singleton_options
 from actors.cluster.refs import HostRef, ServiceRef, SupervisorRef, ToolWorkerRef, spawn
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
-from actors.engine.config import Settings
 from actors.engine.front_desk import FrontDesk
+from actors.engine.settings.config import Settings
 from bus.errors import ConfigError, PhaselineError, StoreError
 from bus.events import WatchEvent
-from store.connection import StoreClient
-from store.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
-from store.failures import translated
-from store.finals import wait_final
-from store.ownership import Holder, NamespaceOwner, RayAuth
+from store.domain.ownership import Holder, NamespaceOwner, RayAuth
 from store.records import CheckpointRecord, TurnInput
-from store.urls import redact_url
-from store.watch import watch_turn
+from store.redis.connection import StoreClient
+from store.redis.embedded import EmbeddedRedis, appendfsync_for, attach_or_start
+from store.redis.failures import translated
+from store.redis.urls import redact_url
+from store.views.finals import wait_final
+from store.views.watch import watch_turn
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ class Runtime(FrontDesk):
         endpoints its generations take in turn, when not as the rest of the deployment does
         (a chaos run's partitions).
 
-        The namespace is claimed first (``store.ownership``): if this Ray cluster already runs
-        its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
+        The namespace is claimed first (``store.domain.ownership``): if this Ray cluster already
+        runs its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
         nothing); if another cluster or process holds it, :class:`NamespaceHeld` names the
         holder and nothing starts."""
         for path in agents:
@@ -237,7 +237,7 @@ class Runtime(FrontDesk):
                 log.warning("host slot %d died while taking turns; its successor adopts them", slot)
 
     def watch(self, turn_id: str, *, from_start: bool = True) -> AsyncIterator[WatchEvent]:
-        """The turn's live events until its final record (see ``store.watch``): phase
+        """The turn's live events until its final record (see ``store.views.watch``): phase
         transitions, ``idle_soft``, streamed text, tool calls and results, a
         :class:`~bus.events.Restarted` marker where a new owner took over after a crash, and
         :class:`~bus.events.Finished` last."""
@@ -286,7 +286,7 @@ class Runtime(FrontDesk):
         on_unusable: Callable[[str, StoreError], None] | None = None,
     ) -> dict[str, CheckpointRecord]:
         """Block until every turn's final record is stored; returns them (see
-        :func:`store.finals.wait_final`: an unreadable or gone turn is reported to
+        :func:`store.views.finals.wait_final`: an unreadable or gone turn is reported to
         ``on_unusable`` and left out, a Redis that is away is waited through)."""
         return await wait_final(
             self.client, self.store, turn_ids, timeout=timeout, on_done=on_done,

@@ -17,9 +17,9 @@ from ray.exceptions import RayActorError
 from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.refs import ServiceRef
 from actors.cluster.runtime import Runtime
-from store.limiter import EndpointLimiter, EndpointState
-from store.pools import PoolSizes
-from store.usage import AgentUsage, agent_usage
+from store.domain.limiter import EndpointLimiter, EndpointState
+from store.domain.pools import PoolSizes
+from store.domain.usage import AgentUsage, agent_usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class MCPRow:
 
 @dataclass(frozen=True, slots=True)
 class AgentRow:
-    """One agent's finished turns and their tokens (``store.usage``)."""
+    """One agent's finished turns and their tokens (``store.domain.usage``)."""
 
     agent: str
     """Its import path."""

@@ -6,7 +6,7 @@ WatchdogActor, RecoveryActor, each restarted by Ray on death) and checks every h
 * a host that is gone (``RayActorError``, or no actor under its name) is replaced at once: a
   call parked on each host fails the moment Ray sees its process die, which triggers the
   check without waiting for the next ping;
-* a host whose lease has lapsed (``store.leases``: it renews it from its own event loop, so a
+* a host whose lease has lapsed (``store.domain.leases``: it renews it from its own event loop, so a
   hung or SIGSTOPped host stops) and that does not answer one ping is replaced too, about
   ``lease_ttl_s`` after it stopped; an unanswered ping alone (a busy host) replaces nothing;
 * a host that answers its ping but is cut off from Redis (it says it has not reached Redis
@@ -67,12 +67,12 @@ from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
 from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
 from bus.errors import PhaselineError
-from store.failures import translated
-from store.leases import HostLeases
-from store.limiter import EndpointLimiter
-from store.ownership import Holder, NamespaceOwner
-from store.pools import PoolSizes
-from store.usage import agent_usage
+from store.domain.leases import HostLeases
+from store.domain.limiter import EndpointLimiter
+from store.domain.ownership import Holder, NamespaceOwner
+from store.domain.pools import PoolSizes
+from store.domain.usage import agent_usage
+from store.redis.failures import translated
 
 log = logging.getLogger(__name__)
 

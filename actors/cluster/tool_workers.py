@@ -37,20 +37,20 @@ from actors.cluster.info import MCPSessionInfo, ServiceInfo
 from actors.cluster.metrics import metrics
 from actors.cluster.refs import ToolWorkerRef, ask
 from actors.engine.agents import load_agent
-from actors.engine.call_ends import CallEnd, Ending, attempt_here, call_result
-from actors.engine.local_tools import CallGates
-from actors.engine.mcp import hub, hub_states, mcp_spec, mcp_target, merged
-from actors.engine.toolrun import ToolJob
+from actors.engine.tools.call_ends import CallEnd, Ending, attempt_here, call_result
+from actors.engine.tools.local_tools import CallGates
+from actors.engine.tools.mcp import hub, hub_states, mcp_spec, mcp_target, merged
+from actors.engine.tools.toolrun import ToolJob
 from actors.turn.agent import Agent
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import ConfigError
 from bus.events import LiveEvent, ToolWait, ToolWaiting
 from bus.messages import ToolCall, ToolResult
-from store.connection import connect
-from store.effects import EffectCounters
-from store.pools import PoolSizes
+from store.domain.effects import EffectCounters
+from store.domain.pools import PoolSizes
 from store.records import TurnInput
+from store.redis.connection import connect
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class ToolWorker:
     ) -> list[tuple[str, str]]:
         """Calls of one batch of ``agent``'s turn ``turn_id`` (one, or several of idempotent
         tools), each ``(name, args_json, call_key, timeout_s)``, run at once here: each ends as
-        ``(how, text)`` (:class:`~actors.engine.call_ends.CallEnd`; a call past its timeout is
+        ``(how, text)`` (:class:`~actors.engine.tools.call_ends.CallEnd`; a call past its timeout is
         cancelled here). Arguments travel as JSON, never as pickles; a tool's exception (an
         agent that does not load here included) is its error. Never raises for one call: the
         others' ends still come back."""
@@ -149,7 +149,7 @@ class ToolWorker:
 
 
 class RayToolRunner:
-    """A :class:`~actors.engine.toolrun.ToolRunner` that sends each call to a ToolWorker."""
+    """A :class:`~actors.engine.tools.toolrun.ToolRunner` that sends each call to a ToolWorker."""
 
     def __init__(
         self,
@@ -340,7 +340,7 @@ class RayToolRunner:
         """``group``'s results from workers of ``pool``: its first attempt in one Ray call for
         all (a lone call is a group of one); a call that must be tried again (its worker died,
         its store failed under it, Redis refused its write) goes on alone from there. Each
-        call's ends are read by :func:`~actors.engine.call_ends.call_result`, the one
+        call's ends are read by :func:`~actors.engine.tools.call_ends.call_result`, the one
         mapping of how a call ended."""
         firsts = await self._attempt(pool, group, 0)
         return list(

@@ -39,21 +39,21 @@ from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
-from actors.engine.engine_settings import EngineHooks
 from actors.engine.gc_tuning import tune_gc
 from actors.engine.resume import ResumePlan
+from actors.engine.settings.engine_settings import EngineHooks
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import PhaselineError
 from bus.events import LiveEvent, Recovering, encode_event
 from bus.outcomes import Problem
 from bus.phase import TurnPhase
-from store.connection import connect
-from store.effects import EffectCounters
-from store.leases import HostLeases
-from store.pools import PoolSizes
+from store.domain.effects import EffectCounters
+from store.domain.leases import HostLeases
+from store.domain.pools import PoolSizes
 from store.records import TurnInput
-from store.streams import BufferedPublisher, RedisBus
+from store.redis.connection import connect
+from store.views.streams import BufferedPublisher, RedisBus
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +198,11 @@ class TurnActor:
         return sum(self._spawn(t, self._resume_planned(t, i, plans)) for i, t in enumerate(mine))
 
     async def _heartbeat(self) -> None:
-        """For as long as the event loop runs: renew this generation's lease, and report how
-        many of its turns are in each phase (the ``phaseline_turns`` gauge). A failed renewal
-        (Redis restarting, a failover) is retried at the next period; the lease may lapse
-        meanwhile, but a host that still answers its ping is kept (``store.leases``) unless it
-        stays cut off from Redis for ``cut_off_s`` (the Supervisor asks :meth:`reach_store`)."""
+        """For as long as the event loop runs: renew this generation's lease, and report how many of
+        its turns are in each phase (the ``phaseline_turns`` gauge). A failed renewal (Redis
+        restarting, a failover) is retried at the next period; the lease may lapse meanwhile, but a
+        host that still answers its ping is kept (``store.domain.leases``) unless it stays cut off
+        from Redis for ``cut_off_s`` (the Supervisor asks :meth:`reach_store`)."""
         host = self.dep.host_label(self.slot)
         while True:
             by_phase = self.engine.phase_counts()

@@ -25,7 +25,7 @@ from actors.turn.watchdog import HardCancel, WatchdogAction, WatchdogRules
 from bus.errors import PhaselineError
 from bus.events import Status, StatusEvent
 from bus.phase import Transition
-from store.streams import RedisBus
+from store.views.streams import RedisBus
 
 log = logging.getLogger(__name__)
 

@@ -39,17 +39,17 @@ from actors.console.access import Access, AccessMiddleware
 from actors.console.timeline import row_of
 from actors.console.views import deployment_view, list_view, turn_view
 from actors.engine.cancel import Cancelled
-from actors.engine.config import Settings
 from actors.engine.front_desk import FrontDesk
+from actors.engine.settings.config import Settings
 from bus.errors import ConfigError, PhaselineError, RecordError, RecordNotFound
 from bus.events import Checkpointed, Finished, ToolReturned
 from bus.phase import Transition, TurnPhase
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient
 from store.keys import TURN_ID_PATTERN, check_turn_id
-from store.summaries import MAX_LOOKBACK_S, Cursor, TurnFilter
-from store.urls import redact_url
-from store.watch import watch_entries
+from store.redis.connection import StoreClient
+from store.redis.urls import redact_url
+from store.views.summaries import MAX_LOOKBACK_S, Cursor, TurnFilter
+from store.views.watch import watch_entries
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["ConsoleSettings", "console_app"]
 

@@ -29,9 +29,9 @@ from bus.events import (
 )
 from bus.outcomes import ANSWER_OUTCOMES, Action
 from bus.phase import Transition, TurnPhase
-from store.connection import StoreClient
 from store.keys import KeyLayout
-from store.stream_reads import read_range
+from store.redis.connection import StoreClient
+from store.redis.stream_reads import read_range
 
 __all__ = ["Row", "Timeline", "Tone", "read_timeline", "row_of"]
 

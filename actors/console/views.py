@@ -1,7 +1,7 @@
 """What each console page shows, read from Redis (and from the deployment when attached).
 
 Plain frozen values the templates render; nothing here writes. The same records and events
-the CLI reads (``store.summaries`` for the list, the record, ledger and approvals for a turn,
+the CLI reads (``store.views.summaries`` for the list, the record, ledger and approvals for a turn,
 its live stream for the timeline, ``actors.cluster.status`` for the deployment).
 """
 
@@ -17,18 +17,18 @@ from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message, Usage
 from bus.outcomes import Outcome
 from bus.phase import TurnPhase
-from store.approvals import Approvals
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient
-from store.failures import translated
+from store.domain.approvals import Approvals
+from store.domain.ledger import ToolLedger
+from store.domain.limiter import EndpointLimiter, EndpointState
+from store.domain.pools import PoolSizes
+from store.domain.usage import AgentUsage, agent_usage, outcome_counts
 from store.keys import KeyLayout
-from store.ledger import ToolLedger
-from store.limiter import EndpointLimiter, EndpointState
-from store.pools import PoolSizes
 from store.records import Approval, CheckpointRecord, LedgerEntry, MessageMeta, TurnSpec
-from store.replies import text
-from store.summaries import Cursor, TurnFilter, TurnPage, phase_counts, turn_page
-from store.usage import AgentUsage, agent_usage, outcome_counts
+from store.redis.connection import StoreClient
+from store.redis.failures import translated
+from store.redis.replies import text
+from store.views.summaries import Cursor, TurnFilter, TurnPage, phase_counts, turn_page
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = [
     "DeploymentView",

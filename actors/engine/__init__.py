@@ -1,3 +1,4 @@
 """Running turns in one process against Redis: the turn engine (also the core of every Ray
-TurnActor), the tool batch executor with the ledger rules, resume plans, settings, the scripted
-model, scenarios and the built-in tools. No Ray."""
+TurnActor) and what it needs at the top (the turns it runs, their checkpoints, resume plans, the
+front desk, submission, agents); model clients in ``models``, tool running in ``tools``,
+settings in ``settings``. No Ray."""

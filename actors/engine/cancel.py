@@ -1,6 +1,6 @@
 """Cancelling a turn: a durable request that whichever incarnation owns the turn honours.
 
-The request is an entry in the turn's inbox (``store.inbox``), so it survives the host: the
+The request is an entry in the turn's inbox (``store.domain.inbox``), so it survives the host: the
 incarnation running the turn ends it at its next boundary, and one that resumes after a crash
 reads it before its first model call. The owner's host is also told at once
 (``TurnEngine.cancel``, reached through the deployment), which cancels an in-flight model call
@@ -17,10 +17,10 @@ from enum import StrEnum
 from actors.engine.submission import queued_turn
 from bus.errors import RecordNotFound, TurnNotRunning
 from bus.outcomes import Outcome, SaveReason
-from store.checkpoint import RedisCheckpointStore
-from store.inbox import Inbox
+from store.domain.inbox import Inbox
+from store.domain.sessions import Sessions
 from store.records import CheckpointRecord, QueuedTurn, TurnSpec
-from store.sessions import Sessions
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["Cancelled", "queue_behind", "request_cancel"]
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import IO
 
 from actors.engine.cancel import Cancelled, queue_behind, request_cancel
-from actors.engine.config import Settings
 from actors.engine.resume import reopen
+from actors.engine.settings.config import Settings
 from actors.engine.submission import new_turns, session_turn
 from bus.errors import (
     ConfigError,
@@ -30,17 +30,17 @@ from bus.errors import (
     StoreError,
     TurnExists,
 )
-from store.approvals import Approvals
-from store.archive import FinishedTurn
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient
-from store.inbox import Inbox
+from store.domain.approvals import Approvals
+from store.domain.inbox import Inbox
+from store.domain.ledger import ToolLedger
+from store.domain.retention import TurnPurger
+from store.domain.sessions import IfBusy, Sessions
 from store.keys import KeyLayout, check_turn_id
-from store.ledger import ToolLedger
 from store.records import Approval, CheckpointRecord, InboxItem, QueuedTurn, TurnInput
-from store.retention import TurnPurger
-from store.sessions import IfBusy, Sessions
-from store.summaries import Cursor, TurnFilter, TurnPage, TurnSummary, summaries, turn_page
+from store.redis.connection import StoreClient
+from store.views.archive import FinishedTurn
+from store.views.summaries import Cursor, TurnFilter, TurnPage, TurnSummary, summaries, turn_page
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["FrontDesk", "SessionSubmit", "Waiting", "call_matches"]
 
@@ -248,7 +248,7 @@ class FrontDesk:
         limit: int = 50,
         scan: int = 5000,
     ) -> TurnPage:
-        """A page of the turns index, newest first (see :func:`store.summaries.turn_page`)."""
+        """A page of the turns index, newest first (see :func:`store.views.summaries.turn_page`)."""
         return await turn_page(self.client, self.keys, where=where, after=after, limit=limit,
                                scan=scan)  # fmt: skip
 
@@ -272,7 +272,7 @@ class FrontDesk:
 
     async def export(self, where: TurnFilter, sink: IO[str]) -> int:
         """Write each finished turn ``where`` admits to ``sink`` as a JSON line (record and
-        ledger, :class:`~store.archive.FinishedTurn`); returns how many."""
+        ledger, :class:`~store.views.archive.FinishedTurn`); returns how many."""
         written = 0
         async for row in self.finished(where):
             try:
@@ -296,7 +296,7 @@ class FrontDesk:
         ]
 
     async def purge(self, turn_ids: Iterable[str]) -> int:
-        """Remove finished turns (every key of each, :class:`~store.retention.TurnPurger`);
+        """Remove finished turns (every key of each, :class:`~store.domain.retention.TurnPurger`);
         returns how many went (a turn in progress is never removed)."""
         purger = TurnPurger(self.client, self.keys)
         return sum([await purger.purge(t) for t in turn_ids])

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from actors.engine.config import Settings
-from actors.engine.extras import Extra, needs
+from actors.engine.settings.config import Settings
+from actors.engine.settings.extras import Extra, needs
 from bus.events import LiveEvent
 from bus.phase import Transition
-from store.connection import StoreClient
-from store.streams import BufferedPublisher, RedisBus
+from store.redis.connection import StoreClient
+from store.views.streams import BufferedPublisher, RedisBus
 
 if TYPE_CHECKING:
     from actors.engine.telemetry import TurnTracer

@@ -3,7 +3,7 @@ for those who archive (or bill, or notify) continuously rather than with ``phase
 
 Named by import path (``[retention] on_finish = "pkg.mod:fn"``) so every host of a deployment
 loads it, or passed to :class:`~actors.engine.turn_engine.TurnEngine` in process. ``fn`` takes
-a :class:`~store.archive.FinishedTurn` and may be a coroutine function. It runs in the host
+a :class:`~store.views.archive.FinishedTurn` and may be a coroutine function. It runs in the host
 that ended the turn, after the save: at most once per turn (a host that dies between the save
 and the call does not call it; ``phaseline export --since`` catches up), and its failure is
 logged and counted, never the turn's. It runs inside that turn's task, so a slow hook delays
@@ -19,9 +19,9 @@ from typing import cast
 
 from actors.engine.imports import load_by_path
 from bus.errors import ConfigError, StoreError
-from store.archive import FinishedTurn
-from store.ledger import ToolLedger
+from store.domain.ledger import ToolLedger
 from store.records import CheckpointRecord
+from store.views.archive import FinishedTurn
 
 __all__ = ["OnFinish", "call_on_finish", "load_on_finish", "on_finish_of"]
 

@@ -4,7 +4,7 @@ The isolation host (and ``phaseline resume --in-process``, after its shared turn
 queued turn by itself until its first checkpoint (the loop stops ``released``), its end, or its
 suspension. Before every step of a probation the probation marker names that step, so a
 successor that finds the marker after a death knows where the turn killed its host
-(``store.isolation`` keeps the facts, ``actors.turn.poison`` decides what they mean). A
+(``store.domain.isolation`` keeps the facts, ``actors.turn.poison`` decides what they mean). A
 probation that saves nothing within the patience is detached: it goes on as an ordinary run,
 so a slow turn cannot hold the queue.
 """
@@ -21,7 +21,7 @@ from actors.engine.resume import Resume, ResumePlan, died_inside
 from actors.turn.poison import isolation_backoff_s
 from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import StaleOwner, StoreError
-from store.isolation import Isolation, Probation
+from store.domain.isolation import Isolation, Probation
 from store.records import CheckpointRecord
 
 

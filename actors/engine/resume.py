@@ -17,13 +17,13 @@ from actors.turn.poison import Placement, place
 from actors.turn.run_result import RunStop
 from bus.errors import RecordError, RecordNotFound, StaleOwner
 from bus.outcomes import Outcome, SaveReason
-from store.checkpoint import RedisCheckpointStore
 from store.codec import dump_model
-from store.inbox import Inbox
-from store.isolation import Probation
-from store.ledger import LedgerView, ToolLedger, decode_reply
+from store.domain.inbox import Inbox
+from store.domain.isolation import Probation
+from store.domain.ledger import LedgerView, ToolLedger, decode_reply
 from store.msgpack_wire import pack, unpack
 from store.records import CheckpointRecord, LedgerEntry, ReplyJournal, TurnSpec
+from store.write.checkpoint import RedisCheckpointStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import StoreError, StoreUnavailable
 from bus.outcomes import Outcome
-from store.checkpoint import RedisCheckpointStore
 from store.records import TurnError
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["RunStats", "new_run_id", "still_in_progress", "turn_ids"]
 

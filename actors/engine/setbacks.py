@@ -17,7 +17,6 @@ from actors.turn.run_result import RunStop, TurnOutcome
 from bus.errors import ConfigError, StoreError
 from bus.events import LiveEvent, Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
-from store.checkpoint import RedisCheckpointStore
 from store.records import (
     AGENT_FAILURES_TO_SUSPEND,
     RUN_FAILURES_TO_SUSPEND,
@@ -25,6 +24,7 @@ from store.records import (
     TurnError,
     TurnSpec,
 )
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["Setbacks"]
 

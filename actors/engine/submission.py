@@ -2,7 +2,7 @@
 
 A session's next turn starts from the previous turn's final transcript as its baseline (what
 was saved wins, the new user message is appended after it), with the meta kept index-aligned
-and the pre-turn meta as it was; ``store.sessions`` opens it atomically.
+and the pre-turn meta as it was; ``store.domain.sessions`` opens it atomically.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from bus.errors import BudgetExhausted, ConfigError
 from bus.messages import Message, Usage
 from bus.outcomes import SaveReason
 from bus.phase import TurnPhase
+from store.domain.sessions import Builder
 from store.keys import check_turn_id
 from store.records import CheckpointRecord, MessageMeta, QueuedTurn, TurnInput, TurnSpec
-from store.sessions import Builder
 
 __all__ = ["initial_record", "new_turns", "queued_turn", "session_tokens", "session_turn"]
 
@@ -103,7 +103,7 @@ def new_turns(
 
 
 def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Builder:
-    """How ``store.sessions.Sessions.open`` builds the session's next turn of ``agent`` on
+    """How ``store.domain.sessions.Sessions.open`` builds the session's next turn of ``agent`` on
     ``turn_input``: the agent is loaded and checks the input first (:class:`ConfigError`); a
     session that spent its agent's token budget opens no more (:class:`BudgetExhausted`)."""
     agent = check_agent(agent_path, turn_input)
@@ -142,7 +142,7 @@ def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Bui
 
 
 def queued_turn(session_id: str) -> Callable[[QueuedTurn], Builder]:
-    """How ``store.sessions.Sessions.open_queued`` builds the session's next queued turn."""
+    """How ``store.domain.sessions.Sessions.open_queued`` builds the session's next queued turn."""
     return lambda queued: session_turn(queued.agent, queued.input, session_id)
 
 

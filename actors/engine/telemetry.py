@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from actors.engine.config import TelemetrySettings
+from actors.engine.settings.config import TelemetrySettings
 from bus.events import (
     Checkpointed,
     Finished,

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from actors.engine.call_ends import refusals_waited
+from actors.engine.tools.call_ends import refusals_waited
 from actors.turn.deps import Checkpointer
 from bus.errors import RecordTooLarge, StaleOwner, StoreError, UnstorableRecord
 from store.codec import unpack_model
-from store.ledger import Change, Ledger
+from store.domain.ledger import Change, Ledger
 from store.records import CheckpointRecord, LedgerEntry, SaveAck, Settle
 
 __all__ = ["TurnCheckpoints"]

@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from actors.engine.admission import RedisAdmission
 from actors.engine.agents import (
     AgentChanged,
     agent_fingerprint,
@@ -23,10 +22,8 @@ from actors.engine.agents import (
     record_on,
     refuse_unrunnable,
 )
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineHooks, EngineSettings
 from actors.engine.listeners import Listeners
-from actors.engine.local_tools import LocalToolRunner
+from actors.engine.models.admission import RedisAdmission
 from actors.engine.on_finish import load_on_finish, on_finish_of
 from actors.engine.probation import Probations
 from actors.engine.resume import (
@@ -39,8 +36,11 @@ from actors.engine.resume import (
 from actors.engine.run_stats import RunStats, still_in_progress
 from actors.engine.running import RunningTurns
 from actors.engine.setbacks import Setbacks
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
 from actors.engine.submission import new_turns, queued_turn, session_turn
-from actors.engine.toolrun import (
+from actors.engine.tools.local_tools import LocalToolRunner
+from actors.engine.tools.toolrun import (
     BatchExecutor,
     ToolRunner,
 )
@@ -54,17 +54,17 @@ from actors.turn.watchdog import HardCancel, SoftIdle, WatchdogRules
 from bus.errors import BudgetExhausted, ConfigError, PhaselineError, StaleOwner, StoreError
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import Transition
-from store.approvals import Approvals
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient
-from store.effects import EffectCounters
-from store.group_commit import GroupCommit
-from store.inbox import Inbox
-from store.isolation import Isolation, Probation
+from store.domain.approvals import Approvals
+from store.domain.effects import EffectCounters
+from store.domain.inbox import Inbox
+from store.domain.isolation import Isolation, Probation
+from store.domain.ledger import ToolLedger
+from store.domain.sessions import Sessions
 from store.keys import KeyLayout
-from store.ledger import ToolLedger
 from store.records import CheckpointRecord, ReplyJournal, TurnError, TurnInput, TurnSpec
-from store.sessions import Sessions
+from store.redis.connection import StoreClient
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class TurnEngine(RunningTurns):
     async def open_in_session(
         self, agent: str, turn_input: TurnInput, session_id: str
     ) -> tuple[TurnSpec, CheckpointRecord]:
-        """Create the session's next turn (``store.sessions``): its baseline is the previous
+        """Create the session's next turn (``store.domain.sessions``): its baseline is the previous
         turn's final transcript; :class:`SessionBusy` while that turn is not final."""
         return await self.sessions.open(session_id, session_turn(agent, turn_input, session_id))
 

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from actors.engine.openai_chat import OpenAIChat
+from actors.engine.models.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings
 from actors.turn.tools import ToolRegistry, tool
 

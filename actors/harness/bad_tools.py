@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from actors.engine.builtin_tools import echo
+from actors.engine.tools.builtin_tools import echo
 from actors.turn.agent import Agent
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.tools import ToolRegistry, tool

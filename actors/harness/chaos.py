@@ -53,7 +53,7 @@ from typing import Any
 
 from actors.cluster.local_nodes import LocalNodes
 from actors.cluster.runtime import Runtime
-from actors.engine.scenario import ModelFault, Scenario
+from actors.engine.models.scenario import ModelFault, Scenario
 from actors.harness.bad_tools import RAISING
 from actors.harness.chaos_monkey import ChaosMonkey
 from actors.harness.chaos_report import ChaosReport, Fault
@@ -66,10 +66,10 @@ from actors.harness.work import Work
 from bus.errors import PhaselineError
 from bus.outcomes import Outcome
 from bus.phase import Transition
-from store.connection import connect
-from store.embedded import EmbeddedRedis
-from store.embedded_cluster import EmbeddedCluster
-from store.usage import fenced_writes
+from store.domain.usage import fenced_writes
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
+from store.redis.embedded_cluster import EmbeddedCluster
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from actors.harness.provider_proxy import ProviderFault
 from actors.harness.targets import ChaosTarget
 from actors.turn.run_result import TurnOutcome
 from bus.errors import ConfigError, PhaselineError
-from store.embedded import EmbeddedRedis
-from store.embedded_cluster import EmbeddedCluster
-from store.isolation import Isolation
+from store.domain.isolation import Isolation
 from store.records import TurnInput
+from store.redis.embedded import EmbeddedRedis
+from store.redis.embedded_cluster import EmbeddedCluster
 
 log = logging.getLogger(__name__)
 

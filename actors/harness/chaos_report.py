@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.extras import Extra, needs
+from actors.engine.settings.extras import Extra, needs
 from actors.harness.percentiles import summarize
 from actors.harness.targets import ChaosTarget
 from actors.harness.transitions import first_moves_after
@@ -65,7 +65,7 @@ class ChaosReport:
     replacements: dict[str, int] = field(default_factory=dict)
     """Host label -> how many times the supervisor replaced it (deaths and freezes)."""
     fenced: dict[str, int] = field(default_factory=dict)
-    """Writes Redis refused because a newer owner held the turn, by kind (``store.usage``):
+    """Writes Redis refused because a newer owner held the turn, by kind (``store.domain.usage``):
     a zombie's, a cut-off host's arriving late, a rival's."""
 
     def fault_recovery_ms(self, f: Fault) -> list[float]:

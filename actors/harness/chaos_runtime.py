@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from actors.cluster.deployment import HostRoute
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 from actors.harness.targets import WITNESSED, ChaosTarget
-from store.embedded import EmbeddedRedis
+from store.redis.embedded import EmbeddedRedis
 
 __all__ = ["ADOPT_INTERVAL_S", "chaos_runtime"]
 

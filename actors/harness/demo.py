@@ -22,7 +22,7 @@ from actors.harness.links import Links
 from actors.harness.targets import ChaosTarget
 from actors.harness.verdict import Verdict, VerdictMode, expected_for, judge
 from actors.harness.work import Work
-from store.summaries import summaries
+from store.views.summaries import summaries
 
 #: Seconds between two looks at the turns' progress while the kill waits.
 POLL_S = 0.2

@@ -28,12 +28,12 @@ from redis.asyncio import RedisCluster
 from bus.errors import AlreadySaved, StoreError
 from bus.messages import Message
 from bus.phase import TurnPhase
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
-from store.durability import parse_durability
-from store.embedded_cluster import EmbeddedCluster
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Counters, MessageMeta
+from store.redis.connection import connect
+from store.redis.durability import parse_durability
+from store.redis.embedded_cluster import EmbeddedCluster
+from store.write.checkpoint import RedisCheckpointStore
 
 __all__ = ["FailoverReport", "failover_under_saves"]
 

@@ -34,7 +34,8 @@ MACHINES = 2
 #: median of 200 ms, one call in twenty past 2.7 times that.
 PROVIDER_LATENCY = Latency(median_ms=200.0, sigma=0.6)
 
-#: The variable an HTTP agent's model reads its endpoint from (``actors.engine.openai_chat``).
+#: The variable an HTTP agent's model reads its endpoint from
+#: (``actors.engine.models.openai_chat``).
 BASE_URL_ENV = "OPENAI_BASE_URL"
 
 

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping
 
 from bus.events import BadBusEntry, decode_event
 from bus.phase import Transition
-from store.connection import StoreClient
 from store.keys import KeyLayout
-from store.stream_reads import read_range
+from store.redis.connection import StoreClient
+from store.redis.stream_reads import read_range
 
 log = logging.getLogger(__name__)
 

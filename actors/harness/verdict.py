@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from actors.engine.engine_settings import EngineSettings
 from actors.engine.resume import LOST_REPLY_PREFIX
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.work import Work
 from actors.turn.compaction import read_summary
@@ -40,14 +40,14 @@ from actors.turn.settings import LoopSettings
 from bus.errors import RecordError, RecordNotFound
 from bus.messages import Message
 from bus.outcomes import Outcome
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
+from store.domain.ledger import ToolLedger
 from store.keys import KeyLayout
-from store.ledger import ToolLedger
 from store.records import CheckpointRecord, LedgerEntry
-from store.replies import text
-from store.stream_reads import read_range
+from store.redis.connection import StoreClient
+from store.redis.replies import text
+from store.redis.stream_reads import read_range
+from store.write.checkpoint import RedisCheckpointStore
 
 
 class VerdictMode(StrEnum):
@@ -357,7 +357,7 @@ def _judge_transcript(
         v.flagged.add(tid)
 
 
-#: A call key as a note names it (``store.ledger.call_key``).
+#: A call key as a note names it (``store.domain.ledger.call_key``).
 CALL_KEY = re.compile(r"\b\d+\.\d+\.[0-9a-f]{24}\b")
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.engine.agents import check_agent
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
 from store.records import TurnInput
 
 

@@ -96,7 +96,7 @@ class ModelLimits:
 
 
 class Admission(Protocol):
-    """The cluster's admission to model endpoints (``actors.engine.admission`` on Redis). A
+    """The cluster's admission to model endpoints (``actors.engine.models.admission`` on Redis). A
     model client asks before each call; ``endpoint`` is a stable id of the endpoint and model,
     ``ticket`` the call (asked again with each retry of it, so it keeps its place in line)."""
 

@@ -6,7 +6,7 @@ Whether a call may be re-run after a crash comes from the tool's MCP annotations
 (:func:`mcp_idempotent`): only a tool the server marks ``idempotentHint`` or ``readOnlyHint``
 is; anything else, no annotations or ``destructiveHint``, is treated as not idempotent, so a
 call caught in flight is ``outcome_unknown`` and never re-run. The agent can override either
-way, per tool. ``actors.engine.mcp`` holds the client sessions that run the calls.
+way, per tool. ``actors.engine.tools.mcp`` holds the client sessions that run the calls.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Tools as the loop sees them: specs, the registry and the :func:`tool` decorator (the
-built-in tools are in ``actors.engine.builtin_tools``).
+built-in tools are in ``actors.engine.tools.builtin_tools``).
 
 A tool is an async function ``(args, ctx) -> str``. Its spec carries what the runtime needs to
 run it safely: a timeout, a concurrency limit, whether re-running it is harmless (``idempotent``)

@@ -1,5 +1,5 @@
 -- Read one checkpoint record and every body it references, in one step
--- (store/checkpoint.py, RedisCheckpointStore.load).
+-- (store/write/checkpoint.py, RedisCheckpointStore.load).
 --
 -- KEYS: record hash, bodies hash; for a turn about to start (RedisCheckpointStore.load_start)
 --       also its spec key and inbox list

@@ -1,16 +1,16 @@
--- Fenced, atomic save of one checkpoint record (store/checkpoint.py, RedisCheckpointStore).
+-- Fenced, atomic save of one checkpoint record (store/write/checkpoint.py, RedisCheckpointStore).
 --
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
 --       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
 --       session hash (the record key again for a turn of no session), live stream,
---       shard turns index, shard phase counts hash (store/save_script.py: SaveKeys names
+--       shard turns index, shard phase counts hash (store/write/save_script.py: SaveKeys names
 --       each, SaveCall builds KEYS and ARGV)
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
 --       first), puts (n), drops (m),
---       tally agent ('' for none), then its six counters (store/usage.py, TALLY_COUNTERS)
+--       tally agent ('' for none), then its six counters (store/domain/usage.py, TALLY_COUNTERS)
 --       and the outcome it ends with,
---       ms the keys of a turn this save ends live on (0: for ever; store/retention.py),
+--       ms the keys of a turn this save ends live on (0: for ever; store/domain/retention.py),
 --       k, the number of settles,
 --       then k call key, dispatched entry, settled entry triples (store/records.py, Settle),
 --       then n digest, body pairs, then m digests to drop,
@@ -25,7 +25,7 @@
 -- unfenced change (set if the entry is still the writer's dispatch; a replay is a no-op;
 -- anything else, a successor's decision, is left). Then the fence is checked before anything
 -- else is written, so a refused save changes nothing more: no body is written or dropped
--- (store/transcript.py says why that keeps every needed body).
+-- (store/write/transcript.py says why that keeps every needed body).
 -- A save with a tally that ends the turn (the stored record was in progress) adds the counters
 -- to the agent's totals in the shard's usage hash, and counts the outcome there
 -- ('outcome|<outcome>'): once per turn, with the record.

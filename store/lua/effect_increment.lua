@@ -1,4 +1,4 @@
--- One run of a non-idempotent tool's side effect (store/effects.py, EffectCounters.increment).
+-- One run of a non-idempotent tool's side effect (store/domain/effects.py, EffectCounters.increment).
 --
 -- KEYS[1]  the turn's effects hash ({ns}:{sN}:effects:<id>)
 -- ARGV[1]  the call key

@@ -1,4 +1,4 @@
--- Publish a batch of one shard's events (store/streams.py, RedisBus.publish): the bus events to
+-- Publish a batch of one shard's events (store/views/streams.py, RedisBus.publish): the bus events to
 -- the shard's bus stream and every event to its turn's live stream, in one call instead of an
 -- XADD per event and stream.
 --
@@ -11,7 +11,7 @@
 -- ARGV[4..] per event, in order: the index in KEYS of its live stream, 1 if it goes to the
 --           bus too (else 0), its number of fields n, then n field, value pairs
 -- Answers the number of events. A live stream never outlives its record's retention: a record
--- with a time to live (a finished turn's, store/retention.py) caps its stream's, so an event
+-- with a time to live (a finished turn's, store/domain/retention.py) caps its stream's, so an event
 -- published after the final save does not keep the turn's content a day longer. Every key
 -- shares the shard's hash tag, so this runs unchanged on Redis Cluster.
 local live_on = ARGV[2] ~= '0'

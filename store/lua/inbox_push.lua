@@ -1,4 +1,4 @@
--- Append to a turn's inbox only while the turn runs (store/inbox.py, Inbox.push).
+-- Append to a turn's inbox only while the turn runs (store/domain/inbox.py, Inbox.push).
 --
 -- KEYS[1]  the turn's checkpoint record hash
 -- KEYS[2]  the turn's inbox list

@@ -1,8 +1,8 @@
--- Fenced compare-and-set of tool ledger entries (store/ledger.py, ToolLedger.transition).
+-- Fenced compare-and-set of tool ledger entries (store/domain/ledger.py, ToolLedger.transition).
 --
 -- KEYS[1]  the turn's checkpoint record hash   ({ns}:{sN}:turn:<id>)
 -- KEYS[2]  the turn's tool ledger hash          ({ns}:{sN}:tools:<id>)
--- KEYS[3]  the shard's counters hash            ({ns}:{sN}:usage, store/usage.py)
+-- KEYS[3]  the shard's counters hash            ({ns}:{sN}:usage, store/domain/usage.py)
 -- ARGV[1]  the caller's epoch, or '' for an unfenced write (a dispatched call's own outcome)
 -- ARGV[2..] triples: call key, expected current value, new value
 --

@@ -1,9 +1,9 @@
--- Claim a tool batch (store/ledger.py, ToolLedger.claim): journal the model reply that asked
+-- Claim a tool batch (store/domain/ledger.py, ToolLedger.claim): journal the model reply that asked
 -- for it, journal its calls and take the fenced step of every new one, in one round trip.
 --
 -- KEYS[1]  the turn's checkpoint record hash   ({ns}:{sN}:turn:<id>)
 -- KEYS[2]  the turn's tool ledger hash          ({ns}:{sN}:tools:<id>)
--- KEYS[3]  the shard's counters hash            ({ns}:{sN}:usage, store/usage.py)
+-- KEYS[3]  the shard's counters hash            ({ns}:{sN}:usage, store/domain/usage.py)
 -- ARGV[1]  the caller's epoch
 -- ARGV[2]  the ledger field of the journaled reply (store.keys.REPLY_FIELD)
 -- ARGV[3]  the journaled reply (msgpack ReplyJournal), or '' to leave the field as it is

@@ -1,5 +1,5 @@
 -- Admission of one model call to an endpoint, shared by every host and process
--- (store/limiter.py, EndpointLimiter.admit). Times are the server's (TIME), so hosts whose
+-- (store/domain/limiter.py, EndpointLimiter.admit). Times are the server's (TIME), so hosts whose
 -- clocks differ still share one schedule.
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit): tat_req, tat_tok (ms, GCRA
@@ -18,8 +18,8 @@
 -- ARGV[7]  ms an admitted call holds its in-flight place at most (a caller that died)
 -- ARGV[8]  ms a waiter may be late asking again before it leaves the line (it ended or died)
 -- ARGV[9]  a label a person can read (model and base URL), kept in the state hash
--- ARGV[10] ms the endpoint's keys live after its last call (store/limiter.py, STATE_KEEP_MS)
--- ARGV[11] ms in which a spacing set by refusals halves (store/limiter.py, GAP_HALF_LIFE_MS)
+-- ARGV[10] ms the endpoint's keys live after its last call (store/domain/limiter.py, STATE_KEEP_MS)
+-- ARGV[11] ms in which a spacing set by refusals halves (store/domain/limiter.py, GAP_HALF_LIFE_MS)
 -- ARGV[12] ms between the first calls to an endpoint that declared no rate (FIRST_GAP_MS)
 --
 -- A call is admitted when the endpoint is not paused (a provider's 429 paused it), the

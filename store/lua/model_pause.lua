@@ -1,14 +1,14 @@
--- A provider refused a call for its rate limit (store/limiter.py, EndpointLimiter.pause).
+-- A provider refused a call for its rate limit (store/domain/limiter.py, EndpointLimiter.pause).
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit)
 -- ARGV[1]  ms the provider asked to wait (1 when it said nothing)
--- ARGV[2]  ms the endpoint's state lives after this (store/limiter.py, STATE_KEEP_MS)
+-- ARGV[2]  ms the endpoint's state lives after this (store/domain/limiter.py, STATE_KEEP_MS)
 -- ARGV[3]  ms since the refused call was admitted (sent)
 -- ARGV[4]  ms a spacing must have held before its calls are counted into a rate
---          (store/limiter.py, ESTIMATE_MIN_MS)
+--          (store/domain/limiter.py, ESTIMATE_MIN_MS)
 -- ARGV[5]  ms it may have held at most (longer: the provider's bucket may have refilled past
 --          what it holds, and the count says too little; ESTIMATE_MAX_MS)
--- ARGV[6]  ms in which the spacing halves (store/limiter.py, GAP_HALF_LIFE_MS)
+-- ARGV[6]  ms in which the spacing halves (store/domain/limiter.py, GAP_HALF_LIFE_MS)
 --
 -- Pauses the endpoint for every host until then (a later pause never shortens an earlier
 -- one) and, for an endpoint that declared no rate, sets the spacing of its calls (gap_ms,

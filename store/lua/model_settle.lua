@@ -1,4 +1,4 @@
--- The end of an admitted model call (store/limiter.py, EndpointLimiter.settle).
+-- The end of an admitted model call (store/domain/limiter.py, EndpointLimiter.settle).
 --
 -- KEYS[1]  the endpoint's state hash ({ns}:{m:<id>}:limit)
 -- KEYS[2]  the endpoint's calls in flight, a zset

@@ -1,4 +1,4 @@
--- Claim the namespace for a deployment (store/ownership.py, NamespaceOwner.claim).
+-- Claim the namespace for a deployment (store/domain/ownership.py, NamespaceOwner.claim).
 --
 -- KEYS[1]  the namespace's owner hash ({ns}:{global}:owner): cluster, owner, host, pid,
 --          command, since (ms), auth

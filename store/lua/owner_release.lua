@@ -1,4 +1,4 @@
--- Give the namespace up (store/ownership.py, NamespaceOwner.release): only its owner may.
+-- Give the namespace up (store/domain/ownership.py, NamespaceOwner.release): only its owner may.
 --
 -- KEYS[1]  the namespace's owner hash ({ns}:{global}:owner)
 -- ARGV[1]  the owner token

@@ -1,4 +1,4 @@
--- Keep a deployment's claim on its namespace (store/ownership.py, NamespaceOwner.renew), from
+-- Keep a deployment's claim on its namespace (store/domain/ownership.py, NamespaceOwner.renew), from
 -- the deployment's Supervisor.
 --
 -- KEYS[1]  the namespace's owner hash ({ns}:{global}:owner)

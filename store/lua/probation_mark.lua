@@ -1,5 +1,5 @@
 -- Update or clear the probation marker, but only while it is still the caller's
--- (store/isolation.py, Isolation.step and Isolation.end).
+-- (store/domain/isolation.py, Isolation.step and Isolation.end).
 --
 -- KEYS: probation hash
 -- ARGV: op ('step' | 'end'), turn_id, epoch, step, at (unix ms)

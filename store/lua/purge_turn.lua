@@ -1,4 +1,4 @@
--- Remove a finished turn now (store/retention.py, TurnPurger.purge).
+-- Remove a finished turn now (store/domain/retention.py, TurnPurger.purge).
 --
 -- KEYS: record hash, bodies hash, spec, ledger hash, effects hash, inbox list, approvals hash,
 --       live stream, shard turns index

@@ -10,9 +10,9 @@ import pytest
 
 from bus.events import Status, StatusEvent, decode_event
 from bus.phase import Transition, TurnPhase
-from store.connection import StoreClient, connect
 from store.keys import KeyLayout
-from store.streams import BufferedPublisher, Bus, LiveStreams, MemoryBus, RedisBus
+from store.redis.connection import StoreClient, connect
+from store.views.streams import BufferedPublisher, Bus, LiveStreams, MemoryBus, RedisBus
 
 P = TurnPhase
 

@@ -13,15 +13,15 @@ from click.testing import CliRunner
 from actors.cli import main
 from actors.cli.app import count
 from actors.cli.runs import _exit_unless_final
+from actors.engine.models.scenario import load_scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.run_stats import RunStats
-from actors.engine.scenario import load_scenario
-from actors.engine.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.run_result import TurnOutcome
 from bus.outcomes import Outcome
-from store.connection import connect
 from store.keys import KeyLayout
-from store.urls import check_redis_url, redact_url, seed_urls
+from store.redis.connection import connect
+from store.redis.urls import check_redis_url, redact_url, seed_urls
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN = str(ROOT / "configs" / "scenarios" / "tool_loop.toml")
@@ -34,9 +34,9 @@ def invoke(*args: str) -> tuple[int, str]:
 
 
 def test_every_shipped_scenario_and_config_is_valid() -> None:
-    from actors.engine.builtin_tools import BUILTIN_TOOLS
-    from actors.engine.config import load_settings
-    from actors.engine.scenario import load_scenario
+    from actors.engine.models.scenario import load_scenario
+    from actors.engine.settings.config import load_settings
+    from actors.engine.tools.builtin_tools import BUILTIN_TOOLS
 
     scenarios = sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
     assert len(scenarios) >= 5

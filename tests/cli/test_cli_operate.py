@@ -14,10 +14,10 @@ import redis.asyncio as aioredis
 from click.testing import CliRunner
 
 from actors.cli import main
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome, SaveReason
@@ -67,7 +67,7 @@ async def test_turns_lists_them_from_the_index_with_filters(
     rows = [json.loads(line) for line in text.splitlines()]
     assert {r["turn_id"] for r in rows} == {"a1", "a2", "a3"} and rows[0]["turn_id"] == "a3"
     assert {r["outcome"] for r in rows} == {"answered"}
-    assert all(r["agent"] == "actors.engine.scripted:agent" for r in rows)
+    assert all(r["agent"] == "actors.engine.models.scripted:agent" for r in rows)
     code, text = await cli("turns", *at(redis_url, keys), "--outcome", "aborted", "--json")
     assert code == 0 and text.strip() == ""
     code, text = await cli("turns", *at(redis_url, keys), "--limit", "1")

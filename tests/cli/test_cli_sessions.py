@@ -10,10 +10,10 @@ from click.testing import CliRunner
 
 from actors.cli import main
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
+from actors.engine.settings.config import Settings
 from store.keys import KeyLayout
+from store.redis.connection import connect
+from store.write.checkpoint import RedisCheckpointStore
 
 RECALL = "tests.support.agents:recall"
 EXAMPLE = "actors.examples.assistant:agent"

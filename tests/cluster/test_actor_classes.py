@@ -26,9 +26,9 @@ from actors.cluster.supervisor import Supervisor
 from actors.cluster.tool_workers import ToolWorker
 from actors.cluster.turn_actor import TurnActor
 from actors.cluster.watchdog_actor import WatchdogActor
-from actors.engine.call_ends import CallEnd
-from actors.engine.config import Settings
 from actors.engine.resume import Skipped
+from actors.engine.settings.config import Settings
+from actors.engine.tools.call_ends import CallEnd
 from actors.turn.recovery import Decision
 from actors.turn.run_result import RunStop
 from bus.errors import PhaselineError, StaleOwner, StoreError

@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -27,7 +27,7 @@ EXPECTED = {
     "ray_phaseline_tool_calls_total": r'status="ok"',
     "ray_phaseline_phase_entries_total": r'phase="executing_tools"',
     "ray_phaseline_turns": r'host="host0"',
-    "ray_phaseline_agent_turns": r'agent="actors.engine.scripted:agent"',
+    "ray_phaseline_agent_turns": r'agent="actors.engine.models.scripted:agent"',
     "ray_phaseline_agent_tokens": r'kind="prompt"',
 }
 

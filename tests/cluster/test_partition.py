@@ -10,11 +10,11 @@ import redis.asyncio as aioredis
 
 from actors.cluster.deployment import HostRoute
 from actors.cluster.runtime import Runtime
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scripted import scripted_turn
 from actors.harness.links import via_port
 from actors.harness.tcp_proxy import ProxyLoop, TcpProxy
-from store.effects import EffectCounters
-from store.usage import fenced_writes
+from store.domain.effects import EffectCounters
+from store.domain.usage import fenced_writes
 from tests.cluster.test_ray_runtime import checkpoints_written, scenario, settings
 from tests.support.polling import eventually
 

@@ -15,12 +15,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineSettings
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.events import Finished, Restarted, ToolReturned, WatchEvent
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
 from tests.support.agents import unencodable_input

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 from store.records import TurnInput
 from tests.support.agents import MCP_LOG
 from tests.support.polling import eventually

@@ -11,10 +11,10 @@ from ray.cluster_utils import Cluster
 from actors.cluster.info import HostInfo
 from actors.cluster.refs import HostRef, SupervisorRef
 from actors.cluster.runtime import Runtime
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
-from store.connection import StoreClient
-from store.effects import EffectCounters
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from store.domain.effects import EffectCounters
+from store.redis.connection import StoreClient
 from tests.cluster.test_ray_runtime import settings
 from tests.support.polling import eventually
 from tests.support.reference import reference

@@ -17,19 +17,19 @@ from actors.cluster.info import HostInfo, ServiceInfo
 from actors.cluster.refs import RecoveryRef
 from actors.cluster.runtime import Runtime
 from actors.engine.cancel import Cancelled, request_cancel
-from actors.engine.config import Settings
-from actors.engine.scenario import Scenario, parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import Scenario, parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference, judge
 from actors.turn.recovery import Decision
 from bus.errors import TurnNotRunning
 from bus.events import Recovering, StatusEvent, decode_event
 from bus.outcomes import Action, EngineProblem, Outcome, Problem
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
+from store.domain.sessions import IfBusy
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
-from store.sessions import IfBusy
 from tests.support.polling import eventually
 from tests.support.reference import reference
 
@@ -250,13 +250,13 @@ async def test_sigkill_of_tool_workers_mid_call(
 
 
 def ledger(rt: Runtime) -> Any:
-    from store.ledger import ToolLedger
+    from store.domain.ledger import ToolLedger
 
     return ToolLedger(rt.client, rt.dep.keys)
 
 
 async def rt_effects(rt: Runtime, turn_id: str) -> dict[str, int]:
-    from store.effects import EffectCounters
+    from store.domain.effects import EffectCounters
 
     return await EffectCounters(rt.client, rt.dep.keys).counts(turn_id)
 

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from ray.cluster_utils import Cluster
 
 from actors.cluster.runtime import Runtime
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.telemetry import incarnation_span_id, turn_trace_id
 from tests.cluster.test_ray_runtime import checkpoints_written, scenario, settings
 from tests.support.console_server import serving

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from actors.cli import main
 from actors.cluster.runtime import Runtime
 from actors.cluster.status import deployment_status
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 from store.records import TurnInput
 from tests.support.polling import eventually
 

@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.turn_engine import TurnEngine
 from store.keys import KeyLayout
 from store.records import TurnSpec

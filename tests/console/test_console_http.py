@@ -22,12 +22,12 @@ from click.testing import CliRunner
 
 from actors.cli import main
 from actors.cli.harness import console_probes
-from actors.engine.config import Settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.engine.turn_engine import TurnEngine
 from bus.errors import NotAwaitingApproval
-from store.approvals import Approvals
+from store.domain.approvals import Approvals
 from store.keys import KeyLayout
 from store.records import TurnInput
 from tests.support.console_server import serving

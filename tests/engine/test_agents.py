@@ -9,9 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import check_agent, load_agent
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError

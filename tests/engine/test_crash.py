@@ -12,15 +12,15 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import load_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import load_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos import poison_variant
 from actors.harness.verdict import first_difference
-from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
 from store.keys import KeyLayout
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.polling import eventually
 from tests.support.reference import FAST, reference
 

@@ -17,20 +17,20 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.resume import LOST_REPLY_PREFIX, calls_since, lost_reply_note
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge
 from bus.messages import ToolResult
 from bus.outcomes import Outcome, SaveReason
-from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
+from store.domain.ledger import ToolLedger, decode_reply
 from store.keys import REPLY_FIELD, REPLY_REFUSED_FIELD, KeyLayout
-from store.ledger import ToolLedger, decode_reply
 from store.records import CheckpointRecord, LedgerEntry
+from store.write.checkpoint import RedisCheckpointStore
 from tests.engine.test_crash import spawn_run
 from tests.support.polling import eventually
 from tests.support.reference import FAST

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.config import load_settings
 from actors.engine.gc_tuning import DEFAULT_GC_THRESHOLD, gc_tuned
+from actors.engine.settings.config import load_settings
 from bus.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

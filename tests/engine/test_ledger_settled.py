@@ -10,16 +10,16 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
-from actors.engine.toolrun import BatchExecutor
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
+from actors.engine.tools.toolrun import BatchExecutor
 from actors.engine.turn_checkpoints import TurnCheckpoints
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.deps import Checkpointer
 from bus.errors import StoreUnavailable
+from store.domain.ledger import Change, ToolLedger
 from store.keys import KeyLayout
-from store.ledger import Change, ToolLedger
 from store.records import CheckpointRecord, SaveAck, Settle
 from tests.support.reference import FAST
 

@@ -22,13 +22,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineSettings
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import judge
 from actors.turn.settings import LoopSettings
 from bus.outcomes import Outcome
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
 from tests.support.polling import eventually

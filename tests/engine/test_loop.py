@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.cancel import Cancelled, request_cancel
-from actors.engine.engine_settings import EngineHooks, EngineSettings
+from actors.engine.models.scenario import Scenario, parse_scenario
+from actors.engine.models.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
 from actors.engine.resume import Resume, claim_for_resume, plan_resume
 from actors.engine.run_stats import still_in_progress
-from actors.engine.scenario import Scenario, parse_scenario
-from actors.engine.scripted import OVERSIZED_REPLY_BYTES, ScriptedLLM, scripted_turn
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.loop import TurnLoop
@@ -29,12 +29,12 @@ from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
 from bus.messages import ToolResult
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import Transition, TurnPhase
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
-from store.embedded import EmbeddedRedis
+from store.domain.ledger import call_key
 from store.keys import KeyLayout
-from store.ledger import call_key
 from store.records import CheckpointRecord, InboxItem, LedgerEntry, SaveAck, Settle
+from store.redis.connection import connect
+from store.redis.embedded import EmbeddedRedis
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.polling import eventually
 from tests.support.records import put_ledger
 

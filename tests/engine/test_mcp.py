@@ -17,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import load_agent
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.mcp import hub, mcp_registry
-from actors.engine.mcp_sessions import MCPHub
+from actors.engine.settings.engine_settings import EngineSettings
+from actors.engine.tools.mcp import hub, mcp_registry
+from actors.engine.tools.mcp_sessions import MCPHub
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.mcp import MCPServer, MCPToolInfo, mcp_idempotent
 from actors.turn.settings import LoopSettings

@@ -12,16 +12,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineHooks, EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.errors import ConfigError
 from bus.outcomes import Outcome
-from store.archive import FinishedTurn
 from store.keys import KeyLayout
+from store.views.archive import FinishedTurn
 from tests.support.agents import archived
 from tests.support.polling import eventually
 

@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
 from actors.engine.resume import reopen
 from actors.engine.run_stats import RunStats
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.submission import session_tokens
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
 from bus.errors import BudgetExhausted, ConfigError
 from bus.outcomes import Outcome
+from store.domain.usage import agent_usage
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
-from store.usage import agent_usage
 from tests.support.agents import TEST_KEY_ENV, unencodable_input
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
@@ -198,7 +198,7 @@ async def test_an_empty_stream_with_tools_falls_back_to_json_and_is_remembered(
     script = {"rounds": 2, "stream_tools": False, "drop_after_empty": True}
     turn_input = TurnInput(message=f"#script {json.dumps(script)}\nAdd.")
     before = stats_of(endpoint)["fired"].get("empty_stream", 0)
-    with caplog.at_level("WARNING", logger="actors.engine.openai_chat"):
+    with caplog.at_level("WARNING", logger="actors.engine.models.openai_chat"):
         stats, final = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream1")
         stats2, _ = await run(real_client, keys, NO_TOOL_STREAMS, turn_input, "nostream2")
     assert stats.outcomes == stats2.outcomes == {"answered": 1}

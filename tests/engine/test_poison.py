@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineHooks, EngineSettings
+from actors.engine.models.scenario import Scenario, parse_scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.resume import (
     Parked,
     Resume,
@@ -20,8 +21,7 @@ from actors.engine.resume import (
     plan_to_wire,
     reopen,
 )
-from actors.engine.scenario import Scenario, parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.chaos import poison_ids, poison_variant
 from actors.harness.targets import parse_targets
@@ -40,7 +40,7 @@ from bus.errors import RecordError, StoreError
 from bus.messages import Message, ToolCall
 from bus.outcomes import Outcome, SaveReason
 from store.codec import pack_model
-from store.isolation import Isolation
+from store.domain.isolation import Isolation
 from store.keys import KeyLayout
 from store.msgpack_wire import pack
 from store.records import (

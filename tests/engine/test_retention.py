@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from actors.engine.config import RedisSettings, RetentionSettings, Settings
+from actors.engine.settings.config import RedisSettings, RetentionSettings, Settings
 from actors.engine.turn_engine import TurnEngine
 from bus.outcomes import Outcome
 from store.keys import KeyLayout

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.engine.agents import AgentChange
-from actors.engine.engine_settings import EngineSettings
 from actors.engine.resume import reopen
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.submission import session_turn
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings

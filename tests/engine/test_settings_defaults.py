@@ -11,11 +11,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineSettings
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.turn.settings import LoopSettings
-from store.durability import Durability
-from store.retention import Retention
+from store.domain.retention import Retention
+from store.redis.durability import Durability
 
 DEFAULT_TOML = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 from actors.engine.telemetry import incarnation_span_id, turn_trace_id
 from actors.engine.turn_engine import TurnEngine
-from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import TurnInput
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.agents import TEST_KEY_ENV
 from tests.support.console_server import serving
 from tests.support.otlp_receiver import ReceivedSpan, Receiver, receiving
@@ -101,8 +101,8 @@ async def test_contents_go_on_the_spans_only_when_asked(
 ) -> None:
     cfg = settings(namespace, receiver, capture_content=True)
     engine = TurnEngine.from_settings(real_client, cfg, watchdog=None)
-    from actors.engine.scenario import parse_scenario
-    from actors.engine.scripted import scripted_turn
+    from actors.engine.models.scenario import parse_scenario
+    from actors.engine.models.scripted import scripted_turn
 
     sc = parse_scenario({"name": "otel", "rounds": 1, "tools_per_round": 1})
     await engine.run_new(*scripted_turn(sc), ["otel-c"])

@@ -18,17 +18,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.engine_settings import EngineHooks, EngineSettings
-from actors.engine.local_tools import LocalToolRunner
+from actors.engine.settings.config import Settings
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
+from actors.engine.tools.local_tools import LocalToolRunner
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.bad_tools import RAISER, RAISING
 from actors.turn.tools import BLOCKED, ToolContext, ToolSpec
 from bus.events import LiveEvent, ToolWait, ToolWaiting
 from bus.messages import ToolCall
-from store.checkpoint import RedisCheckpointStore
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.agents import CROWD
 from tests.support.polling import eventually
 from tests.support.reference import FAST

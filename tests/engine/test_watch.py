@@ -9,9 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 from rich.console import Console
 
-from actors.engine.engine_settings import EngineHooks, EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineHooks, EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.live import LiveView
 from actors.turn.settings import LoopSettings
@@ -30,8 +30,8 @@ from bus.events import (
 from bus.phase import Transition, TurnPhase
 from store.keys import KeyLayout
 from store.records import TurnInput
-from store.streams import BufferedPublisher, LiveStreams, MemoryBus, RedisBus
-from store.watch import watch_turn
+from store.views.streams import BufferedPublisher, LiveStreams, MemoryBus, RedisBus
+from store.views.watch import watch_turn
 from tests.support.agents import TEST_KEY_ENV
 
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)

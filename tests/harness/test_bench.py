@@ -8,8 +8,8 @@ import itertools
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.config import Settings
-from actors.engine.scenario import load_scenario
+from actors.engine.models.scenario import load_scenario
+from actors.engine.settings.config import Settings
 from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.durable_loop import SCENARIO, durable_loop
 from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
@@ -18,9 +18,9 @@ from actors.harness.bench.unit_costs import unit_costs
 from actors.harness.bench.workload import durability_overhead
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError
-from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
 from store.keys import KeyLayout
+from store.write.checkpoint import RedisCheckpointStore
 
 
 def test_figures_parse_and_refuse_unknown_names() -> None:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.harness.verdict import VerdictMode, first_difference, judge, reference_transcript
 from actors.harness.work import Work
 from bus.messages import Message, ToolResult
 from bus.outcomes import SaveReason
-from store.checkpoint import RedisCheckpointStore
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
 from store.keys import KeyLayout
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.records import put_record
 from tests.support.reference import FAST
 

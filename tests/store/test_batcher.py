@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from store.batcher import Batcher
+from store.redis.batcher import Batcher
 
 
 class GatedSend:

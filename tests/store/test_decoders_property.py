@@ -32,7 +32,7 @@ from bus.outcomes import Action, EngineProblem, Outcome, Problem, SaveReason
 from bus.phase import Transition, TurnPhase
 from store.codec import RECORD_FIELDS, EncodedRecord, decode_record, encode_record, unpack_model
 from store.records import InboxItem, LedgerEntry, ReplyJournal, TurnSpec
-from store.transcript import Transcript
+from store.write.transcript import Transcript
 from tests.support.records import record
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

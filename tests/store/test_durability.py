@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from bus.errors import NotDurable
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
-from store.durability import Durability, DurabilityKind, parse_durability
-from store.embedded import SERVER_ENV, EmbeddedRedis, appendfsync_for
 from store.keys import KeyLayout
-from store.transaction import AtomicSave
+from store.redis.connection import connect
+from store.redis.durability import Durability, DurabilityKind, parse_durability
+from store.redis.embedded import SERVER_ENV, EmbeddedRedis, appendfsync_for
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.transaction import AtomicSave
 from tests.support.records import record
 
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import redis
 
-from store.embedded import EmbeddedRedis
+from store.redis.embedded import EmbeddedRedis
 from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

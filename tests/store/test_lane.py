@@ -1,4 +1,4 @@
-"""The lean path to one server (``store.lane``), against the real server and a silent one."""
+"""The lean path to one server (``store.redis.lane``), against the real server and a silent one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from store.connection import connect
-from store.lane import Lane, lane_of
+from store.redis.connection import connect
+from store.redis.lane import Lane, lane_of
 
 
 @pytest.fixture

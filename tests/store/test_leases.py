@@ -1,5 +1,5 @@
-"""Host leases (store.leases): held while renewed, lapsed after their ttl, one per generation.
-On fakeredis, the real server and the real Redis Cluster alike (the store contract)."""
+"""Host leases (store.domain.leases): held while renewed, lapsed after their ttl, one per
+generation. On fakeredis, the real server and the real Redis Cluster alike (the store contract)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from store.connection import StoreClient
+from store.domain.leases import HostLeases
 from store.keys import KeyLayout
-from store.leases import HostLeases
+from store.redis.connection import StoreClient
 from tests.support.polling import eventually
 
 

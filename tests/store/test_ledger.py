@@ -9,20 +9,20 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine.builtin_tools import BUILTIN_TOOLS
-from actors.engine.local_tools import LocalToolRunner
-from actors.engine.toolrun import BatchExecutor, ToolJob
+from actors.engine.tools.builtin_tools import BUILTIN_TOOLS
+from actors.engine.tools.local_tools import LocalToolRunner
+from actors.engine.tools.toolrun import BatchExecutor, ToolJob
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StaleOwner
 from bus.messages import ToolCall, ToolResult
-from store.checkpoint import RedisCheckpointStore
 from store.codec import pack_model
-from store.effects import EffectCounters
+from store.domain.effects import EffectCounters
+from store.domain.ledger import Change, Claim, LedgerRead, ToolLedger, call_key
+from store.domain.usage import FencedWrite, fenced_writes
 from store.keys import KeyLayout
-from store.lane import lane_of
-from store.ledger import Change, Claim, LedgerRead, ToolLedger, call_key
 from store.records import LedgerEntry
-from store.usage import FencedWrite, fenced_writes
+from store.redis.lane import lane_of
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.records import record
 
 

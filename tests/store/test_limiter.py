@@ -1,4 +1,4 @@
-"""The cluster's admission to a model endpoint (``store/limiter.py``): the same assertions on
+"""The cluster's admission to a model endpoint (``store/domain/limiter.py``): the same assertions on
 fakeredis, a real server and a real Redis Cluster (the scripts' keys share a hash tag)."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import time
 
 import pytest
 
-from actors.engine.admission import schedule_of
+from actors.engine.models.admission import schedule_of
 from actors.turn.llm import MIN_PER_MINUTE, ModelLimits
-from store.connection import StoreClient
-from store.keys import KeyLayout
-from store.limiter import (
+from store.domain.limiter import (
     REGISTER_EVERY_S,
     STATE_KEEP_MS,
     EndpointLimiter,
     Schedule,
     endpoint_id,
 )
+from store.keys import KeyLayout
+from store.redis.connection import StoreClient
 
 EP = endpoint_id("http://127.0.0.1:1/v1", "m")
 #: 600 requests a minute (one every 100 ms), two at once.

@@ -1,4 +1,4 @@
-"""One deployment per namespace (``store.ownership``): the lease's rules on fakeredis, a real
+"""One deployment per namespace (``store.domain.ownership``): the lease's rules on fakeredis, a real
 server and a Redis Cluster, then on Ray: clients beside the owner leave its deployment running,
 and a second deployment elsewhere is refused with the holder's name."""
 
@@ -17,13 +17,13 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from bus.errors import NamespaceHeld
-from store.connection import StoreClient, connect
+from store.domain.ownership import ClaimOutcome, Holder, NamespaceOwner
 from store.keys import KeyLayout
-from store.ownership import ClaimOutcome, Holder, NamespaceOwner
+from store.redis.connection import StoreClient, connect
 from tests.support.polling import eventually
 from tests.support.processes import PHASELINE, ROOT, phaseline
 

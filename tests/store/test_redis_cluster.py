@@ -12,18 +12,18 @@ import pytest
 import redis
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings, load_settings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings, load_settings
 from actors.harness.failover import failover_under_saves
 from actors.harness.verdict import first_difference
 from bus.errors import ConfigError, StoreError
-from store.connection import StoreClient, connect
-from store.effects import EffectCounters
-from store.embedded import free_port
-from store.embedded_cluster import SLOTS, EmbeddedCluster
-from store.nodes import is_redirect
-from store.urls import seed_urls
+from store.domain.effects import EffectCounters
+from store.redis.connection import StoreClient, connect
+from store.redis.embedded import free_port
+from store.redis.embedded_cluster import SLOTS, EmbeddedCluster
+from store.redis.nodes import is_redirect
+from store.redis.urls import seed_urls
 from tests.support.polling import eventually
 from tests.support.reference import reference
 
@@ -57,7 +57,7 @@ async def test_a_primary_killed_under_saves_loses_no_save_acknowledged_with_wait
     assert report.lost_saves == 0 and report.lost_turns == 0, report
     assert report.acknowledged >= 24 * 40, report  # every writer went on after the failover
     # The kill did interrupt the saves of its slot: they failed and were sent again, or (the
-    # transport resending a round trip its connection lost, store.transport) they waited for
+    # transport resending a round trip its connection lost, store.redis.transport) they waited for
     # the replica to take over.
     assert report.failed_saves > 0 or report.stall_s >= 1.0, report
 

@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from actors.engine import call_ends
-from actors.engine.builtin_tools import BUILTIN_TOOLS
-from actors.engine.local_tools import LocalToolRunner
-from actors.engine.toolrun import BatchExecutor
+from actors.engine.tools import call_ends
+from actors.engine.tools.builtin_tools import BUILTIN_TOOLS
+from actors.engine.tools.local_tools import LocalToolRunner
+from actors.engine.tools.toolrun import BatchExecutor
 from actors.turn.tools import ToolContext, ToolRegistry, ToolSpec
 from bus.errors import StoreRefused, StoreUnavailable
 from bus.messages import ToolCall
-from store.checkpoint import RedisCheckpointStore
-from store.effects import EffectCounters
-from store.failures import translated
+from store.domain.effects import EffectCounters
+from store.domain.ledger import Claim, LedgerRead, ToolLedger, call_key
 from store.keys import KeyLayout
-from store.ledger import Claim, LedgerRead, ToolLedger, call_key
+from store.redis.failures import translated
+from store.write.checkpoint import RedisCheckpointStore
 from tests.support.records import record
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from bus.errors import StoreError
-from store.connection import connect
-from store.embedded import SERVER_ENV, EmbeddedRedis, free_port
 from store.keys import KeyLayout
+from store.redis.connection import connect
+from store.redis.embedded import SERVER_ENV, EmbeddedRedis, free_port
 
 SCENARIO = parse_scenario(
     {"name": "acl", "rounds": 2, "tools": ["echo", "counter_increment"], "payload_bytes": 50}

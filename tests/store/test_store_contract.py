@@ -25,14 +25,12 @@ from bus.errors import (
 from bus.messages import Message, ToolCall, ToolResult, Usage
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import TurnPhase
-from store import transaction
-from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord, pack_model
-from store.connection import connect
-from store.group_commit import GroupCommit
-from store.inbox import Inbox
+from store.domain.inbox import Inbox
+from store.domain.ledger import ToolLedger
+from store.domain.retention import Retention, TurnPurger
+from store.domain.usage import FencedWrite, agent_usage, fenced_writes
 from store.keys import KeyLayout
-from store.ledger import ToolLedger
 from store.records import (
     SCHEMA_VERSION,
     CheckpointRecord,
@@ -43,11 +41,13 @@ from store.records import (
     Settle,
     TurnSpec,
 )
-from store.retention import Retention, TurnPurger
-from store.save_script import REPLAYED, SaveCall
-from store.transaction import AtomicSave
-from store.transcript import CHUNK, KnownBodies, Plan, Transcript
-from store.usage import FencedWrite, agent_usage, fenced_writes
+from store.redis.connection import connect
+from store.write import transaction
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.group_commit import GroupCommit
+from store.write.save_script import REPLAYED, SaveCall
+from store.write.transaction import AtomicSave
+from store.write.transcript import CHUNK, KnownBodies, Plan, Transcript
 from tests.support.records import record
 
 
@@ -370,7 +370,7 @@ async def test_memoised_bodies_are_the_plain_msgpack_of_each_entry(
 
 
 def test_body_memo_forgets_collected_messages() -> None:
-    from store.transcript import _ENTRIES  # the memo is private; its size is the point
+    from store.write.transcript import _ENTRIES  # the memo is private; its size is the point
 
     before = len(_ENTRIES)
     r = record("gone", seq=1).model_copy(

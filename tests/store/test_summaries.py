@@ -1,5 +1,5 @@
-"""The turn list (``store.summaries``) and the outcome counts, on fakeredis, a real server and a
-Redis Cluster, through both atomic save paths: what ``phaseline turns`` and the console show."""
+"""The turn list (``store.views.summaries``) and the outcome counts, on fakeredis, a real server and
+a Redis Cluster, through both atomic save paths: what ``phaseline turns`` and the console show."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from bus.errors import StaleOwner
 from bus.messages import Usage
 from bus.outcomes import Outcome, Problem, SaveReason
 from bus.phase import TurnPhase
-from store.checkpoint import RedisCheckpointStore
+from store.domain.usage import outcome_counts
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Counters, TurnSpec
-from store.summaries import Cursor, TurnFilter, phase_counts, turn_page
-from store.transaction import AtomicSave
-from store.usage import outcome_counts
+from store.views.summaries import Cursor, TurnFilter, phase_counts, turn_page
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.transaction import AtomicSave
 from tests.support.records import record
 
 

@@ -1,4 +1,4 @@
-"""The one transport to Redis (``store.transport``), held to one contract on fakeredis, a real
+"""The one transport to Redis (``store.redis.transport``), held to one contract on fakeredis, a real
 server (through its lean connection) and a real Redis Cluster: replies in order with error
 replies as their exceptions, a lost script cache reloaded and only what did nothing sent
 again, a moved slot followed, a durability wait on the same connection."""
@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 
 from bus.errors import StoreUnavailable
 from store.keys import KeyLayout
-from store.lane import lane_of
 from store.lua import lua_script
-from store.transport import REDIRECT_ATTEMPTS, Transport, transport_of
+from store.redis.lane import lane_of
+from store.redis.transport import REDIRECT_ATTEMPTS, Transport, transport_of
 
 CAS = lua_script("ledger_cas.lua")
 
@@ -81,7 +81,7 @@ class _Moving(Transport):
 async def test_a_moved_slot_is_followed_then_given_up_on(
     real_client: aioredis.Redis, keys: KeyLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import store.transport as transport_module
+    import store.redis.transport as transport_module
 
     moving = _Moving(real_client, 2)
 

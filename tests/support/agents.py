@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from actors.engine import scripted
-from actors.engine.openai_chat import OpenAIChat
+from actors.engine.models import scripted
+from actors.engine.models.openai_chat import OpenAIChat
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
@@ -21,8 +21,8 @@ from actors.turn.mcp import MCPServer
 from actors.turn.tools import ToolContext, ToolRegistry, tool
 from bus.errors import StoreError, StoreRefused
 from bus.messages import Message, ToolCall
-from store.archive import FinishedTurn
 from store.records import TurnInput
+from store.views.archive import FinishedTurn
 
 #: Threads the sync tool ran in (it must not run on the event loop's thread).
 ADD_THREADS: list[int] = []

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from actors.console import ConsoleSettings, console_app
 from actors.console.probes import served
-from actors.engine.config import Settings
+from actors.engine.settings.config import Settings
 
 
 @contextmanager

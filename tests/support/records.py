@@ -9,7 +9,7 @@ from bus.phase import TurnPhase
 from store.codec import encode_record, pack_model
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, Counters, LedgerEntry, MessageMeta
-from store.transcript import Transcript
+from store.write.transcript import Transcript
 
 
 def record(

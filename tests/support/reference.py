@@ -6,9 +6,9 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from actors.engine.engine_settings import EngineSettings
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from store.keys import KeyLayout

@@ -8,11 +8,11 @@ import redis.asyncio as aioredis
 
 from actors.cluster.deployment import worker_options
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings, ToolSettings
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.config import Settings, ToolSettings
 from actors.turn.autoscale import PoolLoad, ScaleRule, next_size
-from store.pools import PoolSizes
+from store.domain.pools import PoolSizes
 from store.records import TurnInput
 from tests.support.polling import eventually
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from actors.engine.scenario import parse_scenario
-from actors.engine.scripted import ScriptedLLM
+from actors.engine.models.scenario import parse_scenario
+from actors.engine.models.scripted import ScriptedLLM
 from actors.turn.compaction import compact, progress, read_summary
 from actors.turn.llm import LLMRequest
 from actors.turn.loopdetect import CallHistory, LoopThresholds, LoopVerdict, detect_loop

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import psutil
 
-from store.connection import StoreClient
-from store.failures import translated
+from store.redis.connection import StoreClient
+from store.redis.failures import translated
 
 __all__ = ["machine_busy_s", "processes_cpu_s", "redis_cpu_s"]
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
-from store.checkpoint import RedisCheckpointStore
-from store.connection import connect
-from store.durability import parse_durability
-from store.embedded import EmbeddedRedis
-from store.failures import translated
 from store.keys import KeyLayout
+from store.redis.connection import connect
+from store.redis.durability import parse_durability
+from store.redis.embedded import EmbeddedRedis
+from store.redis.failures import translated
+from store.write.checkpoint import RedisCheckpointStore
 
 MODES = ("ack", "fsync", "replicas:1")
 BATCH = 200

@@ -3,7 +3,7 @@
 A turn of the scripted agent: 10 rounds of one tool call, 500-byte payloads, no model or tool
 latency, a checkpoint after every tool batch (``min_interval_s = 0``). *Durable*: the
 :class:`~actors.engine.turn_engine.TurnEngine` on Redis (submission, fenced saves, the ledger's
-compare-and-sets). *Baseline*: the same engine's loop on :mod:`store.memory` (the same rules,
+compare-and-sets). *Baseline*: the same engine's loop on :mod:`store.write.memory` (the same rules,
 no Redis). Measured one turn at a time (ms per turn, the two alternating so they share the
 noise) and 200 at once (turns/s). ``ratio`` is durable speed over baseline speed: 0.6 means
 durability costs 40 %.
@@ -29,24 +29,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.engine.agents import load_agent
-from actors.engine.engine_settings import EngineSettings
 from actors.engine.gc_tuning import DEFAULT_GC_THRESHOLD, gc_tuned
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
+from actors.engine.settings.engine_settings import EngineSettings
 from actors.engine.submission import new_turns
-from actors.engine.toolrun import BatchExecutor
+from actors.engine.tools.toolrun import BatchExecutor
 from actors.engine.turn_checkpoints import TurnCheckpoints
 from actors.engine.turn_engine import TurnEngine
 from actors.turn.settings import LoopSettings
 from bus.errors import StoreError
 from bus.outcomes import Outcome
-from store.connection import StoreClient, connect
-from store.durability import DurabilityWait
-from store.failures import translated
 from store.keys import KeyLayout
-from store.lane import lane_of
-from store.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
-from store.transport import transport_of
+from store.redis.connection import StoreClient, connect
+from store.redis.durability import DurabilityWait
+from store.redis.failures import translated
+from store.redis.lane import lane_of
+from store.redis.transport import transport_of
+from store.write.memory import MemoryCheckpoints, MemoryInbox, MemoryLedger
 
 SCENARIO = Scenario(
     name="durable_loop", rounds=10, tools_per_round=1, tools=["echo"], payload_bytes=500

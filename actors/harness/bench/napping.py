@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from actors.engine import scripted
-from actors.engine.builtin_tools import sleep
+from actors.engine.models import scripted
+from actors.engine.tools.builtin_tools import sleep
 from actors.turn.tools import ToolRegistry
 
 #: Calls of ``sleep`` one worker runs at once.

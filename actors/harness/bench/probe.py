@@ -30,13 +30,13 @@ from actors.cluster.refs import CheckpointRef
 from actors.engine.gc_tuning import tune_gc
 from actors.harness.bench.sizes import bench_record
 from bus.errors import StoreError
-from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
-from store.connection import connect
-from store.failures import translated
 from store.records import CheckpointRecord, SaveAck
-from store.transaction import AtomicSave
-from store.transcript import KnownBodies
+from store.redis.connection import connect
+from store.redis.failures import translated
+from store.write.checkpoint import RedisCheckpointStore
+from store.write.transaction import AtomicSave
+from store.write.transcript import KnownBodies
 
 Save = Callable[[CheckpointRecord], Awaitable[Any]]
 

@@ -17,10 +17,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.cluster.refs import ask
-from actors.engine.config import Settings
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.run_stats import new_run_id, turn_ids
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.harness.bench.workload import deployed
 from actors.harness.percentiles import summarize
 from actors.harness.transitions import first_moves_after, read_moves

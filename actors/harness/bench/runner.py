@@ -22,9 +22,9 @@ import psutil
 import ray
 from ray.exceptions import RayError
 
-from actors.engine.config import Settings
-from actors.engine.scenario import Scenario, load_scenario
-from actors.engine.shipped import configs_dir
+from actors.engine.models.scenario import Scenario, load_scenario
+from actors.engine.settings.config import Settings
+from actors.engine.settings.shipped import configs_dir
 from actors.harness.bench.cpu import machine_busy_s, processes_cpu_s, redis_cpu_s
 from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.durable_loop import durable_loop
@@ -36,10 +36,10 @@ from actors.harness.bench.unit_costs import unit_costs
 from actors.harness.bench.workload import deployed, durability_overhead, host_capacity, host_scaling
 from actors.harness.percentiles import summarize
 from bus.errors import ConfigError, PhaselineError
-from store.checkpoint import RedisCheckpointStore
-from store.connection import StoreClient, connect
-from store.failures import translated
 from store.keys import KeyLayout
+from store.redis.connection import StoreClient, connect
+from store.redis.failures import translated
+from store.write.checkpoint import RedisCheckpointStore
 
 SCENARIOS = configs_dir() / "scenarios"
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.engine.scripted import payload
+from actors.engine.models.scripted import payload
 from bus.messages import Message, ToolCall, ToolResult
 from bus.phase import TurnPhase
-from store.checkpoint import RedisCheckpointStore
 from store.codec import EncodedRecord
-from store.connection import StoreClient
-from store.failures import translated
 from store.records import CheckpointRecord, MessageMeta
+from store.redis.connection import StoreClient
+from store.redis.failures import translated
+from store.write.checkpoint import RedisCheckpointStore
 
 
 def bench_record(

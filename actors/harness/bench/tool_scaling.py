@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.run_stats import new_run_id, turn_ids
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from actors.harness.bench.napping import PER_WORKER
 from bus.outcomes import Outcome
 

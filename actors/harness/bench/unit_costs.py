@@ -21,8 +21,8 @@ import time
 from typing import Any
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
-from actors.engine.scenario import Scenario
+from actors.engine.models.scenario import Scenario
+from actors.engine.settings.config import Settings
 from actors.harness.bench.cpu import machine_busy_s, processes_cpu_s, redis_cpu_s
 from actors.harness.bench.scaling_model import (
     Hardware,
@@ -32,7 +32,7 @@ from actors.harness.bench.scaling_model import (
     size,
 )
 from actors.harness.bench.workload import WARMUP_TURNS, deployed, peak_rss, run_turns
-from store.failures import translated
+from store.redis.failures import translated
 
 __all__ = ["unit_costs"]
 

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.cluster.runtime import Runtime
-from actors.engine.config import Settings
+from actors.engine.models.scenario import Scenario
+from actors.engine.models.scripted import scripted_turn
 from actors.engine.run_stats import new_run_id, turn_ids
-from actors.engine.scenario import Scenario
-from actors.engine.scripted import scripted_turn
+from actors.engine.settings.config import Settings
 from store.records import CheckpointRecord
-from store.transcript import Transcript
+from store.write.transcript import Transcript
 
 WARMUP_TURNS = 20
 """Turns run (untimed) on a fresh deployment first, so tool workers and pools are up."""
