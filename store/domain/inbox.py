@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from enum import IntEnum
 
 from bus.errors import TurnNotRunning
 from store.codec import pack_model, unpack_model
@@ -22,7 +23,19 @@ from store.lua import lua_script
 from store.records import InboxItem
 from store.redis.connection import StoreClient
 from store.redis.failures import translated
+from store.redis.replies import answer
 from store.redis.replies import raw as raw_bytes
+
+
+class PushAnswer(IntEnum):
+    """What ``inbox_push.lua`` answers."""
+
+    NO_TURN = -1
+    """There is no such turn (no record)."""
+    NOT_RUNNING = 0
+    """The turn is not in progress (finished or suspended): no incarnation would read it."""
+    PUSHED = 1
+    """Appended."""
 
 
 class Inbox:
@@ -51,10 +64,11 @@ class Inbox:
         )
         keys = [self.keys.turn(turn_id), self.keys.inbox(turn_id)]
         with translated(f"inject into {turn_id}"):
-            pushed = int(await self._push(keys=keys, args=[pack_model(item)]))
-        if pushed == -1:
+            reply = await self._push(keys=keys, args=[pack_model(item)])
+        pushed = answer(PushAnswer, reply, f"inject into {turn_id}")
+        if pushed is PushAnswer.NO_TURN:
             raise TurnNotRunning(f"there is no turn {turn_id}", turn_id)
-        if pushed == 0:
+        if pushed is PushAnswer.NOT_RUNNING:
             raise TurnNotRunning(
                 f"turn {turn_id} is not in progress (finished or suspended): nothing would read "
                 "a message sent to it",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import cast
 
 from bus.errors import ConfigError
@@ -21,7 +22,7 @@ from store.lua import lua_script
 from store.records import MAX_FENCE
 from store.redis.connection import StoreClient
 from store.redis.failures import translated
-from store.redis.replies import text, text_fields
+from store.redis.replies import answer, text, text_fields
 
 __all__ = ["Isolation", "Probation"]
 
@@ -40,6 +41,16 @@ class Probation:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+class MarkAnswer(IntEnum):
+    """What ``probation_mark.lua`` answers."""
+
+    NOT_THEIRS = 0
+    """The marker is not this turn's probation at this epoch (a successor's, or none): a
+    zombie incarnation can neither move nor clear it."""
+    MOVED = 1
+    """The marker was updated or deleted."""
 
 
 class Isolation:
@@ -100,7 +111,7 @@ class Isolation:
             reply = await self._mark(
                 keys=[self.keys.probation()], args=[op, turn_id, str(epoch), step, _now_ms()]
             )
-        return bool(reply)
+        return answer(MarkAnswer, reply, f"probation of {turn_id}") is MarkAnswer.MOVED
 
     async def current(self) -> Probation | None:
         """The marker, if any. A malformed one (written by hand, or by another build) reads as

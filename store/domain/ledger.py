@@ -31,8 +31,8 @@ from store.records import LedgerEntry, ReplyJournal
 from store.redis.batcher import ScriptCalls
 from store.redis.connection import StoreClient
 from store.redis.failures import reading, translated
+from store.redis.replies import answer, text
 from store.redis.replies import raw as raw_bytes
-from store.redis.replies import text
 
 
 def call_key(turn_id: str, batch: int, call: ToolCall, index: int) -> str:
@@ -238,14 +238,14 @@ class LedgerAnswer(StrEnum):
 def _answered(what: str, turn_id: str, epoch: int | None, reply: object, calls: int) -> list[Any]:
     """The per-call part of a ledger script's answer: :class:`StaleOwner` for a fenced one,
     :class:`StoreError` for anything but ``calls`` answers after :attr:`LedgerAnswer.OK`."""
-    word = text(reply[0]) if isinstance(reply, list) and reply else ""
-    if word == LedgerAnswer.FENCED:
+    word = answer(LedgerAnswer, reply, f"ledger {what} of {turn_id}")
+    if word is LedgerAnswer.FENCED:
         assert isinstance(reply, list)
         stored = text(reply[1]) if len(reply) > 1 else ""
         raise StaleOwner(
             f"turn {turn_id}: epoch {epoch} may not dispatch, the record's epoch is "
             f"{stored or 'gone'}"
         )
-    if word != LedgerAnswer.OK or not isinstance(reply, list) or len(reply) != calls + 1:
+    if not isinstance(reply, list) or len(reply) != calls + 1:
         raise StoreError(f"ledger {what} of {turn_id}: unexpected reply {reply!r:.80}")
     return reply[1:]

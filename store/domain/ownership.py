@@ -34,14 +34,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 from bus.errors import NamespaceHeld, PhaselineError, RecordError
 from store.keys import KeyLayout
 from store.lua import lua_script
 from store.redis.connection import StoreClient
 from store.redis.failures import translated
-from store.redis.replies import text
+from store.redis.replies import answer, text
 
 __all__ = [
     "ClaimOutcome",
@@ -180,12 +180,12 @@ class NamespaceOwner:
         gone (SIGKILLed), is taken over at once instead of after its lease lapses."""
         reply = await self._claim_script(me, replacing, cross=False)
         key = self.keys.owner()
-        if _acquired(reply):
+        if answer(OwnerClaimAnswer, reply, "claim") is OwnerClaimAnswer.ACQUIRED:
             return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
         holder = _holder(key, reply[1:])
         if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
             reply = await self._claim_script(me, holder.owner, cross=True)
-            if _acquired(reply):
+            if answer(OwnerClaimAnswer, reply, "claim") is OwnerClaimAnswer.ACQUIRED:
                 log.warning("namespace %r: took it over from %s, which is gone",
                             self.keys.namespace, holder.line())  # fmt: skip
                 return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
@@ -228,12 +228,14 @@ class NamespaceOwner:
         lapsed); False if another cluster holds the namespace."""
         args: list[str | int] = [cluster, self.ttl_ms, *(last.fields() if last else [])]
         with translated(f"renew namespace {self.keys.namespace}"):
-            return bool(await self._renew(keys=[self.keys.owner()], args=args))
+            reply = await self._renew(keys=[self.keys.owner()], args=args)
+        return answer(RenewAnswer, reply, "renew") is RenewAnswer.RENEWED
 
     async def release(self, owner: str) -> bool:
         """Give the namespace up, if ``owner`` holds it."""
         with translated(f"release namespace {self.keys.namespace}"):
-            return bool(await self._release(keys=[self.keys.owner()], args=[owner]))
+            reply = await self._release(keys=[self.keys.owner()], args=[owner])
+        return answer(ReleaseAnswer, reply, "release") is ReleaseAnswer.RELEASED
 
     async def holder(self) -> Holder | None:
         """Who holds the namespace (None: no one)."""
@@ -290,10 +292,28 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
             await owners.release(me.owner)
 
 
-#: ``owner_claim.lua``'s answer when the claim took the namespace (else the holder's fields).
-ACQUIRED = "acquired"
+class OwnerClaimAnswer(StrEnum):
+    """The first word of what ``owner_claim.lua`` answers."""
+
+    ACQUIRED = "acquired"
+    """The claimer owns the namespace now."""
+    HELD = "held"
+    """Someone else holds it; the holder's fields follow, flat."""
 
 
-def _acquired(reply: list[bytes | str]) -> bool:
-    """Whether ``owner_claim.lua`` answered that the claim took the namespace."""
-    return bool(reply) and text(reply[0]) == ACQUIRED
+class RenewAnswer(IntEnum):
+    """What ``owner_renew.lua`` answers."""
+
+    TAKEN = 0
+    """Another cluster holds the namespace: the caller's deployment must stop."""
+    RENEWED = 1
+    """The lease was extended (or written back, if it had lapsed while no one claimed it)."""
+
+
+class ReleaseAnswer(IntEnum):
+    """What ``owner_release.lua`` answers."""
+
+    NOT_OWNER = 0
+    """Someone else holds the namespace; nothing changed."""
+    RELEASED = 1
+    """The lease was deleted."""

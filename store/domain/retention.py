@@ -19,6 +19,7 @@ in progress, with every key of the turn and its index entry, in one step).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 from store.codec import EncodedRecord
 from store.keys import KeyLayout
@@ -26,6 +27,7 @@ from store.lua import lua_script
 from store.records import CheckpointRecord
 from store.redis.connection import StoreClient
 from store.redis.failures import translated
+from store.redis.replies import answer
 
 __all__ = ["Retention", "TurnPurger"]
 
@@ -48,6 +50,15 @@ class Retention:
         return max(1, int(self.finished_ttl_s * 1000))
 
 
+class PurgeAnswer(IntEnum):
+    """What ``purge_turn.lua`` answers."""
+
+    KEPT = 0
+    """Nothing deleted: the turn is in progress (running or resumable) or not there."""
+    PURGED = 1
+    """Every key of the turn and its index entry deleted."""
+
+
 class TurnPurger:
     """Removes finished turns now (``phaseline purge``)."""
 
@@ -66,4 +77,5 @@ class TurnPurger:
             k.turns_of(turn_id),
         ]  # fmt: skip
         with translated(f"purge turn {turn_id}"):
-            return bool(await self._purge(keys=keys, args=[turn_id]))
+            reply = await self._purge(keys=keys, args=[turn_id])
+        return answer(PurgeAnswer, reply, f"purge turn {turn_id}") is PurgeAnswer.PURGED

@@ -36,6 +36,7 @@
 -- their latest record): out of the stored record's phase if that was in progress, into its own
 -- if it is.
 -- Every key shares the turn's hash tag, so this runs unchanged on Redis Cluster.
+-- Read as store.write.save_script.SaveStatus (the first word).
 local record, bodies = KEYS[1], KEYS[2]
 local submission = ARGV[8] ~= ''
 if submission and redis.call('EXISTS', record, KEYS[6]) > 0 then

@@ -15,6 +15,7 @@
 --   anything else (another writer got there first): left as it is     -> 0
 --   -> {'ok', r1, r2, ...}
 -- All keys share the turn's hash tag, so this runs unchanged on Redis Cluster.
+-- Read as store.domain.ledger.LedgerAnswer (the first word).
 if ARGV[1] ~= '' then
   local stored = redis.call('HGET', KEYS[1], 'epoch')
   if stored ~= ARGV[1] then

@@ -24,6 +24,7 @@
 -- A new call's decided entry goes in with the fence check, so no other writer can come between
 -- them: exactly what 'prepared' then a compare-and-set to 'dispatched' gives, in one step.
 -- All keys share the turn's hash tag, so this runs unchanged on Redis Cluster.
+-- Read as store.domain.ledger.LedgerAnswer (the first word).
 local stored = redis.call('HGET', KEYS[1], 'epoch')
 if stored ~= ARGV[1] then
   for i = 4, #ARGV, 3 do

@@ -15,6 +15,7 @@
 -- Returns {'acquired'} when the claimer now owns the namespace (the hash is written and
 -- expires in ARGV[6] ms unless renewed), else {'held', <the holder's fields, flat>}: another
 -- Ray cluster holds it, or this cluster's deployment has another owner.
+-- Read as store.domain.ownership.OwnerClaimAnswer (the first word).
 local key = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

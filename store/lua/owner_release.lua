@@ -4,6 +4,7 @@
 -- ARGV[1]  the owner token
 --
 -- Returns 1 if the lease was deleted, 0 if someone else holds it (nothing changes).
+-- Read as store.domain.ownership.ReleaseAnswer.
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1

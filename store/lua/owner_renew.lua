@@ -9,6 +9,7 @@
 --
 -- Returns 1 while this cluster holds the namespace (the lease is extended), 0 if another
 -- cluster took it over (the caller's deployment must stop: two would run the same turns).
+-- Read as store.domain.ownership.RenewAnswer.
 local key = KEYS[1]
 local cluster = redis.call('HGET', key, 'cluster')
 if cluster and cluster ~= ARGV[1] then return 0 end
