@@ -26,12 +26,12 @@ from actors.engine.models.scenario import parse_scenario  # noqa: E402
 from actors.engine.models.scripted import scripted_turn  # noqa: E402
 from actors.engine.settings.engine_settings import EngineSettings  # noqa: E402
 from actors.engine.turn_engine import TurnEngine  # noqa: E402
+from actors.harness.http_agents import TEST_KEY_ENV  # noqa: E402
 from actors.turn.settings import LoopSettings  # noqa: E402
 from store.keys import KeyLayout  # noqa: E402
 from store.records import TurnInput  # noqa: E402
 from store.redis.connection import connect  # noqa: E402
 from store.redis.embedded import EmbeddedRedis  # noqa: E402
-from tests.support.agents import TEST_KEY_ENV  # noqa: E402
 
 ROUNDS, TURNS, REPEATS = 10, 30, 2
 
@@ -54,8 +54,8 @@ async def measure() -> dict[str, object]:
     http = TurnInput(message="#script " + json.dumps({"rounds": ROUNDS, "tool": "add"}))
     paths = {
         "scripted": scripted_turn(scenario),
-        "http_stream": ("tests.support.agents:http_stream", http),
-        "http_json": ("tests.support.agents:http_json", http),
+        "http_stream": ("actors.harness.http_agents:http_stream", http),
+        "http_json": ("actors.harness.http_agents:http_json", http),
     }
     with tempfile.TemporaryDirectory() as data:
         server = EmbeddedRedis(data_dir=data)
@@ -81,7 +81,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=ROOT
+        [sys.executable, "-m", "actors.harness.model_endpoint", str(port)], cwd=ROOT
     )
     try:
         for _ in range(600):

@@ -1,17 +1,17 @@
 """A burst of turns against an endpoint that limits the way providers do: the rate-limit figure.
 
-200 concurrent turns of a 2-round tool agent (3 model calls each, 600 requests) against the
-tests' OpenAI-compatible endpoint limited to 600 requests a minute with a burst of 100 (over
-it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each accepted call
-answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a provider's
-generation times vary) and each refusal after the row's latency up to 200 ms (a provider's
-gateway refuses before any generation: a far one's round trip; ``--refusal-latency-cap-ms``
-raises the cap, to see refusals as old as the replies). Each variant is one ``phaseline
-run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
-(``tests.support.agents:http_json``) and declared (``tests.support.agents:http_limited_bench``).
-Reported per variant: outcomes, wall time against the ideal (requests beyond the burst divided
-by the rate, 50 s, plus the last call's latency), the endpoint's accepted and refused requests;
-then the rows as a Markdown table.
+200 concurrent turns of a 2-round tool agent (3 model calls each, 600 requests) against the scripted
+OpenAI-compatible endpoint (``actors.harness.model_endpoint``) limited to 600 requests a minute with
+a burst of 100 (over it: 429 with ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*``), each
+accepted call answered after a latency drawn around the row's (0, 200 ms, 2 s; +-50 %, as a
+provider's generation times vary) and each refusal after the row's latency up to 200 ms (a
+provider's gateway refuses before any generation: a far one's round trip;
+``--refusal-latency-cap-ms`` raises the cap, to see refusals as old as the replies). Each variant is
+one ``phaseline run`` (in process, and on a local Ray with 2 hosts), with the limit undeclared
+(``actors.harness.http_agents:http_json``) and declared
+(``actors.harness.http_agents:http_limited_bench``). Reported per variant: outcomes, wall time
+against the ideal (requests beyond the burst divided by the rate, 50 s, plus the last call's
+latency), the endpoint's accepted and refused requests; then the rows as a Markdown table.
 
 Run from a checkout: ``.venv/bin/python scripts/rate_limit_bench.py [--turns 200]
 [--latencies 0,200,2000] [--tree DIR] [--only in_process] [--report FILE]``; ``--tree`` runs
@@ -36,8 +36,8 @@ RPM, BURST, ROUNDS = 600, 100, 2
 #: Each accepted call's latency is drawn uniformly within this fraction around the row's.
 SPREAD = 0.5
 AGENTS = {
-    "undeclared": "tests.support.agents:http_json",
-    "declared": "tests.support.agents:http_limited_bench",
+    "undeclared": "actors.harness.http_agents:http_json",
+    "declared": "actors.harness.http_agents:http_limited_bench",
 }
 MODES = {"in_process": ["--in-process"], "ray_2_hosts": ["--hosts", "2"]}
 
@@ -110,7 +110,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=ROOT
+        [sys.executable, "-m", "actors.harness.model_endpoint", str(port)], cwd=ROOT
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -24,7 +24,13 @@ from typing import Any
 
 import ray
 
-CALL = ("tests.support.agents:calculator", "echo", '{"text": "' + "x" * 100 + '"}', "t1", "k" * 40)
+CALL = (
+    "actors.engine.models.scripted:agent",
+    "echo",
+    '{"text": "' + "x" * 100 + '"}',
+    "t1",
+    "k" * 40,
+)
 
 
 class Worker:

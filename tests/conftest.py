@@ -159,12 +159,12 @@ def ray_cluster(openai_server: str) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def openai_server() -> Iterator[str]:
-    """The local OpenAI-compatible server (``tests/support/openai_server.py``) in its own
+    """The local OpenAI-compatible server (``actors/harness/model_endpoint.py``) in its own
     process; its base URL (``http://127.0.0.1:PORT/v1``)."""
     port = _free_port()
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.openai_server", str(port)], cwd=root
+        [sys.executable, "-m", "actors.harness.model_endpoint", str(port)], cwd=root
     )
     base = f"http://127.0.0.1:{port}"
     _wait_until_listening(proc, f"{base}/_stats", "the test OpenAI server")

@@ -173,3 +173,15 @@ def test_no_two_modules_import_each_other() -> None:
 
 def test_the_cycle_check_finds_one() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_scripts_use_the_package_not_the_tests() -> None:
+    """A measuring script runs from an install too: what it needs (the scripted endpoint, the
+    HTTP agents) is in the package, never in ``tests/``."""
+    leaning = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "scripts").iterdir())
+        if path.is_file()
+        and ("tests.support" in (text := path.read_text()) or "tests/support" in text)
+    ]
+    assert not leaning, leaning

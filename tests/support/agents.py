@@ -14,6 +14,13 @@ from pathlib import Path
 
 from actors.engine.models import scripted
 from actors.engine.models.openai_chat import OpenAIChat
+from actors.harness.http_agents import TEST_KEY_ENV as TEST_KEY_ENV
+from actors.harness.http_agents import http_agent, http_stream
+
+# The harness's HTTP agents, by this module's path too (the tests name them here).
+from actors.harness.http_agents import http_bump as http_bump
+from actors.harness.http_agents import http_json as http_json
+from actors.harness.http_agents import http_limited_bench as http_limited_bench
 from actors.turn.agent import Agent, AgentSettings, ModelContext
 from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.loopdetect import LoopThresholds
@@ -83,67 +90,28 @@ impatient = dataclasses.replace(
 not_an_agent = 42
 
 
-#: The environment variable the HTTP agents read their API key from.
-TEST_KEY_ENV = "PHASELINE_TEST_OPENAI_KEY"
-
-http_stream = Agent(
-    model=OpenAIChat(model="test-model", api_key_env=TEST_KEY_ENV, timeout_s=20),
-    tools=ToolRegistry([add]),
-    system_prompt="You add numbers with the add tool.",
-    model_name="test-model",
-)
-http_json = dataclasses.replace(
-    http_stream, model=OpenAIChat(model="test-model", api_key_env=TEST_KEY_ENV, stream=False)
-)
-
-
-@tool(idempotent=False)
-async def bump(ctx: ToolContext, a: int, b: int = 0) -> str:
-    """Count this call's side effect once per run of it (a duplicate shows as a count of 2).
-
-    Args:
-        a: Ignored.
-        b: Ignored.
-    """
-    if ctx.effects is None:
-        raise RuntimeError("bump needs a side-effect store")
-    return f"count={await ctx.effects.increment(ctx.turn_id, ctx.call_key)}"
-
-
-http_bump = dataclasses.replace(http_stream, tools=ToolRegistry([add, bump]))
-
-
-def _http(model: str, **kw: object) -> Agent:
-    """``http_stream`` on a model name of its own: what an endpoint is remembered by (e.g. that
-    it cannot stream tool calls) stays with that name, away from the other tests."""
-    chat = OpenAIChat(model=model, api_key_env=TEST_KEY_ENV, timeout_s=20, **kw)  # type: ignore[arg-type]
-    return dataclasses.replace(http_stream, model=chat, model_name=model)
-
-
 #: llama.cpp-like: answers an empty stream when tools are offered.
-http_no_tool_streams = _http("no-tool-streams")
+http_no_tool_streams = http_agent("no-tool-streams")
 #: Too-long prompts come back as empty streams.
-http_small_context = _http("small-context")
+http_small_context = http_agent("small-context")
 #: A cap on every reply: 4 tokens (16 characters on the test server), then 2.
-http_capped = _http("capped", max_tokens=4, stream=False)
-http_tight = _http("tight", max_tokens=2, stream=False)
+http_capped = http_agent("capped", max_tokens=4, stream=False)
+http_tight = http_agent("tight", max_tokens=2, stream=False)
 #: Declares the tests' endpoint's limit (set by ``POST /_limit``): 600 requests a minute, 5 at
 #: once; every host admits its calls through the cluster's limiter.
-http_limited = _http("limited", stream=False, limits=ModelLimits(requests_per_minute=600, burst=5))
-#: The limit of scripts/rate_limit_bench.py's endpoint, declared: 600 a minute, 100 at once.
-http_limited_bench = _http(
-    "limited-bench", stream=False, limits=ModelLimits(requests_per_minute=600, burst=100)
+http_limited = http_agent(
+    "limited", stream=False, limits=ModelLimits(requests_per_minute=600, burst=5)
 )
 #: A budget of 100 tokens a turn (the tests' endpoint counts 4 characters a token).
 http_budget = dataclasses.replace(
-    _http("budget", stream=False), settings=AgentSettings(max_tokens_per_turn=100)
+    http_agent("budget", stream=False), settings=AgentSettings(max_tokens_per_turn=100)
 )
 #: A budget of 150 tokens a session.
 http_session_budget = dataclasses.replace(
-    _http("session-budget", stream=False), settings=AgentSettings(max_tokens_per_session=150)
+    http_agent("session-budget", stream=False), settings=AgentSettings(max_tokens_per_session=150)
 )
 #: Needs its key even on a local endpoint.
-http_keyed = _http("keyed", require_key=True)
+http_keyed = http_agent("keyed", require_key=True)
 #: An endpoint where nothing listens (port 9, discard, is closed here).
 http_dead = dataclasses.replace(
     http_stream,
@@ -171,9 +139,9 @@ def dump() -> str:
 
 
 #: Its tool returns more than one result may hold.
-http_dump = dataclasses.replace(_http("dump"), tools=ToolRegistry([add, dump]))
+http_dump = dataclasses.replace(http_agent("dump"), tools=ToolRegistry([add, dump]))
 #: Reads a file name no UTF-8 encoder takes.
-http_files = dataclasses.replace(_http("files"), tools=ToolRegistry([add, file_name]))
+http_files = dataclasses.replace(http_agent("files"), tools=ToolRegistry([add, file_name]))
 #: Polls so far, per (turn, job): what ``job_status`` reports.
 _POLLS: dict[tuple[str, int], int] = {}
 
@@ -190,7 +158,7 @@ def job_status(ctx: ToolContext, job: int) -> str:
 
 
 #: Polls ``job_status`` with the same arguments until the job is done.
-http_poller = dataclasses.replace(_http("poller"), tools=ToolRegistry([add, job_status]))
+http_poller = dataclasses.replace(http_agent("poller"), tools=ToolRegistry([add, job_status]))
 
 
 class RecallModel:

@@ -1,4 +1,7 @@
-"""A local OpenAI-compatible Chat Completions server for the tests (an ASGI app run by uvicorn).
+"""A scripted OpenAI-compatible Chat Completions endpoint (an ASGI app run by uvicorn, the
+``console`` extra): what the tests, the chaos runs on the HTTP model path (``scripts/http_chaos``)
+and the model benchmarks (``scripts/rate_limit_bench.py``, ``scripts/model_overhead.py``) point
+their HTTP agents (:mod:`actors.harness.http_agents`) at.
 
 It speaks the real protocol: JSON replies and SSE streams (``stream: true``, tool call arguments
 split across deltas, a usage chunk when ``stream_options.include_usage``), and error bodies in
@@ -52,7 +55,7 @@ arrived (a far provider's round trip: what the client learns is that old). ``/_s
 ``accepted`` and ``refused``.
 
 ``GET /_stats`` answers what the server saw (requests, faults fired, disconnects, the last
-request's ``Authorization`` header). Run: ``python -m tests.support.openai_server PORT``.
+request's ``Authorization`` header). Run: ``python -m actors.harness.model_endpoint PORT``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ import sys
 import time
 from collections import Counter
 from typing import Any
+
+from actors.engine.settings.extras import Extra, needs
 
 Scope = dict[str, Any]
 Receive = Any
@@ -420,7 +425,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def main() -> None:
-    import uvicorn
+    """Serve on 127.0.0.1, on the port given as the only argument."""
+    with needs(Extra.CONSOLE, "the scripted model endpoint"):
+        import uvicorn
 
     port = int(sys.argv[1])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
