@@ -309,11 +309,10 @@ class Runtime(FrontDesk):
         return out
 
     async def standbys(self, *, timeout: float = 120.0) -> list[HostInfo]:
-        """``hello`` of every slot's standby (its host's next generation), once each has
-        answered; none when ``[supervisor] standby`` is off. The Supervisor starts them after
-        the deployment is up, and a measurement begun before they did counts their process
-        starts: 0.5-0.6 ms of CPU per tool round in a 500-turn run of the bench's unit costs.
-        TimeoutError names the slots still without one."""
+        """``hello`` of every slot's standby (its host's next generation), once each has answered;
+        none when ``[supervisor] standby`` is off. The Supervisor starts them after the deployment
+        is up, and a measurement begun before they did counts their process starts in what it
+        measures (the bench waits for them). TimeoutError names the slots still without one."""
         if not self.dep.settings.supervisor.standby:
             return []
         deadline = time.monotonic() + timeout

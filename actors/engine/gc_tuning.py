@@ -3,10 +3,9 @@
 A round of a turn allocates thousands of short-lived objects (messages, encoded records,
 replies) and keeps few: with Python's default first-generation threshold (700 net allocations)
 the collector runs several times per round and each run traverses every young object. Raising
-the threshold lets the young objects die of their reference counts first. Measured by
-``scripts/client_costs.py`` (the in-process engine, ``durable_loop``'s turns 200 at once, five
-rounds): 136.7 turns/s at 700, 154.9 at 5,000, 178.7 at 20,000, 156.5 at 100,000 (the young
-collections grow long again); docs/DECISIONS.md.
+the threshold lets the young objects die of their reference counts first; raised too far, each
+young collection grows long again. The default is the best of the thresholds
+``scripts/client_costs.py`` compares (docs/DECISIONS.md has the figures).
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ endpoint, which share a hash tag so the script runs on Redis Cluster too::
 
 Each process that calls an endpoint also names it in ``{ns}:{global}:models`` (a zset, by when
 it last did, at most every :data:`REGISTER_EVERY_S`), which is how :meth:`EndpointLimiter.snapshot`
-finds the endpoints: it was a ``SCAN`` of the whole keyspace, which the Supervisor ran every five
-seconds and which cost it 37 µs of CPU per checkpoint save in the bench's throughput figure
-(200,000 keys; the server paid for it too).
+finds the endpoints without a ``SCAN`` of the whole keyspace (which the Supervisor would run
+every few seconds, at a cost that grows with every key of every turn, on the server too).
 
 A declared limit (requests and tokens per minute, calls in flight) is kept by the schedules; a
 provider's 429 pauses the endpoint for everyone for the time it asked (:meth:`pause`), declared

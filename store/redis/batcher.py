@@ -6,9 +6,9 @@ in the next, so they share one round trip (and, for saves, one durability wait).
 script calls of concurrent turns (the ledger's claims and compare-and-sets, a turn's start) in
 shared round trips of the transport (:mod:`store.redis.transport`), or leaves them to the client's
 :class:`~store.redis.lane.Lane` where it has one (which writes what concurrent callers send in one
-turn of the event loop together by itself). redis-py spends about 100 µs of client CPU on a command
-sent alone and about 13 on one in a pipeline (200 concurrent ``EVALSHA`` against 200 in one
-pipeline: ``scripts/client_costs.py``)."""
+turn of the event loop together by itself). redis-py's client work per command is mostly per
+round trip, so a command in a pipeline costs a fraction of one sent alone
+(``scripts/client_costs.py`` measures both)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,11 @@
 client, each command written as it comes and the replies read back in order, parsed by hiredis.
 
 Why: a durable round is two script calls (a tool batch's claim, the checkpoint's save), and on a
-single host those round trips, not Redis, bound how fast one turn goes. redis-py's asyncio
-client spends about 130 µs of client CPU on a command sent alone (its pool, its retry wrapper,
-its stream reader) where this path spends about 50, and a round trip to a server that fsyncs
-every write took 0.31 against 0.26 ms (``scripts/client_costs.py``). The saves, the ledger's
-scripts and a turn's start go this way (``store.redis.batcher``,
-``store.write.checkpoint``); everything else keeps redis-py.
+single host those round trips, not Redis, bound how fast one turn goes. redis-py's asyncio client
+spends most of a command's client CPU in its pool, its retry wrapper and its stream reader, which
+this path does without (``scripts/client_costs.py`` compares the two). The saves, the ledger's
+scripts and a turn's start go this way (``store.redis.batcher``, ``store.write.checkpoint``);
+everything else keeps redis-py.
 
 What it keeps of redis-py: its error classes (an error reply is the exception redis-py would have
 raised, so :func:`store.redis.failures.translated` reads it the same), its retry rule (a command
