@@ -345,12 +345,24 @@ def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 #: How each typed field of a live event is read back from its string (the rest are str).
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
-    "epoch": int, "at_ms": int, "messages": int, "seq": int, "started_ms": int,
-    "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
-    "idempotent": _flag, "over": _flag, "waits_for": ToolWait, "reason": SaveReason,
-    "status": _tool_status, "resumed_from": _or_none(SaveReason), "outcome": _or_none(Outcome),
-    "problem": _problem, "action": Action,
-}  # fmt: skip
+    "epoch": int,
+    "at_ms": int,
+    "messages": int,
+    "seq": int,
+    "started_ms": int,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "cached_tokens": int,
+    "idempotent": _flag,
+    "over": _flag,
+    "waits_for": ToolWait,
+    "reason": SaveReason,
+    "status": _tool_status,
+    "resumed_from": _or_none(SaveReason),
+    "outcome": _or_none(Outcome),
+    "problem": _problem,
+    "action": Action,
+}
 
 
 def _s(value: bytes | str | int) -> str:

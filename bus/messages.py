@@ -63,8 +63,10 @@ def storable(value: Any) -> Any:
     if isinstance(value, str):
         if _SURROGATE.search(value) is None:
             return value
-        log.warning("replaced %d unencodable character(s) (lone surrogates) with U+FFFD",
-                    len(_SURROGATE.findall(value)))  # fmt: skip
+        log.warning(
+            "replaced %d unencodable character(s) (lone surrogates) with U+FFFD",
+            len(_SURROGATE.findall(value)),
+        )
         return _SURROGATE.sub(REPLACEMENT, value)
     if isinstance(value, dict):
         return {storable(k): storable(v) for k, v in value.items()}

@@ -40,11 +40,14 @@ def main() -> None:
             with EmbeddedCluster() as cluster:
                 report = asyncio.run(
                     failover_under_saves(
-                        cluster, durability=durability, turns=args.turns, lag_s=args.lag,
+                        cluster,
+                        durability=durability,
+                        turns=args.turns,
+                        lag_s=args.lag,
                         unsent_bytes=args.unsent if durability == "ack" else 0,
                         payload_bytes=args.payload,
                     )
-                )  # fmt: skip
+                )
             print(json.dumps(dataclasses.asdict(report)), flush=True)
 
 

@@ -39,20 +39,32 @@ SCENARIO = {"name": "short", "rounds": 2, "tools_per_round": 1, "payload_bytes":
 
 
 def _submitted(turn_id: str, at: int) -> tuple[TurnSpec, CheckpointRecord]:
-    spec = TurnSpec(turn_id=turn_id, session_id="", agent="bench:agent",
-                    input={"message": "hi"}, created_at=at)  # fmt: skip
+    spec = TurnSpec(
+        turn_id=turn_id, session_id="", agent="bench:agent", input={"message": "hi"}, created_at=at
+    )
     record = CheckpointRecord(
-        turn_id=turn_id, session_id="", agent="bench:agent", epoch=1, seq=0,
-        phase=TurnPhase.INIT, in_progress=True, reason="submitted", messages=(), meta=(),
-        baseline=0, counters=Counters(), updated_at=at,
-    )  # fmt: skip
+        turn_id=turn_id,
+        session_id="",
+        agent="bench:agent",
+        epoch=1,
+        seq=0,
+        phase=TurnPhase.INIT,
+        in_progress=True,
+        reason="submitted",
+        messages=(),
+        meta=(),
+        baseline=0,
+        counters=Counters(),
+        updated_at=at,
+    )
     return spec, record
 
 
 async def fill(url: str, namespace: str, finished: int, total: int) -> str:
     """The store of one namespace; returns a finished turn's id."""
-    settings = Settings.model_validate({"redis": {"namespace": namespace},
-                                        "checkpoint": {"min_interval_s": 0}})  # fmt: skip
+    settings = Settings.model_validate(
+        {"redis": {"namespace": namespace}, "checkpoint": {"min_interval_s": 0}}
+    )
     client = connect(url)
     try:
         engine = TurnEngine.from_settings(client, settings, watchdog=None)
@@ -62,8 +74,9 @@ async def fill(url: str, namespace: str, finished: int, total: int) -> str:
         now = int(time.time() * 1000)
         for start in range(0, total - finished, 500):
             batch = range(start, min(start + 500, total - finished))
-            await asyncio.gather(*(engine.store.submit(*_submitted(f"sub{i:05d}", now + i))
-                                   for i in batch))  # fmt: skip
+            await asyncio.gather(
+                *(engine.store.submit(*_submitted(f"sub{i:05d}", now + i)) for i in batch)
+            )
     finally:
         await client.aclose()
     return "done00042"

@@ -41,11 +41,20 @@ from store.redis.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "demo"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]  # fmt: skip
-SETTINGS = {"redis": {"namespace": NAMESPACE}, "checkpoint": {"min_interval_s": 0},
-            "approvals": {"poll_s": 0.05}}  # fmt: skip
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SETTINGS = {
+    "redis": {"namespace": NAMESPACE},
+    "checkpoint": {"min_interval_s": 0},
+    "approvals": {"poll_s": 0.05},
+}
 
 
 def crash_and_resume(url: str, tmp: Path) -> str:
@@ -55,13 +64,33 @@ def crash_and_resume(url: str, tmp: Path) -> str:
         'name = "crash"\nrounds = 3\ntools_per_round = 2\n'
         'tools = ["echo", "counter_increment"]\nllm_latency_ms = 1500\n'
     )
-    common = ["--redis-url", url, "--namespace", NAMESPACE,
-              "--config", str(ROOT / "configs" / "test.toml")]  # fmt: skip
+    common = [
+        "--redis-url",
+        url,
+        "--namespace",
+        NAMESPACE,
+        "--config",
+        str(ROOT / "configs" / "test.toml"),
+    ]
     child = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--in-process", *common,
-         "--scenario", str(scenario), "--turns", "1", "--run-id", "crashed"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "run",
+            "--in-process",
+            *common,
+            "--scenario",
+            str(scenario),
+            "--turns",
+            "1",
+            "--run-id",
+            "crashed",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     key = KeyLayout(NAMESPACE).turn("crashed-t000000")
     probe = redis.Redis.from_url(url)
     deadline = time.monotonic() + 60
@@ -77,8 +106,12 @@ def crash_and_resume(url: str, tmp: Path) -> str:
         time.sleep(0.05)  # polling Redis with a deadline
     os.kill(child.pid, signal.SIGKILL)  # in its next model call (1.5 s)
     child.wait()
-    subprocess.run([sys.executable, "-m", "actors.cli", "resume", "--in-process", *common],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "actors.cli", "resume", "--in-process", *common],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return "crashed-t000000"
 
 
@@ -87,15 +120,28 @@ async def populate(url: str) -> asyncio.Task[object]:
     client = connect(url)
     engine = TurnEngine.from_settings(client, Settings.model_validate(SETTINGS), watchdog=None)
     plain = parse_scenario({"name": "tool_loop", "rounds": 3, "tools_per_round": 2})
-    retried = parse_scenario({"name": "flaky", "rounds": 2, "tools_per_round": 1,
-                              "faults": [{"at_call": 2, "kind": "retryable"}]})  # fmt: skip
-    looping = parse_scenario({"name": "loopy", "rounds": 6, "tools_per_round": 1,
-                              "faults": [{"at_call": 2, "kind": "loop"}]})  # fmt: skip
+    retried = parse_scenario(
+        {
+            "name": "flaky",
+            "rounds": 2,
+            "tools_per_round": 1,
+            "faults": [{"at_call": 2, "kind": "retryable"}],
+        }
+    )
+    looping = parse_scenario(
+        {
+            "name": "loopy",
+            "rounds": 6,
+            "tools_per_round": 1,
+            "faults": [{"at_call": 2, "kind": "loop"}],
+        }
+    )
     await engine.run_new(*scripted_turn(plain), [f"run1-t{i:06d}" for i in range(30)])
     await engine.run_new(*scripted_turn(retried), [f"run2-t{i:06d}" for i in range(6)])
     await engine.run_new(*scripted_turn(looping), [f"run3-t{i:06d}" for i in range(4)])
-    gated = parse_scenario({"name": "gated", "rounds": 1, "tools_per_round": 1,
-                            "require_approval": ["echo"]})  # fmt: skip
+    gated = parse_scenario(
+        {"name": "gated", "rounds": 1, "tools_per_round": 1, "require_approval": ["echo"]}
+    )
     agent, turn_input = scripted_turn(gated)
     record = (await engine.submit_many(agent, turn_input, ["needs-approval"]))[0][1]
     spec = await engine.store.load_spec("needs-approval")
@@ -112,8 +158,15 @@ async def shoot(url: str, crashed: str, out: Path) -> None:
         await task
     # A deployment beside them, busy with 40 turns, for the deployment page (attached).
     rt = await Runtime.start(Settings.model_validate(SETTINGS), redis_url=url, hosts=2)
-    busy = parse_scenario({"name": "busy", "rounds": 8, "tools_per_round": 2,
-                           "llm_latency_ms": 800, "tool_latency_ms": 200})  # fmt: skip
+    busy = parse_scenario(
+        {
+            "name": "busy",
+            "rounds": 8,
+            "tools_per_round": 2,
+            "llm_latency_ms": 800,
+            "tool_latency_ms": 200,
+        }
+    )
     await rt.submit(*scripted_turn(busy), [f"ray-t{i:06d}" for i in range(40)])
     await asyncio.sleep(3)  # let the hosts get going: the page shows them at work
     address = ray.get_runtime_context().gcs_address
@@ -127,11 +180,15 @@ async def shoot(url: str, crashed: str, out: Path) -> None:
     base = "http://127.0.0.1:18321"
     try:
         async with async_playwright() as p:
-            browser = await p.chromium.launch(executable_path="/usr/bin/chromium",
-                                              args=CHROMIUM_ARGS)  # fmt: skip
+            browser = await p.chromium.launch(
+                executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS
+            )
             page = await browser.new_page(viewport={"width": 1400, "height": 900})
-            for name, path in (("turns", "/turns"), ("turn", f"/turns/{crashed}"),
-                               ("deployment", "/deployment")):  # fmt: skip
+            for name, path in (
+                ("turns", "/turns"),
+                ("turn", f"/turns/{crashed}"),
+                ("deployment", "/deployment"),
+            ):
                 await page.goto(base + path)
                 await page.screenshot(path=str(out / f"console-{name}.png"), full_page=False)
                 print("wrote", out / f"console-{name}.png")

@@ -50,21 +50,43 @@ def _call(url: str, body: dict[str, object] | None = None) -> dict[str, object]:
 
 
 def run_variant(
-    tree: Path, base: str, mode: str, agent: str, turns: int, latency_ms: int,
+    tree: Path,
+    base: str,
+    mode: str,
+    agent: str,
+    turns: int,
+    latency_ms: int,
     refusal_cap_ms: int,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     refusal_ms = min(latency_ms, refusal_cap_ms)
     limit = {"rpm": RPM, "burst": BURST, "headers": True, "refusal_latency_ms": refusal_ms}
     _call(f"{base}/_limit", limit)  # a full bucket
-    script = {"rounds": ROUNDS, "tool": "add", "quote": False, "latency_ms": latency_ms,
-              "latency_spread": SPREAD}  # fmt: skip
+    script = {
+        "rounds": ROUNDS,
+        "tool": "add",
+        "quote": False,
+        "latency_ms": latency_ms,
+        "latency_spread": SPREAD,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "run.json"
         cmd = [
-            sys.executable, "-m", "actors.cli", "run", "--namespace", f"rl{int(time.time())}",
-            "--agent", agent, "--input", f"#script {json.dumps(script)}\nAdd, please.",
-            "--turns", str(turns), "--report", str(report), *MODES[mode],
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "run",
+            "--namespace",
+            f"rl{int(time.time())}",
+            "--agent",
+            agent,
+            "--input",
+            f"#script {json.dumps(script)}\nAdd, please.",
+            "--turns",
+            str(turns),
+            "--report",
+            str(report),
+            *MODES[mode],
+        ]
         env = {
             **os.environ,
             "OPENAI_BASE_URL": f"{base}/v1",
@@ -73,7 +95,7 @@ def run_variant(
             "RAY_TMPDIR": tempfile.mkdtemp(prefix="rb", dir="/tmp"),
         }
         started = time.monotonic()
-        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         wall = time.monotonic() - started
         data = json.loads(report.read_text()) if report.exists() else {}
     seen = _call(f"{base}/_stats")
@@ -102,8 +124,12 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(MODES), default=None)
     parser.add_argument("--agents", default=",".join(AGENTS))
     parser.add_argument("--latencies", default="0,200,2000", help="ms per call, one row each")
-    parser.add_argument("--refusal-latency-cap-ms", type=int, default=200,
-                        help="a refusal comes after the row's latency, at most this")  # fmt: skip
+    parser.add_argument(
+        "--refusal-latency-cap-ms",
+        type=int,
+        default=200,
+        help="a refusal comes after the row's latency, at most this",
+    )
     parser.add_argument("--report", type=Path, default=None)
     args = parser.parse_args()
     with socket.socket() as s:
@@ -120,15 +146,24 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.05)  # waiting for the endpoint to listen
-        figures: dict[str, object] = {"tree": str(args.tree), "turns": args.turns, "rpm": RPM,
-                                      "burst": BURST}  # fmt: skip
+        figures: dict[str, object] = {
+            "tree": str(args.tree),
+            "turns": args.turns,
+            "rpm": RPM,
+            "burst": BURST,
+        }
         for mode in [args.only] if args.only else list(MODES):
             for name in args.agents.split(","):
                 for latency in (int(ms) for ms in args.latencies.split(",")):
                     figures[f"{mode}/{name}/{latency}ms"] = fig = run_variant(
-                        args.tree, base, mode, AGENTS[name], args.turns, latency,
+                        args.tree,
+                        base,
+                        mode,
+                        AGENTS[name],
+                        args.turns,
+                        latency,
                         args.refusal_latency_cap_ms,
-                    )  # fmt: skip
+                    )
                     print(f"{mode}/{name}/{latency}ms: {json.dumps(fig)}", flush=True)
     finally:
         endpoint.terminate()

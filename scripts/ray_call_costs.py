@@ -68,8 +68,10 @@ async def measure(batches: int, reps: int) -> dict[str, list[float]]:
             await ref
 
     ways: dict[str, Callable[[int], Awaitable[None]]] = {
-        "call_per_tool_call": per_call, "call_per_batch": per_batch, "streamed_batch": streamed,
-    }  # fmt: skip
+        "call_per_tool_call": per_call,
+        "call_per_batch": per_batch,
+        "streamed_batch": streamed,
+    }
     out: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(reps):
         for name, way in ways.items():

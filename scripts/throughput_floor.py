@@ -52,8 +52,17 @@ BATCHES = 8
 SEQS = 40
 
 
-async def _client(url: str, namespace: str, part: int, parts: int, mode: str, seconds: float,
-                  ready: Any, go: Any, out: Any) -> None:  # fmt: skip
+async def _client(
+    url: str,
+    namespace: str,
+    part: int,
+    parts: int,
+    mode: str,
+    seconds: float,
+    ready: Any,
+    go: Any,
+    out: Any,
+) -> None:
     client = connect(url, max_connections=128)
     durability = Settings().redis.durability_policy()
     store = RedisCheckpointStore(client, KeyLayout(namespace), durability=durability)
@@ -69,9 +78,12 @@ async def _client(url: str, namespace: str, part: int, parts: int, mode: str, se
         for record in records:
             encoded = EncodedRecord.of(record.model_copy(update={"seq": seq}), store.known)
             keys, args = SaveCall.of(  # the exact call a save sends
-                store.keys, encoded, None,
-                events_maxlen=store.events_maxlen, retention=store.retention,
-            ).script_args()  # fmt: skip
+                store.keys,
+                encoded,
+                None,
+                events_maxlen=store.events_maxlen,
+                retention=store.retention,
+            ).script_args()
             command = ("EVALSHA", sha, len(keys), *keys, *args)
             calls.append(command if mode == "script" else ("SET", keys[0], b"x" * PAYLOAD_BYTES))
     batch = len(records) // BATCHES
@@ -117,10 +129,12 @@ def one_run(server: EmbeddedRedis, mode: str, clients: int, seconds: float) -> d
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     namespace = f"floor{time.time_ns()}"
     procs = [
-        ctx.Process(target=_run_client,
-                    args=(server.url, namespace, i, clients, mode, seconds, ready, go, out))
+        ctx.Process(
+            target=_run_client,
+            args=(server.url, namespace, i, clients, mode, seconds, ready, go, out),
+        )
         for i in range(clients)
-    ]  # fmt: skip
+    ]
     for p in procs:
         p.start()
     for _ in procs:

@@ -37,16 +37,40 @@ M = TypeVar("M", bound=BaseModel)
 
 #: The hash fields of a checkpoint record; every save writes all of them (and nothing else).
 RECORD_FIELDS = (
-    "schema", "turn_id", "session_id", "agent", "epoch", "seq", "phase", "in_progress", "reason",
-    "chunks", "tail", "length", "baseline", "counters", "updated_at",
-)  # fmt: skip
+    "schema",
+    "turn_id",
+    "session_id",
+    "agent",
+    "epoch",
+    "seq",
+    "phase",
+    "in_progress",
+    "reason",
+    "chunks",
+    "tail",
+    "length",
+    "baseline",
+    "counters",
+    "updated_at",
+)
 #: The fields of a schema-2 record (no agent), still read.
 SCHEMA2_FIELDS = tuple(f for f in RECORD_FIELDS if f != "agent")
 #: The fields of a schema-1 record (the whole transcript inline), still read.
 SCHEMA1_FIELDS = (
-    "schema", "turn_id", "session_id", "epoch", "seq", "phase", "in_progress", "reason",
-    "messages", "meta", "baseline", "counters", "updated_at",
-)  # fmt: skip
+    "schema",
+    "turn_id",
+    "session_id",
+    "epoch",
+    "seq",
+    "phase",
+    "in_progress",
+    "reason",
+    "messages",
+    "meta",
+    "baseline",
+    "counters",
+    "updated_at",
+)
 
 
 def dump_model(model: BaseModel) -> Any:
@@ -165,10 +189,18 @@ class EncodedRecord:
         else:
             plan = known.plan(record.turn_id, record.epoch, record.seq, transcript)
         return cls(
-            record.turn_id, record.epoch, record.seq, record.phase.value, record.reason.value,
-            record.in_progress, fields, plan.puts, plan.drops, plan.replace,
+            record.turn_id,
+            record.epoch,
+            record.seq,
+            record.phase.value,
+            record.reason.value,
+            record.in_progress,
+            fields,
+            plan.puts,
+            plan.drops,
+            plan.replace,
             _field_bytes(fields) + transcript.nbytes,
-        )  # fmt: skip
+        )
 
     def counters(self) -> Counters:
         """The record's counters, decoded (only the final save's tally and retention need
@@ -241,20 +273,32 @@ class EncodedRecord:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError("nbytes must be a byte count")
         return cls(
-            fields["turn_id"], fields["epoch"], fields["seq"], fields["phase"], fields["reason"],
-            fields["in_progress"] == 1, fields, puts, tuple(drops), parts["replace"],
+            fields["turn_id"],
+            fields["epoch"],
+            fields["seq"],
+            fields["phase"],
+            fields["reason"],
+            fields["in_progress"] == 1,
+            fields,
+            puts,
+            tuple(drops),
+            parts["replace"],
             # A host cannot make a save pass the size cap by under-reporting what it sends.
-            max(nbytes, sum(len(v) for v in puts.values())), _settles_of(parts["settles"]),
-        )  # fmt: skip
+            max(nbytes, sum(len(v) for v in puts.values())),
+            _settles_of(parts["settles"]),
+        )
 
 
 def _settles_of(raw: object) -> tuple[Settle, ...]:
     """The wire form's settles: a list of [call key, dispatched entry, settled entry]."""
     if not isinstance(raw, list) or not all(
-        isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
-        and isinstance(x[1], bytes) and isinstance(x[2], bytes)
+        isinstance(x, list)
+        and len(x) == 3
+        and isinstance(x[0], str)
+        and isinstance(x[1], bytes)
+        and isinstance(x[2], bytes)
         for x in raw
-    ):  # fmt: skip
+    ):
         raise ValueError("settles must be a list of [call key, dispatched, settled]")
     return tuple(Settle(k, d, s) for k, d, s in raw)
 

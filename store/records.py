@@ -378,8 +378,15 @@ class ReplyJournal(FrozenModel):
 
 #: Counters a claim (a new owner's fencing write) changes: a journaled reply's own copies of
 #: them are older than the claimed record's, so an adopting owner keeps the record's.
-CLAIM_COUNTERS = ("resume_attempts", "stalled_resumes", "isolated_deaths", "outcome",
-                  "agent_failures", "agent_fingerprint", "agent_changes")  # fmt: skip
+CLAIM_COUNTERS = (
+    "resume_attempts",
+    "stalled_resumes",
+    "isolated_deaths",
+    "outcome",
+    "agent_failures",
+    "agent_fingerprint",
+    "agent_changes",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,3 +185,14 @@ def test_the_scripts_use_the_package_not_the_tests() -> None:
         and ("tests.support" in (text := path.read_text()) or "tests/support" in text)
     ]
     assert not leaning, leaning
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """A module a newcomer opens holds one concept; past 500 lines it holds several."""
+    long = [
+        f"{path.relative_to(ROOT)}: {n}"
+        for package in ("bus", "store", "actors")
+        for path in modules(package)
+        if (n := len(path.read_text().splitlines())) > 500
+    ]
+    assert not long, long

@@ -90,20 +90,26 @@ def _guard(fn: F) -> F:
 
 def _common(fn: F) -> F:
     fn = click.option(
-        "--config", "config_path", type=click.Path(dir_okay=False), default=None,
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
         help="Settings file (configs/*.toml).",
-    )(fn)  # fmt: skip
+    )(fn)
     fn = click.option("--namespace", default=None, help="Key namespace (default: pl).")(fn)
     fn = click.option(
-        "--redis-url-file", type=click.Path(dir_okay=False, exists=True), default=None,
+        "--redis-url-file",
+        type=click.Path(dir_okay=False, exists=True),
+        default=None,
         help="Read the Redis URL from this file (keeps a password out of argv and ps).",
-    )(_url_from_file(fn))  # fmt: skip
+    )(_url_from_file(fn))
     fn = click.option(
-        "--redis-url", default=None,
+        "--redis-url",
+        default=None,
         help="Redis to use (else --redis-url-file, else $PHASELINE_REDIS_URL, else the "
-             "embedded server). A URL with a password is visible in ps: prefer the file or "
-             "the variable.",
-    )(fn)  # fmt: skip
+        "embedded server). A URL with a password is visible in ps: prefer the file or "
+        "the variable.",
+    )(fn)
     return _guard(fn)
 
 
@@ -167,9 +173,11 @@ def _scratch_store(
 
 
 _redis_cluster_option = click.option(
-    "--redis-cluster", is_flag=True, default=False,
+    "--redis-cluster",
+    is_flag=True,
+    default=False,
     help="Run on a local Redis Cluster of 3 primaries with a replica each, started for the run.",
-)  # fmt: skip
+)
 
 
 def _appendfsync(settings: Settings) -> str:

@@ -63,34 +63,68 @@ log = logging.getLogger(__name__)
 @_common
 @_work_options
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
-@click.option("--duration", type=click.FloatRange(1, 86_400), default=30, show_default=True,
-              help="Seconds of fault injection (turns arrive during the first half).")  # fmt: skip
-@click.option("--kill-interval", type=click.FloatRange(0.1, 3600), default=2, show_default=True,
-              help="Mean seconds between faults.")  # fmt: skip
-@click.option("--targets", default="all", show_default=True,
-              help=f"Comma-separated fault targets: {', '.join(TARGETS)} ('none': only the "
-              "poison turns' own faults).")  # fmt: skip
+@click.option(
+    "--duration",
+    type=click.FloatRange(1, 86_400),
+    default=30,
+    show_default=True,
+    help="Seconds of fault injection (turns arrive during the first half).",
+)
+@click.option(
+    "--kill-interval",
+    type=click.FloatRange(0.1, 3600),
+    default=2,
+    show_default=True,
+    help="Mean seconds between faults.",
+)
+@click.option(
+    "--targets",
+    default="all",
+    show_default=True,
+    help=f"Comma-separated fault targets: {', '.join(TARGETS)} ('none': only the "
+    "poison turns' own faults).",
+)
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--poison", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
-              help="Turns that run a poison variant of the scenario (a model call that "
-              "SIGKILLs its process); each must end suspended:poison.")  # fmt: skip
+@click.option(
+    "--poison",
+    type=click.IntRange(0, 1_000_000),
+    default=0,
+    show_default=True,
+    help="Turns that run a poison variant of the scenario (a model call that "
+    "SIGKILLs its process); each must end suspended:poison.",
+)
 @click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True)
 @_nodes_option
 @_redis_cluster_option
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
 @_verdict_option
-@click.option("--report", type=click.Path(dir_okay=False), required=True,
-              help="Write the JSON report here.")  # fmt: skip
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Write the PNG timeline here.")  # fmt: skip
+@click.option(
+    "--report", type=click.Path(dir_okay=False), required=True, help="Write the JSON report here."
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="Write the PNG timeline here."
+)
 def chaos(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    duration: float, kill_interval: float, targets: str, seed: int, poison: int, hosts: int,
-    nodes: int, redis_cluster: bool, ray_address: str | None, verdict_mode: str | None,
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    scenario_path: str | None,
+    agent_path: str | None,
+    input_text: str | None,
+    turns: int,
+    duration: float,
+    kill_interval: float,
+    targets: str,
+    seed: int,
+    poison: int,
+    hosts: int,
+    nodes: int,
+    redis_cluster: bool,
+    ray_address: str | None,
+    verdict_mode: str | None,
     report: str,
     plot: str | None,
-) -> None:  # fmt: skip
+) -> None:
     """Kill runtime processes at random under load, running a scenario or an agent on one
     input; exit 1 unless the evidence is clean."""
     settings = _settings(config_path, redis_url, namespace or f"chaos{seed}x{new_run_id()}")
@@ -125,19 +159,31 @@ def chaos(
     ) -> ChaosReport:
         assert settings.redis.url is not None
         with outside_links(
-            chosen, redis_url=settings.redis.url, slots=hosts + 1, http=work.scenario is None,
+            chosen,
+            redis_url=settings.redis.url,
+            slots=hosts + 1,
+            http=work.scenario is None,
             seed=seed,
-        ) as links:  # fmt: skip
+        ) as links:
             async with chaos_runtime(
-                settings, redis_url=settings.redis.url, hosts=hosts, targets=chosen,
+                settings,
+                redis_url=settings.redis.url,
+                hosts=hosts,
+                targets=chosen,
                 ray_address=local.address if local else ray_address,
                 host_routes=links.routes(hosts + 1) if links else (),
-            ) as rt:  # fmt: skip
+            ) as rt:
                 with bar.progress:
                     result = await run_chaos(
-                        rt, server, cfg, nodes=local, cluster=cluster, links=links,
-                        on_submitted=lambda n: None, on_done=bar.advance,
-                    )  # fmt: skip
+                        rt,
+                        server,
+                        cfg,
+                        nodes=local,
+                        cluster=cluster,
+                        links=links,
+                        on_submitted=lambda n: None,
+                        on_done=bar.advance,
+                    )
             if ChaosTarget.BAD_INPUT in chosen:
                 result.verdict.bad_input_accepted += await asyncio.to_thread(
                     console_probes, settings, settings.redis.url, result.turn_ids[0]
@@ -184,15 +230,25 @@ def console_probes(settings: Settings, url: str, turn_id: str) -> list[str]:
 @main.command()
 @_common
 @click.option("--quick", is_flag=True, help="The small sizes (a few minutes; what CI runs).")
-@click.option("--figures", default="all", show_default=True,
-              help=f"Comma-separated subset of: {', '.join(FIGURES)}.")  # fmt: skip
+@click.option(
+    "--figures",
+    default="all",
+    show_default=True,
+    help=f"Comma-separated subset of: {', '.join(FIGURES)}.",
+)
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
-@click.option("--report", type=click.Path(dir_okay=False), required=True,
-              help="Write the JSON report here.")  # fmt: skip
+@click.option(
+    "--report", type=click.Path(dir_okay=False), required=True, help="Write the JSON report here."
+)
 def bench(
-    redis_url: str | None, namespace: str | None, config_path: str | None, quick: bool,
-    figures: str, ray_address: str | None, report: str,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    quick: bool,
+    figures: str,
+    ray_address: str | None,
+    report: str,
+) -> None:
     """Measure what durability costs, each figure beside a baseline from the same run."""
     settings = _settings(config_path, redis_url, namespace)
     chosen = parse_figures(figures)
@@ -230,18 +286,31 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
         f"{count(len(result.faults), 'fault')}",
         show_header=False,
     )
-    for k in ("lost", "transcripts_differ", "meta_drift", "in_progress_left",
-              "duplicate_side_effects", "orphaned_side_effects", "stale_writes_accepted",
-              "bad_input_accepted",
-              "suspended_unexpectedly", "aborted", "outcome_unknown_results", "resumed_turns",
-              "most_resumes_of_one_turn", "model_calls", "replies_adopted",
-              "calls_repaid"):  # fmt: skip
+    for k in (
+        "lost",
+        "transcripts_differ",
+        "meta_drift",
+        "in_progress_left",
+        "duplicate_side_effects",
+        "orphaned_side_effects",
+        "stale_writes_accepted",
+        "bad_input_accepted",
+        "suspended_unexpectedly",
+        "aborted",
+        "outcome_unknown_results",
+        "resumed_turns",
+        "most_resumes_of_one_turn",
+        "model_calls",
+        "replies_adopted",
+        "calls_repaid",
+    ):
         table.add_row(k, str(v[k]))
     if cfg.poison:
         table.add_row(
-            "poison turns suspended", f"{v['poison_suspended']} of {v['poison_turns']}, "
+            "poison turns suspended",
+            f"{v['poison_suspended']} of {v['poison_turns']}, "
             f"{v['poison_host_deaths']} host deaths under them",
-        )  # fmt: skip
+        )
     table.add_row("kills", json.dumps(data["kills_per_target"]))
     table.add_row("replacements per host", json.dumps(data["replacements_per_host"]))
     table.add_row("fenced writes refused", json.dumps(data["fenced_writes"]))
@@ -266,24 +335,43 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
 @click.option("--turns", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
 @click.option("--hosts", type=click.IntRange(2, 1024), default=2, show_default=True)
 @_nodes_option
-@click.option("--kill-at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
-              help="SIGKILL host 0 once this fraction of the turns has durable progress (a "
-                   "checkpoint past submission), while they run (0: as soon as they are "
-                   "submitted).")  # fmt: skip
+@click.option(
+    "--kill-at",
+    type=click.FloatRange(0.0, 0.95),
+    default=0.3,
+    show_default=True,
+    help="SIGKILL host 0 once this fraction of the turns has durable progress (a "
+    "checkpoint past submission), while they run (0: as soon as they are "
+    "submitted).",
+)
 @click.option("--ray-address", default=None, help="Join this Ray cluster.")
-@click.option("--faults", default=None, metavar="provider,partition",
-              help="Bring the world outside too while the turns run, a fault every "
-                   "~3 s: provider (storms at the model endpoint; an --agent whose model reads "
-                   "OPENAI_BASE_URL), partition (one host cut from Redis or the model for a few "
-                   "seconds).")  # fmt: skip
+@click.option(
+    "--faults",
+    default=None,
+    metavar="provider,partition",
+    help="Bring the world outside too while the turns run, a fault every "
+    "~3 s: provider (storms at the model endpoint; an --agent whose model reads "
+    "OPENAI_BASE_URL), partition (one host cut from Redis or the model for a few "
+    "seconds).",
+)
 @_verdict_option
 @_report_option
 def demo(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    hosts: int, nodes: int, kill_at: float, ray_address: str | None, faults: str | None,
-    verdict_mode: str | None, report: str | None,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    scenario_path: str | None,
+    agent_path: str | None,
+    input_text: str | None,
+    turns: int,
+    hosts: int,
+    nodes: int,
+    kill_at: float,
+    ray_address: str | None,
+    faults: str | None,
+    verdict_mode: str | None,
+    report: str | None,
+) -> None:
     """Concurrent turns on Ray, one host SIGKILLed mid-run, then a verdict read from Redis:
     of a scenario (default demo: random replies, a non-idempotent tool), or of an agent on one
     input. The exact verdict compares
@@ -316,9 +404,16 @@ def demo(
     async def go(rt: Runtime, links: Links | None) -> DemoReport:
         with bar.progress:
             return await run_demo(
-                rt, work, ids, kill_at=kill_at, on_done=bar.advance, mode=mode, on_kill=killed,
-                faults=outside, links=links,
-            )  # fmt: skip
+                rt,
+                work,
+                ids,
+                kill_at=kill_at,
+                on_done=bar.advance,
+                mode=mode,
+                on_kill=killed,
+                faults=outside,
+                links=links,
+            )
 
     with _ray_nodes(nodes, ray_address) as (address, _local):
         result = _run_on_ray(
@@ -327,9 +422,21 @@ def demo(
     data = result.as_dict()
     title = f"demo {rid}: {count(turns, 'turn')} of {work.label} on {count(hosts, 'host')}"
     table = Table(title=title, show_header=False)
-    for k in ("completed", "correct", "resumed", "checkpoints", "model_calls", "calls_repaid",
-              "duplicate_side_effects", "orphaned_side_effects", "kills", "faults", "respawns",
-              "wall_s", "turns_per_s"):  # fmt: skip
+    for k in (
+        "completed",
+        "correct",
+        "resumed",
+        "checkpoints",
+        "model_calls",
+        "calls_repaid",
+        "duplicate_side_effects",
+        "orphaned_side_effects",
+        "kills",
+        "faults",
+        "respawns",
+        "wall_s",
+        "turns_per_s",
+    ):
         value = data[k]
         table.add_row(k, json.dumps(value) if isinstance(value, list) else str(value))
     table.add_row(f"verdict ({mode.value})", "[green]ok" if result.ok else "[red]NOT OK")

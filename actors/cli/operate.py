@@ -46,11 +46,12 @@ CELL = 80
 
 def _ray_address_option(what: str) -> Callable[[Any], Any]:
     return click.option(
-        "--ray-address", default=None,
+        "--ray-address",
+        default=None,
         help=f"The deployment's Ray cluster ({what}); default: the one the namespace's owner "
-             "record in Redis names. With none, the durable request is honoured at the "
-             "turn's next boundary.",
-    )  # fmt: skip
+        "record in Redis names. With none, the durable request is honoured at the "
+        "turn's next boundary.",
+    )
 
 
 def _age(ms: int) -> str:
@@ -67,44 +68,80 @@ def _age(ms: int) -> str:
 @_common
 @click.option("--session", default=None, help="Only this session's turns.")
 @click.option("--agent", default=None, help="Only this agent's turns (its import path).")
-@click.option("--outcome", default=None,
-              help="Only turns that ended so (answered, cancelled, aborted, aborted:retryable, "
-                   "suspended ...).")  # fmt: skip
-@click.option("--phase", type=click.Choice([p.value for p in TurnPhase]), default=None,
-              help="Only running turns in this phase.")  # fmt: skip
-@click.option("--since", "since_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
-              help="Only turns submitted in the last SECONDS.")  # fmt: skip
+@click.option(
+    "--outcome",
+    default=None,
+    help="Only turns that ended so (answered, cancelled, aborted, aborted:retryable, "
+    "suspended ...).",
+)
+@click.option(
+    "--phase",
+    type=click.Choice([p.value for p in TurnPhase]),
+    default=None,
+    help="Only running turns in this phase.",
+)
+@click.option(
+    "--since",
+    "since_s",
+    type=click.FloatRange(0, MAX_LOOKBACK_S),
+    default=None,
+    help="Only turns submitted in the last SECONDS.",
+)
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn.")
 def turns(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    session: str | None, agent: str | None, outcome: str | None, phase: str | None,
-    since_s: float | None, limit: int, as_json: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    session: str | None,
+    agent: str | None,
+    outcome: str | None,
+    phase: str | None,
+    since_s: float | None,
+    limit: int,
+    as_json: bool,
+) -> None:
     """List turns, newest first (from the turns index, not a scan of the keyspace): status,
     agent, tokens and the last error of each."""
     settings = _settings(config_path, redis_url, namespace)
     since_ms = 0 if since_s is None else int((time.time() - since_s) * 1000)
     try:
-        where = TurnFilter(session=session, agent=agent, outcome=outcome, since_ms=since_ms,
-                           phase=None if phase is None else TurnPhase(phase))  # fmt: skip
+        where = TurnFilter(
+            session=session,
+            agent=agent,
+            outcome=outcome,
+            since_ms=since_ms,
+            phase=None if phase is None else TurnPhase(phase),
+        )
     except ValueError as exc:
         raise BadInput(str(exc)) from None
 
     async def go(client: StoreClient) -> TurnPage:
-        return await FrontDesk(client, settings).page(where, limit=limit,
-                                                      scan=max(5000, 20 * limit))  # fmt: skip
+        return await FrontDesk(client, settings).page(
+            where, limit=limit, scan=max(5000, 20 * limit)
+        )
 
     page = _run(go, settings)
     if as_json:
         for row in page.rows:
-            click.echo(json.dumps({
-                "turn_id": row.turn_id, "session_id": row.session_id, "agent": row.agent,
-                "submitted_at_ms": row.submitted_at_ms, "in_progress": row.in_progress,
-                "phase": row.phase.value, "outcome": row.outcome, "tokens": row.tokens,
-                "resumes": row.resumes,
-                "last_error": None if row.last_error is None else dump_model(row.last_error),
-            }))  # fmt: skip
+            click.echo(
+                json.dumps(
+                    {
+                        "turn_id": row.turn_id,
+                        "session_id": row.session_id,
+                        "agent": row.agent,
+                        "submitted_at_ms": row.submitted_at_ms,
+                        "in_progress": row.in_progress,
+                        "phase": row.phase.value,
+                        "outcome": row.outcome,
+                        "tokens": row.tokens,
+                        "resumes": row.resumes,
+                        "last_error": None
+                        if row.last_error is None
+                        else dump_model(row.last_error),
+                    }
+                )
+            )
         return
     table = Table(title=f"turns of namespace {settings.redis.namespace!r}")
     for col in ("turn", "submitted", "status", "agent", "tokens", "resumes", "last error"):
@@ -112,9 +149,14 @@ def turns(
     for row in page.rows:
         error = "" if row.last_error is None else escape(row.last_error.line()[:CELL])
         table.add_row(
-            row.turn_id, _age(row.submitted_at_ms) + " ago", row.status, row.agent or "-",
-            f"{row.tokens:,}", str(row.resumes), error,
-        )  # fmt: skip
+            row.turn_id,
+            _age(row.submitted_at_ms) + " ago",
+            row.status,
+            row.agent or "-",
+            f"{row.tokens:,}",
+            str(row.resumes),
+            error,
+        )
     out.print(table)
     if not page.rows:
         console.print("[dim]no turn matches")
@@ -139,14 +181,28 @@ def _finished_filters(fn: Any) -> Any:
 @main.command()
 @_common
 @_finished_filters
-@click.option("--since", "since_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
-              help="Only turns submitted in the last SECONDS.")  # fmt: skip
-@click.option("--output", type=click.Path(dir_okay=False, writable=True), required=True,
-              help="The JSON Lines file to write ('-': standard output).")  # fmt: skip
+@click.option(
+    "--since",
+    "since_s",
+    type=click.FloatRange(0, MAX_LOOKBACK_S),
+    default=None,
+    help="Only turns submitted in the last SECONDS.",
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    required=True,
+    help="The JSON Lines file to write ('-': standard output).",
+)
 def export(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    session: str | None, outcome: str | None, since_s: float | None, output: str,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    session: str | None,
+    outcome: str | None,
+    since_s: float | None,
+    output: str,
+) -> None:
     """Write finished turns as JSON Lines, one turn a line, as they are read: the record
     (transcript, meta, counters, outcome, last error) and its tool ledger. Archive before
     [retention] finished_ttl_s lets them expire, or before phaseline purge."""
@@ -166,15 +222,25 @@ def export(
 @main.command()
 @_common
 @_finished_filters
-@click.option("--older-than", "older_s", type=click.FloatRange(0, MAX_LOOKBACK_S), default=None,
-              help="Only turns whose last save is older than SECONDS.")  # fmt: skip
+@click.option(
+    "--older-than",
+    "older_s",
+    type=click.FloatRange(0, MAX_LOOKBACK_S),
+    default=None,
+    help="Only turns whose last save is older than SECONDS.",
+)
 @click.option("--all", "everything", is_flag=True, help="Every finished turn (no filter).")
 @click.option("--dry-run", is_flag=True, help="Say what would go; remove nothing.")
 def purge(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    session: str | None, outcome: str | None, older_s: float | None, everything: bool,
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    session: str | None,
+    outcome: str | None,
+    older_s: float | None,
+    everything: bool,
     dry_run: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Remove finished turns now: every key of each (record, transcript, spec, ledger,
     effects, inbox, approvals, live stream) and its index entry, in one step per turn. A turn
     in progress is never removed, nor a suspended one (it waits for phaseline resume) unless
@@ -206,9 +272,13 @@ def purge(
 @click.option("--reason", default="", help="Why (kept in the turn's record).")
 @_ray_address_option("an in-flight model call is cancelled now")
 def cancel(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_ids: tuple[str, ...], reason: str, ray_address: str | None,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_ids: tuple[str, ...],
+    reason: str,
+    ray_address: str | None,
+) -> None:
     """Cancel turns: each ends ``cancelled`` at its next boundary (tools in flight finish and
     are journaled first), by whichever incarnation owns it, also one that resumes after a
     crash; its session is free again. A suspended turn ends at once."""
@@ -223,10 +293,11 @@ def cancel(
 
     for tid, done in _run(go, settings).items():
         out.print(
-            f"{tid}: ended, cancelled (it was suspended)" if done is Cancelled.ENDED
+            f"{tid}: ended, cancelled (it was suspended)"
+            if done is Cancelled.ENDED
             else f"{tid}: cancel requested; it ends at its next boundary",
             highlight=False,
-        )  # fmt: skip
+        )
 
 
 @main.command()
@@ -234,9 +305,12 @@ def cancel(
 @click.argument("turn_id")
 @click.argument("text")
 def inject(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str, text: str,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str,
+    text: str,
+) -> None:
     """Send a running turn a user message: it enters the transcript at the turn's next
     boundary, exactly once (also after a crash). Refused for a turn that is not in progress."""
     settings = _settings(config_path, redis_url, namespace)
@@ -258,9 +332,12 @@ def inject(
 @click.option("--turn", "turn_id", default=None, help="Only this turn's calls.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per call.")
 def approvals(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str | None, as_json: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str | None,
+    as_json: bool,
+) -> None:
     """List tool calls waiting for a decision: turn, call, tool, arguments and age. Decide with
     phaseline approve / deny TURN CALL (a unique start of the call key will do)."""
     settings = _settings(config_path, redis_url, namespace)
@@ -271,16 +348,18 @@ def approvals(
     waiting = _run(go, settings)
     if as_json:
         for w in waiting:
-            click.echo(json.dumps({"turn_id": w.turn_id, "call": w.call_key,
-                                   **dump_model(w.approval)}))  # fmt: skip
+            click.echo(
+                json.dumps({"turn_id": w.turn_id, "call": w.call_key, **dump_model(w.approval)})
+            )
         return
     table = Table(title="calls waiting for a decision")
     for col in ("turn", "call", "tool", "arguments", "waiting"):
         table.add_column(col, no_wrap=col == "call", overflow="fold")  # a key is copied whole
     for w in waiting:
         a = w.approval
-        table.add_row(w.turn_id, w.call_key, a.tool or "?", escape(a.args[:CELL]),
-                      _age(a.asked_at_ms))  # fmt: skip
+        table.add_row(
+            w.turn_id, w.call_key, a.tool or "?", escape(a.args[:CELL]), _age(a.asked_at_ms)
+        )
     out.print(table)
     if not waiting:
         console.print("[dim]nothing waits for a decision")
@@ -303,9 +382,13 @@ def _decide(settings: Settings, turn_id: str, call: str, approve: bool, reason: 
 @click.argument("call")
 @click.option("--reason", default="", help="Why (kept with the call's result).")
 def approve(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str, call: str, reason: str,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str,
+    call: str,
+    reason: str,
+) -> None:
     """Approve a waiting tool call (CALL: its key, or a unique start of it)."""
     _decide(_settings(config_path, redis_url, namespace), turn_id, call, True, reason)
 
@@ -316,8 +399,12 @@ def approve(
 @click.argument("call")
 @click.option("--reason", default="", help="Why (the model reads it in the call's result).")
 def deny(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str, call: str, reason: str,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str,
+    call: str,
+    reason: str,
+) -> None:
     """Deny a waiting tool call (CALL: its key, or a unique start of it)."""
     _decide(_settings(config_path, redis_url, namespace), turn_id, call, False, reason)

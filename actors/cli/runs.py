@@ -58,10 +58,14 @@ class _Bar:
 
     def __init__(self, total: int, label: str, *, force: bool = False) -> None:
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
             disable=not (force or console.is_terminal),
-        )  # fmt: skip
+        )
         self.task = self.progress.add_task(label, total=total)
 
     def advance(self, _turn_id: str = "") -> None:
@@ -108,9 +112,10 @@ def _exit_unless_final(stats: RunStats) -> None:
         )
     if stats.suspended:
         how = ", ".join(
-            f"{n} {o.value}" for o, n in stats.outcomes.items()
+            f"{n} {o.value}"
+            for o, n in stats.outcomes.items()
             if isinstance(o, Outcome) and o.suspended
-        )  # fmt: skip
+        )
         console.print(
             f"[red]suspended ({how}): {_few(stats.suspended)} "
             "(phaseline inspect TURN says why; phaseline resume TURN runs it again)"
@@ -129,9 +134,12 @@ def _ray_options(fn: F) -> F:
         "--ray-address", default=None, help="Join this Ray cluster ('auto': the running one)."
     )(fn)
     fn = click.option(
-        "--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
+        "--hosts",
+        type=click.IntRange(1, 1024),
+        default=2,
+        show_default=True,
         help="Number of TurnActor actors.",
-    )(fn)  # fmt: skip
+    )(fn)
     fn = click.option(
         "--in-process", is_flag=True, help="Run the turns in this process, without Ray."
     )(fn)
@@ -140,19 +148,23 @@ def _ray_options(fn: F) -> F:
 
 def _report_option(fn: F) -> F:
     return click.option(
-        "--report", type=click.Path(dir_okay=False), default=None,
+        "--report",
+        type=click.Path(dir_okay=False),
+        default=None,
         help="Write the summary as JSON here.",
-    )(fn)  # fmt: skip
+    )(fn)
 
 
 _verdict_option = click.option(
-    "--verdict", "verdict_mode", type=click.Choice([m.value for m in VerdictMode]),
+    "--verdict",
+    "verdict_mode",
+    type=click.Choice([m.value for m in VerdictMode]),
     default=None,
     help="exact: every transcript equals a fault-free run's (modulo tool-call ids), for a "
-         "deterministic model; promises: what the runtime promises (every turn final, none "
-         "lost or aborted, no side effect twice or untold, no meta drift), for any model. "
-         "Default: promises for a scenario of random replies, else exact.",
-)  # fmt: skip
+    "deterministic model; promises: what the runtime promises (every turn final, none "
+    "lost or aborted, no side effect twice or untold, no meta drift), for any model. "
+    "Default: promises for a scenario of random replies, else exact.",
+)
 
 
 def verdict_for(verdict_mode: str | None, work: Work) -> VerdictMode:
@@ -164,9 +176,12 @@ def verdict_for(verdict_mode: str | None, work: Work) -> VerdictMode:
 
 
 _nodes_option = click.option(
-    "--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
+    "--nodes",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
     help="Start a local Ray cluster of this many nodes (raylets) and run on it.",
-)  # fmt: skip
+)
 
 
 @contextmanager
@@ -206,9 +221,12 @@ def _run_on_ray(
         console.print(f"[dim]starting Ray runtime: {hosts} hosts ...")
         with outside_links(faults, redis_url=url, slots=hosts + 1, http=http, seed=1) as links:
             rt = await Runtime.start(
-                settings, redis_url=url, hosts=hosts, ray_address=ray_address,
+                settings,
+                redis_url=url,
+                hosts=hosts,
+                ray_address=ray_address,
                 host_routes=links.routes(hosts + 1) if links else (),
-            )  # fmt: skip
+            )
             _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
             try:
                 return await work(rt, links)
@@ -275,17 +293,23 @@ def _work(scenario_path: str | None, agent_path: str | None, input_text: str | N
 
 def _work_options(fn: F) -> F:
     """``--scenario`` / ``--agent`` + ``--input``: what :func:`_work` reads."""
-    fn = click.option("--input", "input_text", default=None,
-                      help="With --agent: the user message of each turn.")(fn)  # fmt: skip
     fn = click.option(
-        "--agent", "agent_path", default=None,
+        "--input", "input_text", default=None, help="With --agent: the user message of each turn."
+    )(fn)
+    fn = click.option(
+        "--agent",
+        "agent_path",
+        default=None,
         help="Import path of an agent (pkg.module:name), instead of --scenario.",
-    )(fn)  # fmt: skip
+    )(fn)
     return click.option(
-        "--scenario", "scenario_path", default=None, type=click.Path(dir_okay=False),
+        "--scenario",
+        "scenario_path",
+        default=None,
+        type=click.Path(dir_okay=False),
         help="Scenario file, or the name of a shipped one (e.g. tool_loop), run by the "
-             "scripted agent.",
-    )(fn)  # fmt: skip
+        "scripted agent.",
+    )(fn)
 
 
 @main.command()
@@ -296,11 +320,19 @@ def _work_options(fn: F) -> F:
 @_ray_options
 @_report_option
 def run(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    scenario_path: str | None, agent_path: str | None, input_text: str | None, turns: int,
-    run_id: str | None, in_process: bool, hosts: int, ray_address: str | None,
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    scenario_path: str | None,
+    agent_path: str | None,
+    input_text: str | None,
+    turns: int,
+    run_id: str | None,
+    in_process: bool,
+    hosts: int,
+    ray_address: str | None,
     report: str | None,
-) -> None:  # fmt: skip
+) -> None:
     """Run TURNS turns concurrently (on Ray unless --in-process): of a scenario, or of an
     agent on one input."""
     settings = _settings(config_path, redis_url, namespace)
@@ -333,9 +365,11 @@ def run(
         with bar.progress:
             await rt.submit(agent, turn_input, ids)
             finals = await rt.wait(
-                ids, timeout=24 * 3600, on_done=bar.advance,
+                ids,
+                timeout=24 * 3600,
+                on_done=bar.advance,
                 on_unusable=lambda tid, _exc: unusable.append(tid),
-            )  # fmt: skip
+            )
         stats = _stats_of(finals, time.monotonic() - started)
         stats.quarantined.extend(unusable)
         stats.host_rss_mib = [round(h.rss_bytes / 2**20, 1) for h in await rt.host_info()]
@@ -368,10 +402,15 @@ async def _reopened(desk: FrontDesk, named: tuple[str, ...]) -> list[str]:
 @_ray_options
 @_report_option
 def resume(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    named: tuple[str, ...], in_process: bool, hosts: int, ray_address: str | None,
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    named: tuple[str, ...],
+    in_process: bool,
+    hosts: int,
+    ray_address: str | None,
     report: str | None,
-) -> None:  # fmt: skip
+) -> None:
     """Resume every in-progress turn in the store, or just the TURN_IDs (a suspended one too:
     after a fix, it runs again), and run them to the end."""
     settings = _settings(config_path, redis_url, namespace)
@@ -407,9 +446,11 @@ def resume(
         bar = _Bar(len(ids), "resume")
         with bar.progress:
             finals = await rt.wait(
-                ids, timeout=24 * 3600, on_done=bar.advance,
+                ids,
+                timeout=24 * 3600,
+                on_done=bar.advance,
                 on_unusable=lambda tid, _exc: errors.append(tid),
-            )  # fmt: skip
+            )
         stats = _stats_of(finals, time.monotonic() - started)
         stats.quarantined.extend(errors)
         return stats

@@ -39,21 +39,41 @@ from store.redis.urls import redact_url
 
 @main.command()
 @_common
-@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
-              help="Number of TurnActor actors.")  # fmt: skip
-@click.option("--agent", "agents", multiple=True,
-              help="Import path of an agent whose tools need Ray resources, so their tool "
-                   "worker pools start (repeat it).")  # fmt: skip
-@click.option("--ray-address", default=None,
-              help="Join this Ray cluster (default: start a private one; others join it with "
-                   "--ray-address and the address this prints).")  # fmt: skip
-@click.option("--drain", is_flag=True, default=False,
-              help="When stopped, wait for the running turns to finish (a second Ctrl-C stops "
-                   "at once).")  # fmt: skip
+@click.option(
+    "--hosts",
+    type=click.IntRange(1, 1024),
+    default=2,
+    show_default=True,
+    help="Number of TurnActor actors.",
+)
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    help="Import path of an agent whose tools need Ray resources, so their tool "
+    "worker pools start (repeat it).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Join this Ray cluster (default: start a private one; others join it with "
+    "--ray-address and the address this prints).",
+)
+@click.option(
+    "--drain",
+    is_flag=True,
+    default=False,
+    help="When stopped, wait for the running turns to finish (a second Ctrl-C stops at once).",
+)
 def serve(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    hosts: int, agents: tuple[str, ...], ray_address: str | None, drain: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    hosts: int,
+    agents: tuple[str, ...],
+    ray_address: str | None,
+    drain: bool,
+) -> None:
     """Run a deployment until stopped. SIGTERM or Ctrl-C stops it cleanly: no new turns start,
     running ones get [supervisor] stop_grace_s to reach their next checkpoint (--drain: to
     finish), then it says how many are left in progress (they resume when the namespace is
@@ -176,11 +196,15 @@ async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _St
     before = {t: (await rt.store.load(t)).seq for t in await rt.store.list_in_progress()}
     grace = settings.supervisor.stop_grace_s
     if drain:
-        console.print(f"stopping: waiting for {count(len(before), 'turn')} in progress to finish "
-                      "(Ctrl-C again stops now)")  # fmt: skip
+        console.print(
+            f"stopping: waiting for {count(len(before), 'turn')} in progress to finish "
+            "(Ctrl-C again stops now)"
+        )
     else:
-        console.print(f"stopping: {count(running, 'turn')} running get {grace:g} s to reach "
-                      "their next checkpoint (Ctrl-C again stops now)")  # fmt: skip
+        console.print(
+            f"stopping: {count(running, 'turn')} running get {grace:g} s to reach "
+            "their next checkpoint (Ctrl-C again stops now)"
+        )
 
     async def settled() -> bool:
         left = await rt.store.list_in_progress()
@@ -208,9 +232,12 @@ async def _stop_serving(rt: Runtime, settings: Settings, drain: bool, stops: _St
 
 @main.command("redis")
 @_common
-@click.option("--data-dir", default=None,
-              help="AOF directory (default: [redis] data_dir, else $PHASELINE_DATA_DIR, else "
-                   "~/.local/state/phaseline/redis).")  # fmt: skip
+@click.option(
+    "--data-dir",
+    default=None,
+    help="AOF directory (default: [redis] data_dir, else $PHASELINE_DATA_DIR, else "
+    "~/.local/state/phaseline/redis).",
+)
 def redis_cmd(
     redis_url: str | None, namespace: str | None, config_path: str | None, data_dir: str | None
 ) -> None:
@@ -246,8 +273,14 @@ def redis_cmd(
 @main.command("model-server")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--ctx", "n_ctx", type=click.IntRange(512, 32768), default=2048, show_default=True,
-              help="Context window, in tokens.")  # fmt: skip
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(512, 32768),
+    default=2048,
+    show_default=True,
+    help="Context window, in tokens.",
+)
 @click.option("--threads", type=click.IntRange(1, 256), default=2, show_default=True)
 def model_server(port: int, host: str, n_ctx: int, threads: int) -> None:
     """Serve a real model on this machine, from any directory: llama.cpp's OpenAI-compatible

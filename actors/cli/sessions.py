@@ -56,28 +56,46 @@ def _check_naming(session: str | None, turn_id: str | None) -> None:
 
 @main.command()
 @_common
-@click.option("--agent", "agent_path", required=True,
-              help="Import path of the agent (pkg.module:name).")  # fmt: skip
+@click.option(
+    "--agent", "agent_path", required=True, help="Import path of the agent (pkg.module:name)."
+)
 @click.option("--input", "input_text", required=True, help="The user message.")
-@click.option("--session", default=None,
-              help="Open the turn in this session: it starts from the session's previous "
-                   "turn (refused while that one still runs).")  # fmt: skip
+@click.option(
+    "--session",
+    default=None,
+    help="Open the turn in this session: it starts from the session's previous "
+    "turn (refused while that one still runs).",
+)
 @click.option("--turn-id", default=None, help="Id of the turn (default: random).")
-@click.option("--ray-address", default=None,
-              help="Hand the turn to the deployment on this Ray cluster (default: the one the "
-                   "namespace's owner record in Redis names, if any). With none, the turn is "
-                   "only written to Redis: phaseline serve or resume runs it.")  # fmt: skip
-@click.option("--if-busy", type=click.Choice([p.value for p in IfBusy]), default="reject",
-              show_default=True,
-              help="With --session, while its turn runs: refuse; queue this message to open "
-                   "the next turn when that one ends; or interrupt (cancel it at its next "
-                   "boundary, then open the next turn from its transcript).")  # fmt: skip
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Hand the turn to the deployment on this Ray cluster (default: the one the "
+    "namespace's owner record in Redis names, if any). With none, the turn is "
+    "only written to Redis: phaseline serve or resume runs it.",
+)
+@click.option(
+    "--if-busy",
+    type=click.Choice([p.value for p in IfBusy]),
+    default="reject",
+    show_default=True,
+    help="With --session, while its turn runs: refuse; queue this message to open "
+    "the next turn when that one ends; or interrupt (cancel it at its next "
+    "boundary, then open the next turn from its transcript).",
+)
 @click.option("--watch", "then_watch", is_flag=True, help="Then follow it live (watch).")
 def submit(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    agent_path: str, input_text: str, session: str | None, turn_id: str | None,
-    ray_address: str | None, if_busy: str, then_watch: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    agent_path: str,
+    input_text: str,
+    session: str | None,
+    turn_id: str | None,
+    ray_address: str | None,
+    if_busy: str,
+    then_watch: bool,
+) -> None:
     """Submit one turn of an agent and print its id (on stdout, for scripts); a message queued
     behind a session's running turn prints nothing there (stderr says where it waits)."""
     settings = _settings(config_path, redis_url, namespace)
@@ -211,22 +229,35 @@ async def _serving(
 
 @main.command()
 @_common
-@click.option("--agent", "agent_path", required=True,
-              help="Import path of the agent (pkg.module:name).")  # fmt: skip
-@click.option("--session", default=None,
-              help="Session to continue (default: a new one); a turn of it still running is "
-                   "followed first.")  # fmt: skip
-@click.option("--hosts", type=click.IntRange(1, 1024), default=2, show_default=True,
-              help="TurnActors, if this chat starts the deployment.")  # fmt: skip
+@click.option(
+    "--agent", "agent_path", required=True, help="Import path of the agent (pkg.module:name)."
+)
+@click.option(
+    "--session",
+    default=None,
+    help="Session to continue (default: a new one); a turn of it still running is followed first.",
+)
+@click.option(
+    "--hosts",
+    type=click.IntRange(1, 1024),
+    default=2,
+    show_default=True,
+    help="TurnActors, if this chat starts the deployment.",
+)
 @click.option(
     "--ray-address",
     default=None,
     help="Join this Ray cluster and the deployment running there, if any.",
 )
 def chat(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    agent_path: str, session: str | None, hosts: int, ray_address: str | None,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    agent_path: str,
+    session: str | None,
+    hosts: int,
+    ray_address: str | None,
+) -> None:
     """An interactive session with an agent: type a message, watch its turn live, type the
     next. Ctrl-D ends the chat. Ctrl-C leaves: a turn that is running goes on on a cluster
     that outlives this command (or resumes from its checkpoint when you come back), and the

@@ -14,25 +14,46 @@ __all__ = ["ui"]
 
 @main.command()
 @_common
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; any but a loopback one requires a token.")  # fmt: skip
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; any but a loopback one requires a token.",
+)
 @click.option("--port", type=click.IntRange(0, 65535), default=8321, show_default=True)
-@click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Read the token from this file (else $PHASELINE_UI_TOKEN, else one is made "
-                   "and printed when the address is not a loopback one).")  # fmt: skip
-@click.option("--ray-address", default=None,
-              help="Attach to the deployment on this Ray cluster: its hosts and rates, a cancel "
-                   "that ends an in-flight model call at once.")  # fmt: skip
-@click.option("--allow-host", "allowed_hosts", multiple=True, metavar="NAME",
-              help="A host name the console answers to besides loopback ones (repeat it); "
-                   "a request naming any other is refused, as a page of another site "
-                   "rebinding its name to this address would. With a token and none given: "
-                   "any name.")  # fmt: skip
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Read the token from this file (else $PHASELINE_UI_TOKEN, else one is made "
+    "and printed when the address is not a loopback one).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Attach to the deployment on this Ray cluster: its hosts and rates, a cancel "
+    "that ends an in-flight model call at once.",
+)
+@click.option(
+    "--allow-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name the console answers to besides loopback ones (repeat it); "
+    "a request naming any other is refused, as a page of another site "
+    "rebinding its name to this address would. With a token and none given: "
+    "any name.",
+)
 def ui(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    host: str, port: int, token_file: str | None, ray_address: str | None,
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    host: str,
+    port: int,
+    token_file: str | None,
+    ray_address: str | None,
     allowed_hosts: tuple[str, ...],
-) -> None:  # fmt: skip
+) -> None:
     """Serve the web console: turns (filtered, paged), each turn live (transcript, tool
     ledger, timeline) with its actions (approve, deny, inject, cancel, resume), and the
     deployment."""
@@ -58,9 +79,12 @@ def ui(
             raise BadInput(f"--allow-host {name!r}: give a host name alone, without a port")
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
     with _redis(settings) as url:
-        app = console_app(settings, ConsoleSettings(redis_url=url, token=token,
-                                                    ray_address=ray_address,
-                                                    allowed_hosts=allowed_hosts))  # fmt: skip
+        app = console_app(
+            settings,
+            ConsoleSettings(
+                redis_url=url, token=token, ray_address=ray_address, allowed_hosts=allowed_hosts
+            ),
+        )
         # A token the operator gave stays where it is (a file, the environment): a banner is
         # copied into logs and screenshots. One made here must be shown, once.
         query = f"/?token={token}" if made else "/"

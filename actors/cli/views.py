@@ -46,9 +46,12 @@ from store.views.watch import watch_turn
 @click.argument("turn_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 def inspect(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str, as_json: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str,
+    as_json: bool,
+) -> None:
     """Print a turn's stored transcript, meta and checkpoint fields."""
     settings = _settings(config_path, redis_url, namespace)
     check_turn_id(turn_id)
@@ -69,8 +72,16 @@ def _fields_table(record: CheckpointRecord) -> Table:
     to run it again."""
     turn_id = record.turn_id
     fields = Table(title=f"turn {turn_id}", show_header=False)
-    for name in ("session_id", "epoch", "seq", "phase", "in_progress", "reason", "baseline",
-                 "updated_at"):  # fmt: skip
+    for name in (
+        "session_id",
+        "epoch",
+        "seq",
+        "phase",
+        "in_progress",
+        "reason",
+        "baseline",
+        "updated_at",
+    ):
         value = getattr(record, name)
         fields.add_row(name, value.value if isinstance(value, TurnPhase) else str(value))
     c = record.counters
@@ -149,14 +160,21 @@ def _exit_for(view: LiveView) -> None:
 @main.command()
 @_common
 @click.argument("turn_id")
-@click.option("--from-now", is_flag=True,
-              help="Only what happens from now on (default: first replay what the turn's live "
-                   "stream still holds).")  # fmt: skip
+@click.option(
+    "--from-now",
+    is_flag=True,
+    help="Only what happens from now on (default: first replay what the turn's live "
+    "stream still holds).",
+)
 @click.option("--phases", is_flag=True, help="Show every phase transition too.")
 def watch(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    turn_id: str, from_now: bool, phases: bool,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    turn_id: str,
+    from_now: bool,
+    phases: bool,
+) -> None:
     """Follow a turn live until it is final: streamed text, tool calls and results, watchdog
     notes, and a marker where a new owner resumed it after a crash. Ctrl-C stops watching;
     the turn goes on. Exits 0 for an answered turn, 1 for one that ended otherwise."""
@@ -181,16 +199,28 @@ def watch(
 
 @main.command()
 @_common
-@click.option("--ray-address", default=None,
-              help="The Ray cluster the deployment runs on (default: the one the namespace's "
-                   "owner record in Redis names).")  # fmt: skip
+@click.option(
+    "--ray-address",
+    default=None,
+    help="The Ray cluster the deployment runs on (default: the one the namespace's "
+    "owner record in Redis names).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON (for scripts).")
-@click.option("--watch", "every", type=click.FloatRange(0.5, 3600), default=None,
-              help="Refresh every this many seconds until Ctrl-C.")  # fmt: skip
+@click.option(
+    "--watch",
+    "every",
+    type=click.FloatRange(0.5, 3600),
+    default=None,
+    help="Refresh every this many seconds until Ctrl-C.",
+)
 def status(
-    redis_url: str | None, namespace: str | None, config_path: str | None,
-    ray_address: str | None, as_json: bool, every: float | None,
-) -> None:  # fmt: skip
+    redis_url: str | None,
+    namespace: str | None,
+    config_path: str | None,
+    ray_address: str | None,
+    as_json: bool,
+    every: float | None,
+) -> None:
     """One screen of a running deployment (phaseline serve): hosts with generation and turns
     held, turns per phase, tool worker pools with queue depth and calls/s, MCP servers,
     checkpoints/s. Rates are measured over one second."""

@@ -35,6 +35,7 @@ from actors.cluster.metrics import metrics
 from actors.cluster.refs import CheckpointRef
 from actors.engine.gc_tuning import tune_gc
 from actors.engine.settings.config import CheckpointSettings
+from actors.engine.settings.engine_settings import EngineSettings
 from bus.errors import AlreadySaved, RecordTooLarge, ServiceRestarting, StaleOwner, StoreError
 from store.codec import DEFAULT_MAX_RECORD_BYTES, EncodedRecord, check_record_size
 from store.records import CheckpointRecord, SaveAck, Settle
@@ -89,14 +90,7 @@ class CheckpointActor:
         dep = Deployment.from_wire(deployment_json)
         tune_gc(dep.settings.host.gc_threshold)
         self._client = dep.connect(max_connections=64)
-        self._store = RedisCheckpointStore(
-            self._client,
-            dep.keys,
-            max_record_bytes=dep.settings.checkpoint.max_record_bytes,
-            durability=dep.settings.redis.durability_policy(),
-            atomic=dep.settings.checkpoint.atomic,
-            retention=dep.settings.retention.policy(),
-        )
+        self._store = EngineSettings.of(dep.settings).checkpoint_store(self._client, dep.keys)
         self._batches = 0
         self._saves = 0
 

@@ -87,8 +87,9 @@ def _prepare_join(address: str, auth: RayAuth | None) -> None:
         # Ray's own ``ray start --head`` does when it turns token mode on).
         ray._raylet.Config.initialize("")  # type: ignore[attr-defined]
     if auth is RayAuth.TOKEN and not token_at_hand():
-        raise ConfigError(f"the Ray cluster at {address} wants its token and none is here: "
-                          f"{TOKEN_HELP}")  # fmt: skip
+        raise ConfigError(
+            f"the Ray cluster at {address} wants its token and none is here: {TOKEN_HELP}"
+        )
     if address == "auto":
         return  # Ray's own lookup of the machine's current cluster
     host, _, port = address.removeprefix("ray://").rpartition(":")

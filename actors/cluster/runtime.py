@@ -289,9 +289,13 @@ class Runtime(FrontDesk):
         :func:`store.views.finals.wait_final`: an unreadable or gone turn is reported to
         ``on_unusable`` and left out, a Redis that is away is waited through)."""
         return await wait_final(
-            self.client, self.store, turn_ids, timeout=timeout, on_done=on_done,
+            self.client,
+            self.store,
+            turn_ids,
+            timeout=timeout,
+            on_done=on_done,
             on_unusable=on_unusable,
-        )  # fmt: skip
+        )
 
     # -- the deployment -----------------------------------------------------------------------
 
@@ -413,8 +417,11 @@ class Runtime(FrontDesk):
         it over) stops anything: a client's shutdown is :meth:`detach`."""
         holder = await self._holder()
         if not self._owns(holder):
-            log.info("leaving the deployment of namespace %r running (owned by %s)",
-                     self.dep.keys.namespace, holder.line() if holder else "no one")  # fmt: skip
+            log.info(
+                "leaving the deployment of namespace %r running (owned by %s)",
+                self.dep.keys.namespace,
+                holder.line() if holder else "no one",
+            )
             await self.detach()
             return
         await self._stop_actors()
@@ -456,8 +463,10 @@ async def _check_running(
         log.warning(
             "namespace %r already runs on this Ray cluster (%d hosts, owned by %s): "
             "attached to it as a client; leaving stops nothing",
-            settings.redis.namespace, running.hosts, holder.line() if holder else "?",
-        )  # fmt: skip
+            settings.redis.namespace,
+            running.hosts,
+            holder.line() if holder else "?",
+        )
     elif running.hosts != dep.hosts:
         raise ConfigError(
             f"namespace {settings.redis.namespace!r} already runs with {running.hosts} hosts; "

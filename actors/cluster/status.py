@@ -153,13 +153,15 @@ async def deployment_status(rt: Runtime, *, sample_s: float = 1.0) -> Deployment
     hosts = await rt.host_info(isolation=True)
     pool_rows = [
         PoolRow(
-            pool=pool, resources=resources, size=sizes.get(pool, dep.settings.tools.workers),
+            pool=pool,
+            resources=resources,
+            size=sizes.get(pool, dep.settings.tools.workers),
             queued=sum(h.tool_queue.get(pool, 0) for h in hosts),
             running=sum(h.tool_inflight.get(pool, 0) for h in hosts),
             calls_per_s=round(_calls(pool, before, after) / span, 1),
         )
         for pool, resources in pools.items()
-    ]  # fmt: skip
+    ]
     return DeploymentStatus(
         namespace=dep.keys.namespace,
         hosts=[_host_row(dep.host_label(h.slot), h) for h in hosts],
@@ -212,8 +214,14 @@ def _mcp_rows(sample: _Sample) -> list[MCPRow]:
 
 def _agent_row(u: AgentUsage) -> AgentRow:
     t = u.tokens
-    return AgentRow(u.agent or "-", u.turns, t.prompt_tokens, t.completion_tokens,
-                    t.cached_tokens, u.lost_incarnations + u.unmetered_calls)  # fmt: skip
+    return AgentRow(
+        u.agent or "-",
+        u.turns,
+        t.prompt_tokens,
+        t.completion_tokens,
+        t.cached_tokens,
+        u.lost_incarnations + u.unmetered_calls,
+    )
 
 
 def _host_row(label: str, info: HostInfo) -> HostRow:

@@ -218,8 +218,11 @@ class Supervisor:
             agent = usage.agent or "-"
             m.agent_turns.set(usage.turns, tags={"agent": agent})
             t = usage.tokens
-            for kind, n in (("prompt", t.prompt_tokens), ("completion", t.completion_tokens),
-                            ("cached", t.cached_tokens)):  # fmt: skip
+            for kind, n in (
+                ("prompt", t.prompt_tokens),
+                ("completion", t.completion_tokens),
+                ("cached", t.cached_tokens),
+            ):
                 m.agent_tokens.set(n, tags={"agent": agent, "kind": kind})
 
     async def _reconcile(self) -> None:
@@ -251,9 +254,12 @@ class Supervisor:
             if load.queued or load.running:
                 self._busy_at[pool] = now
             new = next_size(
-                size, load, rule,
-                since_resize_s=now - self._resized[pool], idle_for_s=now - self._busy_at[pool],
-            )  # fmt: skip
+                size,
+                load,
+                rule,
+                since_resize_s=now - self._resized[pool],
+                idle_for_s=now - self._busy_at[pool],
+            )
             for i in range(new):  # started before hosts may route to them
                 self._tool_worker(pool, i, resources)
             if new != size or pool not in sizes:
@@ -290,8 +296,10 @@ class Supervisor:
         if info.store_silent_s >= cfg.cut_off_s and await self._cut_off(slot, gen, handle):
             log.warning(
                 "host slot %d gen %d has not reached Redis for %.1f s: replacing",
-                slot, gen, info.store_silent_s,
-            )  # fmt: skip
+                slot,
+                gen,
+                info.store_silent_s,
+            )
             await self._replace(slot, gen, handle, died=False)
             return
         self._park(slot, gen, handle)

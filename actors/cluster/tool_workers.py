@@ -192,8 +192,12 @@ class RayToolRunner:
                     worker = self._pick(pool, server.name, 0, size)
                     self._listed[key] = await worker.list_mcp(agent_path, server.name, 60)
                 except (TimeoutError, RayError, ValueError) as exc:  # ValueError: not registered
-                    log.error("agent %s: MCP server %s not listed: %s", agent_path, server.name,
-                              _last_line(exc))  # fmt: skip
+                    log.error(
+                        "agent %s: MCP server %s not listed: %s",
+                        agent_path,
+                        server.name,
+                        _last_line(exc),
+                    )
                     continue
             specs.extend(mcp_spec(agent_path, server, info) for info in self._listed[key])
         return merged(agent_path, base, specs)
@@ -290,10 +294,17 @@ class RayToolRunner:
             return
         now = int(time.time() * 1000)
         for job in jobs:
-            self._on_event(ToolWaiting(
-                job.ctx.turn_id, job.ctx.epoch, job.call.id, job.call.name, ToolWait.TOOL_LIMIT,
-                now, over,
-            ))  # fmt: skip
+            self._on_event(
+                ToolWaiting(
+                    job.ctx.turn_id,
+                    job.ctx.epoch,
+                    job.call.id,
+                    job.call.name,
+                    ToolWait.TOOL_LIMIT,
+                    now,
+                    over,
+                )
+            )
 
     async def _admit(
         self, spec: ToolSpec, pool: str, n: int, waited: Callable[[bool], None]
@@ -344,11 +355,13 @@ class RayToolRunner:
         mapping of how a call ended."""
         firsts = await self._attempt(pool, group, 0)
         return list(
-            await asyncio.gather(*(
-                call_result(job.spec, job.call, partial(self._alone, pool, job), first=first)
-                for job, first in zip(group, firsts, strict=True)
-            ))
-        )  # fmt: skip
+            await asyncio.gather(
+                *(
+                    call_result(job.spec, job.call, partial(self._alone, pool, job), first=first)
+                    for job, first in zip(group, firsts, strict=True)
+                )
+            )
+        )
 
     async def _alone(self, pool: str, job: ToolJob, attempt: int) -> Ending:
         (end,) = await self._attempt(pool, [job], attempt)
@@ -361,11 +374,13 @@ class RayToolRunner:
         :data:`GROUP_GRACE_S`, or could not be reached)."""
         worker = await self._worker(pool, attempt)
         if worker is None:  # never sent: nothing can have happened
-            return [(CallEnd.ERROR, f"{j.call.name}: no worker of pool {pool} is up")
-                    for j in group]  # fmt: skip
+            return [
+                (CallEnd.ERROR, f"{j.call.name}: no worker of pool {pool} is up") for j in group
+            ]
         ctx = group[0].ctx
-        wire = [(j.call.name, json.dumps(j.call.args), j.ctx.call_key, j.spec.timeout_s)
-                for j in group]  # fmt: skip
+        wire = [
+            (j.call.name, json.dumps(j.call.args), j.ctx.call_key, j.spec.timeout_s) for j in group
+        ]
         ref = worker.call_group(ctx.agent, ctx.turn_id, wire)
         try:
             # each call's timeout is kept on the worker; this bounds a worker that hangs

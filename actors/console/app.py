@@ -133,8 +133,7 @@ class _Console:
             self.client, self.front = self.runtime.client, self.runtime
             self.redis_url = self.runtime.dep.redis_url
             self.keys = self.runtime.dep.keys  # the deployment's layout (its shard count)
-            log.warning("console attached to the deployment of namespace %r",
-                        self.keys.namespace)  # fmt: skip
+            log.warning("console attached to the deployment of namespace %r", self.keys.namespace)
         else:
             assert own is not None
             self.client, self.redis_url = own, self.console.redis_url
@@ -182,16 +181,26 @@ class _Console:
             after = Cursor.parse(q["after"]) if q.get("after") else None
         except ValueError as exc:
             return PlainTextResponse(f"bad filter: {exc}", 400)
-        view = await list_view(self.redis, self.keys, where, after,
-                               limit=self.console.page_size, scan=self.console.scan)  # fmt: skip
+        view = await list_view(
+            self.redis,
+            self.keys,
+            where,
+            after,
+            limit=self.console.page_size,
+            scan=self.console.scan,
+        )
         query = {k: v for k, v in q.items() if k not in ("after", "done", "problem") and v}
         older = None
         if view.page.next is not None:
             older = "/turns?" + urlencode({**query, "after": view.page.next.wire()})
         return self.page(
-            request, "turns.html", view=view, query=query, older=older,
+            request,
+            "turns.html",
+            view=view,
+            query=query,
+            older=older,
             phases=[p.value for p in TurnPhase],
-        )  # fmt: skip
+        )
 
     async def turn(self, request: Request) -> Response:
         turn_id = _turn_id(request)

@@ -74,13 +74,15 @@ def probe_loopback(base: str, turn_id: str) -> list[str]:
     status, _ = _send(f"{turn}/inject", {"Host": evil, "Origin": f"http://{evil}"}, {"text": "x"})
     if status != 421:
         let_through.append(f"a rebound Host with its own Origin posted a message ({status})")
-    status, _ = _send(f"{turn}/inject", {"Host": home, "Origin": "http://evil.example"},
-                      {"text": "x"})  # fmt: skip
+    status, _ = _send(
+        f"{turn}/inject", {"Host": home, "Origin": "http://evil.example"}, {"text": "x"}
+    )
     if status != 403:
         let_through.append(f"a form of another site posted a message ({status})")
     key = f"0.0.{'ab' * 12}"  # call keys can be computed: this one asked nothing
-    status, where = _send(f"{turn}/approve", {"Host": home, "Origin": f"http://{home}"},
-                          {"call_key": key})  # fmt: skip
+    status, where = _send(
+        f"{turn}/approve", {"Host": home, "Origin": f"http://{home}"}, {"call_key": key}
+    )
     if status != 303 or "problem=" not in where:
         let_through.append(f"a call that asked nothing was approved ({status} {where})")
     return let_through

@@ -107,8 +107,9 @@ def row_of(event: WatchEvent) -> Row | None:
         line = f"{event.name}({_cut(event.arguments)}) [{rule}]"
         return Row(event.at_ms, event.epoch, "tool", line, Tone.PLAIN)
     if isinstance(event, ToolWaiting):
-        return Row(event.at_ms, event.epoch, "tool", event.line(),
-                   Tone.PLAIN if event.over else Tone.WARN)  # fmt: skip
+        return Row(
+            event.at_ms, event.epoch, "tool", event.line(), Tone.PLAIN if event.over else Tone.WARN
+        )
     if isinstance(event, ToolReturned):
         tone = {"ok": Tone.PLAIN, "skipped": Tone.WARN, "denied": Tone.WARN}.get(
             event.status, Tone.BAD

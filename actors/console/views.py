@@ -176,13 +176,16 @@ def _ledger_rows(record: CheckpointRecord, entries: dict[str, LedgerEntry]) -> l
         call = calls.get(result.call_id) if result is not None else None
         rows.append(
             LedgerRow(
-                call_key=key, tool=entry.name,
+                call_key=key,
+                tool=entry.name,
                 args="" if call is None else json.dumps(call.args, ensure_ascii=False)[:SHORT],
-                state=entry.state, status="" if result is None else result.status,
-                output="" if result is None else result.output[:SHORT], epoch=entry.epoch,
+                state=entry.state,
+                status="" if result is None else result.status,
+                output="" if result is None else result.output[:SHORT],
+                epoch=entry.epoch,
                 updated_at_ms=entry.updated_at,
             )
-        )  # fmt: skip
+        )
     return sorted(rows, key=lambda r: (r.updated_at_ms, r.call_key))
 
 

@@ -103,11 +103,16 @@ def _fingerprint(agent: Agent, tools: ToolRegistry) -> str:
         "model": agent.model_name,
         "system": agent.system_prompt,
         "tools": sorted(
-            [spec.name, spec.description, dict(spec.parameters), spec.idempotent,
-             spec.requires_approval]
+            [
+                spec.name,
+                spec.description,
+                dict(spec.parameters),
+                spec.idempotent,
+                spec.requires_approval,
+            ]
             for spec in tools
         ),
-    }  # fmt: skip
+    }
     blob = json.dumps(shape, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -171,8 +176,13 @@ def record_on(
         log.warning("turn %s resumes under a changed agent: %s", record.turn_id, change)
         if on_event is not None:
             on_event(
-                Recovering(record.turn_id, record.epoch, EngineProblem.AGENT_CHANGED,
-                           Action.CONTINUE, f"the agent changed ({change}); going on with it",
-                           int(time.time() * 1000))
-            )  # fmt: skip
+                Recovering(
+                    record.turn_id,
+                    record.epoch,
+                    EngineProblem.AGENT_CHANGED,
+                    Action.CONTINUE,
+                    f"the agent changed ({change}); going on with it",
+                    int(time.time() * 1000),
+                )
+            )
     return record

@@ -77,9 +77,14 @@ async def request_cancel(
 
 
 async def queue_behind(
-    sessions: Sessions, inbox: Inbox, session: str, running: str, queued: QueuedTurn,
-    *, interrupt: bool,
-) -> tuple[int, tuple[TurnSpec, CheckpointRecord] | None]:  # fmt: skip
+    sessions: Sessions,
+    inbox: Inbox,
+    session: str,
+    running: str,
+    queued: QueuedTurn,
+    *,
+    interrupt: bool,
+) -> tuple[int, tuple[TurnSpec, CheckpointRecord] | None]:
     """A message for a busy session (``IfBusy.QUEUE``, or ``INTERRUPT``: the running turn
     cancelled first, durably): queued behind ``running``; returns its place, and the turn it
     opened if the session was already free again (the running turn ended meanwhile)."""

@@ -249,8 +249,9 @@ class FrontDesk:
         scan: int = 5000,
     ) -> TurnPage:
         """A page of the turns index, newest first (see :func:`store.views.summaries.turn_page`)."""
-        return await turn_page(self.client, self.keys, where=where, after=after, limit=limit,
-                               scan=scan)  # fmt: skip
+        return await turn_page(
+            self.client, self.keys, where=where, after=after, limit=limit, scan=scan
+        )
 
     async def finished(self, where: TurnFilter = _EVERY) -> AsyncIterator[TurnSummary]:
         """Every finished turn of the index that ``where`` admits (read by summary: a record

@@ -57,7 +57,8 @@ async def on_finish_of(hook: OnFinish, final: CheckpointRecord, ledger: ToolLedg
     try:
         entries = await ledger.entries(final.turn_id)
     except StoreError as exc:
-        log.error("on_finish of turn %s not called, its ledger is unreadable: %s",
-                  final.turn_id, exc)  # fmt: skip
+        log.error(
+            "on_finish of turn %s not called, its ledger is unreadable: %s", final.turn_id, exc
+        )
         return False
     return await call_on_finish(hook, FinishedTurn(final, entries))

@@ -158,8 +158,10 @@ class Probations:
         if not task.done():
             log.warning(
                 "turn %s: no checkpoint after %.0f s alone; not a crash loop, it goes on beside "
-                "the next probation", turn_id, self.patience_s,
-            )  # fmt: skip
+                "the next probation",
+                turn_id,
+                self.patience_s,
+            )
             await self.detach()
         return task
 

@@ -103,18 +103,32 @@ fields it needs (``match`` on it)."""
 def plan_to_wire(plan: ResumePlan) -> bytes:
     """msgpack form for crossing a Ray call (read back, validated, by :func:`plan_from_wire`)."""
     if isinstance(plan, Resume):
-        return pack({
-            "kind": "resume", "turn_id": plan.turn_id, "record": dump_model(plan.record),
-            "spec": dump_model(plan.spec), "resume_from": plan.resume_from.value,
-            "in_flight": plan.in_flight, "pending_inbox": plan.pending_inbox,
-            "detail": plan.detail, "lost_reply": plan.lost_reply,
-            "journal": None if plan.journal is None else dump_model(plan.journal),
-        })  # fmt: skip
+        return pack(
+            {
+                "kind": "resume",
+                "turn_id": plan.turn_id,
+                "record": dump_model(plan.record),
+                "spec": dump_model(plan.spec),
+                "resume_from": plan.resume_from.value,
+                "in_flight": plan.in_flight,
+                "pending_inbox": plan.pending_inbox,
+                "detail": plan.detail,
+                "lost_reply": plan.lost_reply,
+                "journal": None if plan.journal is None else dump_model(plan.journal),
+            }
+        )
     if isinstance(plan, Parked):
-        return pack({"kind": "parked", "turn_id": plan.turn_id,
-                     "record": dump_model(plan.record), "detail": plan.detail})  # fmt: skip
-    return pack({"kind": "skipped", "turn_id": plan.turn_id, "stop": plan.stop.value,
-                 "detail": plan.detail})  # fmt: skip
+        return pack(
+            {
+                "kind": "parked",
+                "turn_id": plan.turn_id,
+                "record": dump_model(plan.record),
+                "detail": plan.detail,
+            }
+        )
+    return pack(
+        {"kind": "skipped", "turn_id": plan.turn_id, "stop": plan.stop.value, "detail": plan.detail}
+    )
 
 
 def plan_from_wire(data: bytes) -> ResumePlan:
@@ -190,11 +204,14 @@ def unsuspended(record: CheckpointRecord, *, now_ms: int) -> CheckpointRecord:
     changed = record.counters.outcome is Outcome.SUSPENDED_AGENT_CHANGED
     counters = record.counters.model_copy(
         update={
-            "outcome": None, "stalled_resumes": 0, "isolated_deaths": (), "agent_failures": 0,
+            "outcome": None,
+            "stalled_resumes": 0,
+            "isolated_deaths": (),
+            "agent_failures": 0,
             # the operator accepts the agent as it is now: the turn goes on with it
             **({"agent_fingerprint": ""} if changed else {}),
         }
-    )  # fmt: skip
+    )
     return record.model_copy(
         update={
             "epoch": record.epoch + 1,
@@ -336,8 +353,9 @@ def calls_since(entries: dict[str, LedgerEntry], batch: int) -> list[tuple[str, 
         b, i, _ = (*key.split(".", 2), "", "")[:3]
         return (int(b), int(i)) if b.isdigit() and i.isdigit() else (-1, -1)  # not a call key
 
-    return sorted(((k, e) for k, e in entries.items() if place(k)[0] >= batch),
-                  key=lambda ke: place(ke[0]))  # fmt: skip
+    return sorted(
+        ((k, e) for k, e in entries.items() if place(k)[0] >= batch), key=lambda ke: place(ke[0])
+    )
 
 
 def lost_reply_note(why: str, calls: list[tuple[str, LedgerEntry]]) -> str:
@@ -347,13 +365,17 @@ def lost_reply_note(why: str, calls: list[tuple[str, LedgerEntry]]) -> str:
     parts = []
     for key, entry in calls:
         if entry.state in ("committed", "failed") and entry.result is not None:
-            parts.append(f"{entry.name} (call key {key}): finished, {entry.result.status}: "
-                         f"{entry.result.output[:200]}")  # fmt: skip
+            parts.append(
+                f"{entry.name} (call key {key}): finished, {entry.result.status}: "
+                f"{entry.result.output[:200]}"
+            )
         elif entry.state == "prepared":
             parts.append(f"{entry.name} (call key {key}): never started")
         else:
-            parts.append(f"{entry.name} (call key {key}): outcome_unknown, it may or may not "
-                         "have taken effect and will not be re-run")  # fmt: skip
+            parts.append(
+                f"{entry.name} (call key {key}): outcome_unknown, it may or may not "
+                "have taken effect and will not be re-run"
+            )
     calls_said = "; ".join(parts) if parts else "none of its calls had started"
     return (
         f"{LOST_REPLY_PREFIX} Your replies since this point, which asked for tools, were lost in "

@@ -133,6 +133,5 @@ async def still_in_progress(
         except StoreError:  # RecordNotFound included
             left.append(o.turn_id)  # unreadable now: certainly not known to be final
     if gone is not None:
-        log.error("Redis is unreachable (%s): %d turns are not known to be final", gone,
-                  len(left))  # fmt: skip
+        log.error("Redis is unreachable (%s): %d turns are not known to be final", gone, len(left))
     return left

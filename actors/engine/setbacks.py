@@ -65,9 +65,11 @@ class Setbacks:
         failures = self._failures[tid] = 1 if progressed else self._failures.get(tid, 0) + 1
         where = f"{socket.gethostname()} (pid {os.getpid()})"
         error = TurnError(
-            source="host", kind="failed", at_ms=int(time.time() * 1000),
+            source="host",
+            kind="failed",
+            at_ms=int(time.time() * 1000),
             message=f"{type(exc).__name__}: {exc} (on {where})"[:500],
-        )  # fmt: skip
+        )
         log.error("turn %s failed (%d in a row): %s", tid, failures, error.message, exc_info=exc)
         if failures >= RUN_FAILURES_TO_SUSPEND:
             self._failures.pop(tid, None)
@@ -75,10 +77,15 @@ class Setbacks:
         wait = 2 ** (failures - 1) * self.backoff_scale
         if self.on_event is not None:
             self.on_event(
-                Recovering(tid, record.epoch, EngineProblem.RUN_FAILED, Action.RETRY,
-                           f"{error.message}; resuming from its last checkpoint in {wait:g} s",
-                           error.at_ms)
-            )  # fmt: skip
+                Recovering(
+                    tid,
+                    record.epoch,
+                    EngineProblem.RUN_FAILED,
+                    Action.RETRY,
+                    f"{error.message}; resuming from its last checkpoint in {wait:g} s",
+                    error.at_ms,
+                )
+            )
         await asyncio.sleep(wait)  # backoff before the next run, not a synchronisation
         return await self._rerun(record)
 
@@ -90,16 +97,33 @@ class Setbacks:
         counters = record.counters.model_copy(update={"outcome": outcome, "last_error": error})
         parked = record.model_copy(
             update={
-                "seq": record.seq + 1, "in_progress": False, "reason": SaveReason.SUSPENDED,
-                "counters": counters, "updated_at": error.at_ms,
+                "seq": record.seq + 1,
+                "in_progress": False,
+                "reason": SaveReason.SUSPENDED,
+                "counters": counters,
+                "updated_at": error.at_ms,
             }
-        )  # fmt: skip
+        )
         try:
             await self.store.save(parked)
         except StoreError as exc:
             log.warning("turn %s: the suspension was not recorded: %s", record.turn_id, exc)
             return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
         return TurnOutcome.parked(record.turn_id, outcome, record.epoch, error)
+
+    async def agent_changed(
+        self, record: CheckpointRecord, spec: TurnSpec, changed: Exception
+    ) -> TurnOutcome:
+        """The turn's agent is not the one it started with (``[loop] on_agent_change =
+        "suspend"``): suspended until an operator says to go on with it as it is now."""
+        error = TurnError(
+            source="agent",
+            kind="changed",
+            at_ms=int(time.time() * 1000),
+            message=f"agent {spec.agent} changed since the turn started ({changed}); "
+            f"phaseline resume {record.turn_id} goes on with it as it is now",
+        )
+        return await self.park(record, Outcome.SUSPENDED_AGENT_CHANGED, error)
 
     async def agent_unavailable(
         self, record: CheckpointRecord, spec: TurnSpec, exc: ConfigError
@@ -113,9 +137,11 @@ class Setbacks:
         failures = c.agent_failures + 1
         where = f"{socket.gethostname()} (pid {os.getpid()})"
         error = TurnError(
-            source="agent", kind="unavailable", at_ms=int(time.time() * 1000),
+            source="agent",
+            kind="unavailable",
+            at_ms=int(time.time() * 1000),
             message=f"agent {spec.agent} cannot run on {where}: {exc}"[:500],
-        )  # fmt: skip
+        )
         park = failures >= AGENT_FAILURES_TO_SUSPEND
         outcome = Outcome.SUSPENDED_AGENT_UNAVAILABLE if park else None
         noted = record.model_copy(
@@ -129,8 +155,13 @@ class Setbacks:
                 "updated_at": error.at_ms,
             }
         )
-        log.error("turn %s: %s (%d in a row%s)", record.turn_id, error.message, failures,
-                  "; suspended" if park else "")  # fmt: skip
+        log.error(
+            "turn %s: %s (%d in a row%s)",
+            record.turn_id,
+            error.message,
+            failures,
+            "; suspended" if park else "",
+        )
         try:
             await self.store.save(noted)
         except StoreError as save_failed:  # fenced by a newer owner, or Redis away
@@ -138,5 +169,12 @@ class Setbacks:
             return TurnOutcome.stopped(record.turn_id, RunStop.INTERRUPTED, record.epoch)
         if outcome is not None:
             return TurnOutcome.parked(record.turn_id, outcome, record.epoch, error)
-        return TurnOutcome(record.turn_id, RunStop.INTERRUPTED, record.epoch, saves=1,
-                           failed_saves=0, messages=0, error=error)  # fmt: skip
+        return TurnOutcome(
+            record.turn_id,
+            RunStop.INTERRUPTED,
+            record.epoch,
+            saves=1,
+            failed_saves=0,
+            messages=0,
+            error=error,
+        )

@@ -96,9 +96,13 @@ def new_turns(
             turn_id=turn_id, session_id=session, agent=agent_path, input=turn_input, created_at=now
         )
         out.append(
-            (spec, initial_record(turn_id, session, agent, turn_input, now_ms=now,
-                                  agent_path=agent_path))
-        )  # fmt: skip
+            (
+                spec,
+                initial_record(
+                    turn_id, session, agent, turn_input, now_ms=now, agent_path=agent_path
+                ),
+            )
+        )
     return out
 
 
@@ -111,9 +115,12 @@ def session_turn(agent_path: str, turn_input: TurnInput, session_id: str) -> Bui
     def build(previous: CheckpointRecord | None, turn_id: str) -> tuple[TurnSpec, CheckpointRecord]:
         now = int(time.time() * 1000)
         spec = TurnSpec(
-            turn_id=turn_id, session_id=session_id, agent=agent_path, input=turn_input,
+            turn_id=turn_id,
+            session_id=session_id,
+            agent=agent_path,
+            input=turn_input,
             created_at=now,
-        )  # fmt: skip
+        )
         if previous is None:
             first = initial_record(
                 turn_id, session_id, agent, turn_input, now_ms=now, agent_path=agent_path

@@ -149,9 +149,11 @@ class TurnTracer:
         links = []
         if epoch > 1:
             before = SpanContext(
-                trace_id, incarnation_span_id(turn_id, epoch - 1), is_remote=True,
+                trace_id,
+                incarnation_span_id(turn_id, epoch - 1),
+                is_remote=True,
                 trace_flags=TraceFlags(TraceFlags.SAMPLED),
-            )  # fmt: skip
+            )
             links.append(Link(before, {"phaseline.link": "previous incarnation"}))
         token = _FIXED.set((trace_id, incarnation_span_id(turn_id, epoch)))
         try:
@@ -199,22 +201,26 @@ class TurnTracer:
         elif isinstance(event, Checkpointed):
             inc.span.add_event(
                 "checkpoint",
-                {"phaseline.seq": event.seq, "phaseline.reason": event.reason.value,
-                 "phaseline.messages": event.messages},
+                {
+                    "phaseline.seq": event.seq,
+                    "phaseline.reason": event.reason.value,
+                    "phaseline.messages": event.messages,
+                },
                 timestamp=event.at_ms * _MS,
-            )  # fmt: skip
+            )
         elif isinstance(event, Recovering):
             inc.span.add_event(
                 "recovery",
                 {"phaseline.problem": event.problem.value, "phaseline.action": event.action.value},
                 timestamp=event.at_ms * _MS,
-            )  # fmt: skip
+            )
         elif isinstance(event, Restarted):
             inc.span.set_attribute(
                 "phaseline.resumed_from", event.resumed_from.value if event.resumed_from else ""
             )
-            inc.span.add_event("resumed", {"phaseline.messages": event.messages},
-                               timestamp=event.at_ms * _MS)  # fmt: skip
+            inc.span.add_event(
+                "resumed", {"phaseline.messages": event.messages}, timestamp=event.at_ms * _MS
+            )
         elif isinstance(event, Finished):
             if event.outcome is not None and event.outcome.aborted:
                 inc.span.set_status(Status(StatusCode.ERROR, event.outcome.value))
@@ -243,9 +249,12 @@ class TurnTracer:
             )
         inc.text.clear()
         span = self.tracer.start_span(
-            f"chat {e.model}", context=trace.set_span_in_context(inc.span),
-            kind=SpanKind.CLIENT, start_time=e.started_ms * _MS, attributes=attributes,
-        )  # fmt: skip
+            f"chat {e.model}",
+            context=trace.set_span_in_context(inc.span),
+            kind=SpanKind.CLIENT,
+            start_time=e.started_ms * _MS,
+            attributes=attributes,
+        )
         if e.error:
             span.set_attribute("error.type", e.error)
             span.set_status(Status(StatusCode.ERROR, e.error))
@@ -268,9 +277,12 @@ class TurnTracer:
             attributes["gen_ai.tool.call.result"] = e.output
         started = called.at_ms if called is not None else e.at_ms
         span = self.tracer.start_span(
-            f"execute_tool {e.name}", context=trace.set_span_in_context(inc.span),
-            kind=SpanKind.INTERNAL, start_time=started * _MS, attributes=attributes,
-        )  # fmt: skip
+            f"execute_tool {e.name}",
+            context=trace.set_span_in_context(inc.span),
+            kind=SpanKind.INTERNAL,
+            start_time=started * _MS,
+            attributes=attributes,
+        )
         if e.status not in ("ok", "skipped"):
             span.set_status(Status(StatusCode.ERROR, e.status))
         span.end(end_time=e.at_ms * _MS)

@@ -61,9 +61,8 @@ from store.domain.isolation import Isolation, Probation
 from store.domain.ledger import ToolLedger
 from store.domain.sessions import Sessions
 from store.keys import KeyLayout
-from store.records import CheckpointRecord, ReplyJournal, TurnError, TurnInput, TurnSpec
+from store.records import CheckpointRecord, ReplyJournal, TurnInput, TurnSpec
 from store.redis.connection import StoreClient
-from store.write.checkpoint import RedisCheckpointStore
 from store.write.group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
@@ -82,10 +81,7 @@ class TurnEngine(RunningTurns):
         self.keys = keys
         self.settings = settings
         self.hooks = hooks
-        self.store = RedisCheckpointStore(
-            client, keys, max_record_bytes=settings.max_record_bytes,
-            durability=settings.durability, atomic=settings.atomic, retention=settings.retention,
-        )  # fmt: skip
+        self.store = settings.checkpoint_store(client, keys)
         self.ledger = ToolLedger(client, keys)
         self.effects = hooks.effects or EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
@@ -101,8 +97,12 @@ class TurnEngine(RunningTurns):
         self.stats = RunStats()
         self._loops: dict[str, TurnLoop] = {}
         self.probations = Probations(self, patience_s=settings.probation_patience_s)
-        self.setbacks = Setbacks(self.store, self._rerun, on_event=hooks.on_event,
-                                 backoff_scale=settings.loop.backoff_scale)  # fmt: skip
+        self.setbacks = Setbacks(
+            self.store,
+            self._rerun,
+            on_event=hooks.on_event,
+            backoff_scale=settings.loop.backoff_scale,
+        )
         self.listeners: Listeners | None = None
         """Who hears this engine's events (the live streams, the tracer), when it was made
         :meth:`from_settings`."""
@@ -126,9 +126,12 @@ class TurnEngine(RunningTurns):
                 hooks, on_finish=load_on_finish(settings.retention.on_finish)
             )
         listeners = Listeners.of(
-            client, settings, on_transition=hooks.on_transition, on_event=hooks.on_event,
+            client,
+            settings,
+            on_transition=hooks.on_transition,
+            on_event=hooks.on_event,
             publish=publish,
-        )  # fmt: skip
+        )
         engine = cls(
             client,
             settings.redis.key_layout(),
@@ -164,12 +167,8 @@ class TurnEngine(RunningTurns):
     ) -> list[tuple[TurnSpec, CheckpointRecord]]:
         """Create turns of ``agent`` in Redis (spec + first record, atomically, grouped per
         shard); a duplicate id raises TurnExists."""
-        return [
-            (spec, record)
-            for spec, record, _ in await self._submit(
-                agent, turn_input, turn_ids, session_id=session_id
-            )
-        ]
+        turns = await self._submit(agent, turn_input, turn_ids, session_id=session_id)
+        return [(spec, record) for spec, record, _ in turns]
 
     async def _submit(
         self,
@@ -327,9 +326,13 @@ class TurnEngine(RunningTurns):
                 return TurnOutcome.stopped(turn_id, stop)
         self.stats.resumed += 1
         return await self.start(
-            plan.record, plan.spec, resume_from=plan.resume_from, journal=plan.journal,
-            lost_reply=plan.lost_reply, **loop_kw,
-        )  # fmt: skip
+            plan.record,
+            plan.spec,
+            resume_from=plan.resume_from,
+            journal=plan.journal,
+            lost_reply=plan.lost_reply,
+            **loop_kw,
+        )
 
     async def _run_all(self, coros: Sequence[Awaitable[TurnOutcome]]) -> RunStats:
         async def together() -> list[TurnOutcome]:
@@ -375,9 +378,12 @@ class TurnEngine(RunningTurns):
         agent = load_agent(spec.agent)
         registry = await self.runner.registry(spec.agent, agent, spec.input)
         record = record_on(
-            record, spec.agent, agent_fingerprint(agent, registry), self.settings.on_agent_change,
+            record,
+            spec.agent,
+            agent_fingerprint(agent, registry),
+            self.settings.on_agent_change,
             on_event=self.hooks.on_event,
-        )  # fmt: skip
+        )
         wired = TurnDeps(
             llm=agent.client(
                 ModelContext(
@@ -454,13 +460,7 @@ class TurnEngine(RunningTurns):
         except ConfigError as exc:
             return await self.setbacks.agent_unavailable(record, spec, exc)
         except AgentChanged as changed:
-            return await self.setbacks.park(
-                record, Outcome.SUSPENDED_AGENT_CHANGED,
-                TurnError(source="agent", kind="changed", at_ms=int(time.time() * 1000),
-                          message=f"agent {spec.agent} changed since the turn started "
-                                  f"({changed}); phaseline resume {record.turn_id} goes on "
-                                  "with it as it is now"),
-            )  # fmt: skip
+            return await self.setbacks.agent_changed(record, spec, changed)
         except Exception as exc:  # the agent's own code failed while its turn was set up
             return await self.setbacks.run_failed(record, exc, progressed=False)
         return await self.drive(loop)

@@ -140,9 +140,13 @@ async def _judged(rt: Runtime, ids: list[str], expected: Any, poisoned: frozense
     witness = connect(rt.dep.effects_url) if rt.dep.effects_url else None
     try:
         return await judge(
-            rt.client, rt.dep.keys, ids, expected,
-            effects_client=witness, expect_suspended=poisoned,
-        )  # fmt: skip
+            rt.client,
+            rt.dep.keys,
+            ids,
+            expected,
+            effects_client=witness,
+            expect_suspended=poisoned,
+        )
     finally:
         if witness is not None:
             await witness.aclose()
@@ -158,8 +162,11 @@ async def bad_turns_judged(rt: Runtime, ids: list[str]) -> list[str]:
         except PhaselineError as exc:
             wrong.append(f"{tid}: {exc}")
             continue
-        results = {m.tool_result.name: m.tool_result.status for m in record.messages
-                   if m.tool_result is not None}  # fmt: skip
+        results = {
+            m.tool_result.name: m.tool_result.status
+            for m in record.messages
+            if m.tool_result is not None
+        }
         want = {"echo": "ok", **dict.fromkeys(RAISING, "error")}
         if record.counters.outcome is not Outcome.ANSWERED or results != want:
             wrong.append(f"{tid}: outcome {record.counters.outcome}, results {results}")

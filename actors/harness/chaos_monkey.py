@@ -173,9 +173,13 @@ class ChaosMonkey:
         finally:
             os.kill(pid, signal.SIGCONT)
         return Fault(
-            at, ChaosTarget.FREEZE, rt.dep.host_label(slot), pid, affected,
+            at,
+            ChaosTarget.FREEZE,
+            rt.dep.host_label(slot),
+            pid,
+            affected,
             note="stopped until replaced",
-        )  # fmt: skip
+        )
 
     async def _provider_storm(self) -> Fault:
         """One to three seconds of one provider fault; the requests it met are counted."""
@@ -190,9 +194,13 @@ class ChaosMonkey:
         await asyncio.sleep(seconds)  # the storm's length: the fault itself
         hit = provider.landed[fault] - before
         return Fault(
-            at, ChaosTarget.PROVIDER, f"model endpoint: {fault}", None,
-            note=f"{seconds:.1f} s, {hit} requests met it", skipped=hit == 0,
-        )  # fmt: skip
+            at,
+            ChaosTarget.PROVIDER,
+            f"model endpoint: {fault}",
+            None,
+            note=f"{seconds:.1f} s, {hit} requests met it",
+            skipped=hit == 0,
+        )
 
     async def _partition(self) -> Fault:
         """Cut one host's link (of a host running turns, if one does) to Redis or to the
@@ -224,18 +232,28 @@ class ChaosMonkey:
             await asyncio.to_thread(link.restore)
         replaced = (await self.rt.hosts.generations()).get(slot, 0) > gen
         return Fault(
-            at, ChaosTarget.PARTITION, f"{self.rt.dep.host_label(slot)} - {what}", None,
-            affected, note=f"cut {seconds:.1f} s; {link.held_connections - caught} new "
+            at,
+            ChaosTarget.PARTITION,
+            f"{self.rt.dep.host_label(slot)} - {what}",
+            None,
+            affected,
+            note=f"cut {seconds:.1f} s; {link.held_connections - caught} new "
             f"connections held; {'replaced' if replaced else 'kept'}",
-        )  # fmt: skip
+        )
 
     async def _kill_tool_worker(self) -> Fault:
         rt = self.rt
         index = self.rng.randrange(rt.dep.settings.tools.workers)
         worker = rt.tool_worker("default", index)
         if worker is None:
-            return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", None,
-                         note="the worker is being restarted", skipped=True)  # fmt: skip
+            return Fault(
+                self.now(),
+                ChaosTarget.TOOL,
+                f"tools{index}",
+                None,
+                note="the worker is being restarted",
+                skipped=True,
+            )
         pid = (await worker.hello()).pid
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", pid)
@@ -331,8 +349,14 @@ class ChaosMonkey:
         affected = {t: running[t] for t in taken}
         at = self.now()
         self.rivals += [asyncio.ensure_future(self._rival.resume(t)) for t in taken]
-        return Fault(at, ChaosTarget.CONCURRENT_RESUME, f"host{slot}", None, affected,
-                     note=f"rival resumed {len(taken)}")  # fmt: skip
+        return Fault(
+            at,
+            ChaosTarget.CONCURRENT_RESUME,
+            f"host{slot}",
+            None,
+            affected,
+            note=f"rival resumed {len(taken)}",
+        )
 
     async def rivals_done(self) -> Counter[str]:
         """Wait for every rival turn; how each ended (``fenced``: the host won it back)."""

@@ -151,8 +151,13 @@ def plot(report: ChaosReport, path: str) -> None:
     rows, highlighted = plot_rows(report)
     kills = [(f.at_s, f"{f.target} {f.victim}") for f in report.faults if f.landed]
     plot_timeline(
-        report.moves, kills, [(t, at) for t, at, *_ in report.recovered], report.started_at,
-        path, sample=rows, highlight=highlighted,
+        report.moves,
+        kills,
+        [(t, at) for t, at, *_ in report.recovered],
+        report.started_at,
+        path,
+        sample=rows,
+        highlight=highlighted,
         title=f"phaseline chaos: {report.verdict.turns} turns, {len(kills)} faults, "
         f"verdict {'ok' if report.verdict.ok else 'NOT OK'}",
-    )  # fmt: skip
+    )

@@ -39,9 +39,13 @@ async def chaos_runtime(
     witness_cm = EmbeddedRedis(appendfsync="always") if witnessed else contextlib.nullcontext()
     with witness_cm as witness:
         rt = await Runtime.start(
-            tuned, redis_url=redis_url, hosts=hosts, ray_address=ray_address,
-            effects_url=None if witness is None else witness.url, host_routes=host_routes,
-        )  # fmt: skip
+            tuned,
+            redis_url=redis_url,
+            hosts=hosts,
+            ray_address=ray_address,
+            effects_url=None if witness is None else witness.url,
+            host_routes=host_routes,
+        )
         try:
             yield rt
         finally:

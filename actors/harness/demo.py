@@ -122,8 +122,14 @@ async def run_demo(
         pid = await rt.kill_host(0)
         if on_kill is not None:
             on_kill(pid)
-        kills.append({"slot": 0, "pid": pid, "at_s": round(time.monotonic() - started, 2),
-                      "finished_before": len(finished)})  # fmt: skip
+        kills.append(
+            {
+                "slot": 0,
+                "pid": pid,
+                "at_s": round(time.monotonic() - started, 2),
+                "finished_before": len(finished),
+            }
+        )
     await waiter
     wall = time.monotonic() - started
     storms.cancel()  # a partition being cut is restored as the monkey stops

@@ -74,10 +74,11 @@ class Links:
         their machine's links, else through the provider proxy (named in each host's own
         environment: a Ray node started before this run's links lacks it)."""
         return [
-            tuple(self._route(m) for m in self.hosts[slot]) if slot < len(self.hosts) else
-            (self._route(None),)
+            tuple(self._route(m) for m in self.hosts[slot])
+            if slot < len(self.hosts)
+            else (self._route(None),)
             for slot in range(slots)
-        ]  # fmt: skip
+        ]
 
     def _route(self, host: HostLinks | None) -> HostRoute:
         env = {}

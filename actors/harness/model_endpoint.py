@@ -256,8 +256,11 @@ def _error(message: str, kind: str, code: str | None) -> dict[str, Any]:
 def _usage(body: dict[str, Any], reply: dict[str, Any]) -> dict[str, int]:
     prompt = len(json.dumps(body["messages"])) // 4
     completion = (len(reply["content"]) + sum(len(a) for _, _, a in reply["tool_calls"])) // 4
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _message(reply: dict[str, Any]) -> dict[str, Any]:
@@ -265,8 +268,11 @@ def _message(reply: dict[str, Any]) -> dict[str, Any]:
         {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
         for i, n, a in reply["tool_calls"]
     ]
-    return {"role": "assistant", "content": reply["content"], **({"tool_calls": calls} if calls
-            else {})}  # fmt: skip
+    return {
+        "role": "assistant",
+        "content": reply["content"],
+        **({"tool_calls": calls} if calls else {}),
+    }
 
 
 async def _stream(
@@ -279,12 +285,18 @@ async def _stream(
 ) -> None:
     head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
     await send({"type": "http.response.start", "status": 200, "headers": head})
-    base = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0,
-            "model": body["model"]}  # fmt: skip
+    base = {
+        "id": "chatcmpl-test",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": body["model"],
+    }
 
     async def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> None:
-        payload = {**base, "choices": [{"index": 0, "delta": delta,
-                                        "finish_reason": finish_reason}]}  # fmt: skip
+        payload = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        }
         data = f"data: {json.dumps(payload)}\n\n".encode()
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
@@ -326,17 +338,35 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["method"] == "GET" and scope["path"] == "/_stats":
-        await _json(send, 200, {"requests": STATS.requests, "fired": dict(STATS.fired),
-                                "disconnects": STATS.disconnects,
-                                "authorization": STATS.authorization,
-                                "errors": STATS.errors,
-                                "accepted": STATS.accepted, "refused": STATS.refused,
-                                "bodies": STATS.bodies[-20:]})  # fmt: skip
+        await _json(
+            send,
+            200,
+            {
+                "requests": STATS.requests,
+                "fired": dict(STATS.fired),
+                "disconnects": STATS.disconnects,
+                "authorization": STATS.authorization,
+                "errors": STATS.errors,
+                "accepted": STATS.accepted,
+                "refused": STATS.refused,
+                "bodies": STATS.bodies[-20:],
+            },
+        )
         return
     if scope["method"] == "POST" and scope["path"] == "/_limit":
         spec = json.loads(await _read_body(receive) or b"{}")
-        LIMIT[:] = [Bucket(float(spec["rpm"]), int(spec["burst"]), bool(spec.get("headers", True)),
-                           float(spec.get("refusal_latency_ms", 0)))] if spec else []  # fmt: skip
+        LIMIT[:] = (
+            [
+                Bucket(
+                    float(spec["rpm"]),
+                    int(spec["burst"]),
+                    bool(spec.get("headers", True)),
+                    float(spec.get("refusal_latency_ms", 0)),
+                )
+            ]
+            if spec
+            else []
+        )
         STATS.accepted = STATS.refused = 0
         await _json(send, 200, {"limit": spec})
         return
@@ -417,10 +447,13 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if kind == "drop":
         raise ConnectionAbortedError("scripted drop before the reply")
     completion = {
-        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": body["model"],
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body["model"],
         "choices": [{"index": 0, "message": _message(reply), "finish_reason": finish}],
         "usage": _usage(body, reply),
-    }  # fmt: skip
+    }
     await _json(send, 200, completion)
 
 

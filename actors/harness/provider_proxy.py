@@ -149,8 +149,11 @@ class ProviderProxy:
             if fault is ProviderFault.HANG:
                 await _until_gone(reader)
                 return
-            if fault in (ProviderFault.RATE_LIMIT, ProviderFault.OVERLOADED,
-                         ProviderFault.SERVER_ERROR):  # fmt: skip
+            if fault in (
+                ProviderFault.RATE_LIMIT,
+                ProviderFault.OVERLOADED,
+                ProviderFault.SERVER_ERROR,
+            ):
                 writer.write(self._refusal(fault, left))
                 await writer.drain()
                 return
@@ -164,17 +167,27 @@ class ProviderProxy:
     def _refusal(self, fault: ProviderFault, left_s: float) -> bytes:
         if fault is ProviderFault.RATE_LIMIT:
             wait_ms = max(1, math.ceil(left_s * 1000))
-            error = {"message": "Rate limit reached for requests", "type": "requests",
-                     "code": "rate_limit_exceeded", "param": None}  # fmt: skip
-            extra = [("retry-after", str(math.ceil(wait_ms / 1000))),
-                     ("retry-after-ms", str(wait_ms))]  # fmt: skip
+            error = {
+                "message": "Rate limit reached for requests",
+                "type": "requests",
+                "code": "rate_limit_exceeded",
+                "param": None,
+            }
+            extra = [
+                ("retry-after", str(math.ceil(wait_ms / 1000))),
+                ("retry-after-ms", str(wait_ms)),
+            ]
             return _response(429, "Too Many Requests", {"error": error}, extra)
         if fault is ProviderFault.OVERLOADED:
             error = {"type": "overloaded_error", "message": "Overloaded"}
             return _response(529, "Site Overloaded", {"type": "error", "error": error})
         status = self._rng.choice((500, 502, 503))
-        error = {"message": "The server had an error", "type": "server_error", "code": None,
-                 "param": None}  # fmt: skip
+        error = {
+            "message": "The server had an error",
+            "type": "server_error",
+            "code": None,
+            "param": None,
+        }
         return _response(status, "Server Error", {"error": error})
 
     async def _forward(
@@ -223,9 +236,10 @@ def _closing(head: bytes) -> bytes:
     """An HTTP head with ``connection: close`` instead of what it said: one request per
     connection, so a reply ends when its connection does."""
     lines = [
-        line for line in head.rstrip(b"\r\n").split(b"\r\n")
+        line
+        for line in head.rstrip(b"\r\n").split(b"\r\n")
         if line.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")
-    ]  # fmt: skip
+    ]
     return b"\r\n".join([*lines, b"connection: close"]) + b"\r\n\r\n"
 
 
@@ -233,9 +247,13 @@ def _response(
     status: int, reason: str, payload: object, extra: list[tuple[str, str]] | None = None
 ) -> bytes:
     body = json.dumps(payload).encode()
-    lines = [f"HTTP/1.1 {status} {reason}", "content-type: application/json",
-             f"content-length: {len(body)}", "connection: close",
-             f"x-request-id: chaos-{random.getrandbits(32):08x}"]  # fmt: skip
+    lines = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        f"x-request-id: chaos-{random.getrandbits(32):08x}",
+    ]
     lines += [f"{k}: {v}" for k, v in extra or ()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 

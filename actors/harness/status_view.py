@@ -37,9 +37,13 @@ def render(status: DeploymentStatus) -> Group:
         pools.add_column(col, justify="left" if col in ("pool", "resources") else "right")
     for p in status.pools:
         pools.add_row(
-            p.pool, json.dumps(p.resources) if p.resources else "-", str(p.size), str(p.queued),
-            str(p.running), f"{p.calls_per_s:g}",
-        )  # fmt: skip
+            p.pool,
+            json.dumps(p.resources) if p.resources else "-",
+            str(p.size),
+            str(p.queued),
+            str(p.running),
+            f"{p.calls_per_s:g}",
+        )
     parts: list[Table] = [head, hosts, phases, pools]
     if status.mcp:
         mcp = Table(title="MCP servers", title_justify="left")
@@ -57,13 +61,23 @@ def render(status: DeploymentStatus) -> Group:
         parts.append(models)
     if status.agents:
         agents = Table(title="agents (finished turns)", title_justify="left")
-        for col in ("agent", "turns", "prompt tokens", "completion tokens", "cached",
-                    "calls not metered"):  # fmt: skip
+        for col in (
+            "agent",
+            "turns",
+            "prompt tokens",
+            "completion tokens",
+            "cached",
+            "calls not metered",
+        ):
             agents.add_column(col, justify="left" if col == "agent" else "right")
         for a in status.agents:
             agents.add_row(
-                a.agent, f"{a.turns:,}", f"{a.prompt_tokens:,}", f"{a.completion_tokens:,}",
-                f"{a.cached_tokens:,}", f"{a.unknown:,}",
-            )  # fmt: skip
+                a.agent,
+                f"{a.turns:,}",
+                f"{a.prompt_tokens:,}",
+                f"{a.completion_tokens:,}",
+                f"{a.cached_tokens:,}",
+                f"{a.unknown:,}",
+            )
         parts.append(agents)
     return Group(*parts)

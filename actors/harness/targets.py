@@ -8,9 +8,16 @@ from enum import StrEnum
 from bus.errors import ConfigError
 
 __all__ = [
-    "CLUSTER_ONLY", "EMBEDDED_ONLY", "HTTP_ONLY", "LOCAL_ONLY", "NODES_ONLY", "TARGETS",
-    "WITNESSED", "ChaosTarget", "parse_targets",
-]  # fmt: skip
+    "CLUSTER_ONLY",
+    "EMBEDDED_ONLY",
+    "HTTP_ONLY",
+    "LOCAL_ONLY",
+    "NODES_ONLY",
+    "TARGETS",
+    "WITNESSED",
+    "ChaosTarget",
+    "parse_targets",
+]
 
 
 class ChaosTarget(StrEnum):
@@ -78,9 +85,14 @@ WITNESSED = (ChaosTarget.POWER_LOSS, ChaosTarget.REDIS_FAILOVER)
 
 
 def parse_targets(
-    spec: str, *, embedded: bool, nodes: bool = False, cluster: bool = False,
-    local: bool = True, http: bool = False,
-) -> tuple[ChaosTarget, ...]:  # fmt: skip
+    spec: str,
+    *,
+    embedded: bool,
+    nodes: bool = False,
+    cluster: bool = False,
+    local: bool = True,
+    http: bool = False,
+) -> tuple[ChaosTarget, ...]:
     """``all``, ``none`` (no fault but the poison turns' own), or a comma-separated list.
     ``embedded``: the run owns its one Redis server; ``nodes``: it owns a local multi-node Ray
     cluster; ``cluster``: it owns a local Redis Cluster; ``local``: its hosts run on this
@@ -98,11 +110,19 @@ def parse_targets(
         (EMBEDDED_ONLY, embedded, "restart the embedded server; drop --redis-url for them"),
         (NODES_ONLY, nodes, "remove a Ray node; run with --nodes 2 or more (no --ray-address)"),
         (CLUSTER_ONLY, cluster, "kill a Redis Cluster primary; run with --redis-cluster"),
-        (LOCAL_ONLY, local and not cluster, "put proxies on this machine in front of the "
-         "hosts' Redis and model; run without --ray-address and --redis-cluster"),
-        (HTTP_ONLY, http, "stand in front of a model endpoint; run an agent whose model reads "
-         "OPENAI_BASE_URL (--agent), not a scenario"),
-    ):  # fmt: skip
+        (
+            LOCAL_ONLY,
+            local and not cluster,
+            "put proxies on this machine in front of the "
+            "hosts' Redis and model; run without --ray-address and --redis-cluster",
+        ),
+        (
+            HTTP_ONLY,
+            http,
+            "stand in front of a model endpoint; run an agent whose model reads "
+            "OPENAI_BASE_URL (--agent), not a scenario",
+        ),
+    ):
         needs = [t for t in names if t in needed]
         if needs and not have:
             if not every:

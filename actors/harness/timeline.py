@@ -105,8 +105,15 @@ def plot_timeline(
     _draw_rows(ax, rows, by_turn, t0_unix, highlight)
     for n, ((at, _), level) in enumerate(zip(kills, levels, strict=True), 1):
         ax.axvline(at, color="red", linewidth=1, alpha=0.7)
-        ax.text(at, len(rows) + 0.4 + 0.9 * level, str(n), fontsize=6, color="red",
-                ha="center", va="bottom")  # fmt: skip
+        ax.text(
+            at,
+            len(rows) + 0.4 + 0.9 * level,
+            str(n),
+            fontsize=6,
+            color="red",
+            ha="center",
+            va="bottom",
+        )
     index = {tid: y for y, tid in enumerate(rows)}
     pts = [(at, index[tid]) for tid, at in recoveries if tid in index]
     if pts:
@@ -130,8 +137,15 @@ def plot_timeline(
     bottom = (0.45 + 0.16 * key_lines) / height
     fig.legend(handles=legend, loc="lower center", fontsize=7, ncol=len(legend), frameon=False)
     if lines:
-        fig.text(0.01, 0.3 / height, "\n".join(lines), fontsize=6, color="red", va="bottom",
-                 family="monospace")  # fmt: skip
+        fig.text(
+            0.01,
+            0.3 / height,
+            "\n".join(lines),
+            fontsize=6,
+            color="red",
+            va="bottom",
+            family="monospace",
+        )
     fig.tight_layout(rect=(0, bottom + 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

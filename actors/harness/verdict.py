@@ -194,11 +194,18 @@ class Verdict:
     @property
     def ok(self) -> bool:
         return not (
-            self.lost or self.differ or self.meta_drift or self.in_progress
-            or self.duplicate_effects or self.orphaned_effects or self.stale_accepted
-            or self.bad_input_accepted or self.suspended
-            or self.aborted or self.poison_escaped
-        )  # fmt: skip
+            self.lost
+            or self.differ
+            or self.meta_drift
+            or self.in_progress
+            or self.duplicate_effects
+            or self.orphaned_effects
+            or self.stale_accepted
+            or self.bad_input_accepted
+            or self.suspended
+            or self.aborted
+            or self.poison_escaped
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -230,18 +237,21 @@ class Verdict:
             "examples": {
                 k: v[:5]
                 for k, v in (
-                    ("lost", self.lost), ("differ", self.differ), ("meta_drift", self.meta_drift),
+                    ("lost", self.lost),
+                    ("differ", self.differ),
+                    ("meta_drift", self.meta_drift),
                     ("in_progress", self.in_progress),
                     ("duplicate_effects", self.duplicate_effects),
                     ("orphaned_effects", self.orphaned_effects),
                     ("stale_accepted", self.stale_accepted),
                     ("bad_input_accepted", self.bad_input_accepted),
-                    ("suspended", self.suspended), ("aborted", self.aborted),
+                    ("suspended", self.suspended),
+                    ("aborted", self.aborted),
                     ("poison_escaped", self.poison_escaped),
                 )
                 if v
             },
-        }  # fmt: skip
+        }
 
 
 def meta_ok(record: CheckpointRecord) -> bool:
@@ -303,9 +313,10 @@ def _judge_poison(v: Verdict, record: CheckpointRecord) -> None:
     """A poison turn must end ``suspended:poison``."""
     tid, c = record.turn_id, record.counters
     v.poison[tid] = {
-        "outcome": c.outcome, "owners_lost": c.resume_attempts,
+        "outcome": c.outcome,
+        "owners_lost": c.resume_attempts,
         "isolated_deaths": list(c.isolated_deaths),
-    }  # fmt: skip
+    }
     v.poison_deaths += c.resume_attempts
     if c.outcome is not Outcome.SUSPENDED_POISON:
         v.poison_escaped.append(f"{tid}: outcome {c.outcome or 'none (in progress)'}")
@@ -400,9 +411,11 @@ def effect_findings(
         if not compacted or not settled or slot_of(k) in told_places:
             orphans.append(k)
     dup = "; ".join(
-        [*(f"{k} ran {ran[k]} times" for k in twice), *(f"{len(places[p])} calls ran at {p}"
-                                                         for p in shared)]
-    )  # fmt: skip
+        [
+            *(f"{k} ran {ran[k]} times" for k in twice),
+            *(f"{len(places[p])} calls ran at {p}" for p in shared),
+        ]
+    )
     return dup, ", ".join(orphans)
 
 

@@ -65,10 +65,13 @@ class TurnLoop(ToolSteps, ModelSteps):
         if self.epoch > 1:  # a new owner: what streamed after the last checkpoint is gone
             self._emit(
                 Restarted(
-                    self.turn_id, self.epoch, self._resume_from, len(self.messages),
+                    self.turn_id,
+                    self.epoch,
+                    self._resume_from,
+                    len(self.messages),
                     self._now_ms(),
                 )
-            )  # fmt: skip
+            )
         try:
             t.to(P.SETUP)
             if self._journal is not None:  # the reply is durable: its batch goes on, not asked
@@ -96,8 +99,11 @@ class TurnLoop(ToolSteps, ModelSteps):
         the turn goes on as after any batch."""
         log.info(
             "turn %s: continuing from the reply journaled at epoch %d (batch %d); the model is "
-            "not asked again", self.turn_id, journal.epoch, journal.batch,
-        )  # fmt: skip
+            "not asked again",
+            self.turn_id,
+            journal.epoch,
+            journal.batch,
+        )
         self._adopt_journal(journal)
         self.tracker.to(P.AWAITING_LLM)
         self.tracker.to(P.EXECUTING_TOOLS)
@@ -209,10 +215,12 @@ class TurnLoop(ToolSteps, ModelSteps):
                 continue
             self._counters = self._counters.model_copy(
                 update={
-                    "retry_attempts": 0, "cut_retries": 0,
-                    "rate_limit_waits": 0, "rate_limit_waited_ms": 0,
+                    "retry_attempts": 0,
+                    "cut_retries": 0,
+                    "rate_limit_waits": 0,
+                    "rate_limit_waited_ms": 0,
                 }
-            )  # fmt: skip
+            )
             return answer
 
     def _decide(
@@ -337,10 +345,14 @@ class TurnLoop(ToolSteps, ModelSteps):
     def _recovering(self, problem: Problem, action: Action, detail: str) -> None:
         self._emit(
             Recovering(
-                self.turn_id, self.epoch, problem, action, detail[:LIVE_TEXT_LIMIT],
+                self.turn_id,
+                self.epoch,
+                problem,
+                action,
+                detail[:LIVE_TEXT_LIMIT],
                 self._now_ms(),
             )
-        )  # fmt: skip
+        )
 
     async def _force_stop(self, *, checkpoint_first: bool) -> TurnOutcome:
         if checkpoint_first:

@@ -157,9 +157,15 @@ class LoopState:
 
     def _outcome(self, outcome: Outcome | RunStop) -> TurnOutcome:
         return TurnOutcome(
-            self.turn_id, outcome, self.epoch, self.saves, self.failed_saves, len(self.messages),
-            self._counters.last_error, seq=self._saved.seq,
-        )  # fmt: skip
+            self.turn_id,
+            outcome,
+            self.epoch,
+            self.saves,
+            self.failed_saves,
+            len(self.messages),
+            self._counters.last_error,
+            seq=self._saved.seq,
+        )
 
     async def _note_step(self) -> None:
         if self._probation is None:
@@ -292,8 +298,16 @@ class LoopState:
         self._last_save = now
         self._saved = record
         self.saves += 1
-        self._emit(Checkpointed(self.turn_id, self.epoch, record.seq, reason,
-                                len(record.messages), record.updated_at))  # fmt: skip
+        self._emit(
+            Checkpointed(
+                self.turn_id,
+                self.epoch,
+                record.seq,
+                reason,
+                len(record.messages),
+                record.updated_at,
+            )
+        )
         if final:
             self._emit(record.finished_event())
         if self._probation is not None and self._probation.releases and not final:

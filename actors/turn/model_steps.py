@@ -80,17 +80,33 @@ class ModelSteps(LoopState):
         try:
             reply = await llm.complete(request)
         except LLMError as exc:
-            self._emit(ModelReplied(self.turn_id, self.epoch, system, model, started_ms,
-                                    self._now_ms(), error=problem_of(exc).value))  # fmt: skip
+            self._emit(
+                ModelReplied(
+                    self.turn_id,
+                    self.epoch,
+                    system,
+                    model,
+                    started_ms,
+                    self._now_ms(),
+                    error=problem_of(exc).value,
+                )
+            )
             raise
         u = reply.usage or Usage()
         self._emit(
             ModelReplied(
-                self.turn_id, self.epoch, system, model, started_ms, self._now_ms(),
-                finish_reason=reply.finish_reason, prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                self.turn_id,
+                self.epoch,
+                system,
+                model,
+                started_ms,
+                self._now_ms(),
+                finish_reason=reply.finish_reason,
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_tokens=u.cached_tokens,
             )
-        )  # fmt: skip
+        )
         return reply
 
     def _meter(self, usage: Usage | None) -> None:

@@ -53,8 +53,18 @@ class ToolSteps(LoopState):
                 spec = (
                     self.deps.registry.get(call.name) if call.name in self.deps.registry else None
                 )
-                self._emit(ToolCalled(self.turn_id, self.epoch, call.id, call.name, args, now,
-                                      key, spec is not None and spec.idempotent))  # fmt: skip
+                self._emit(
+                    ToolCalled(
+                        self.turn_id,
+                        self.epoch,
+                        call.id,
+                        call.name,
+                        args,
+                        now,
+                        key,
+                        spec is not None and spec.idempotent,
+                    )
+                )
         denied: dict[int, str] = {}
         decisions: dict[int, Approval] = {}
         for i, (key, call) in enumerate(zip(keys, calls, strict=True)):
@@ -67,25 +77,36 @@ class ToolSteps(LoopState):
         # there is one): one round trip less per tool round.
         run = await self._journaled(
             self.deps.tools.run_batch(
-                self.turn_id, self.epoch, batch, calls, denied, keys=keys,
-                defer=self.settings.checkpoint_mid_turn, reply=journal,
+                self.turn_id,
+                self.epoch,
+                batch,
+                calls,
+                denied,
+                keys=keys,
+                defer=self.settings.checkpoint_mid_turn,
+                reply=journal,
             )
-        )  # fmt: skip
+        )
         for i, res in enumerate(run.results):
             self._append(
-                Message(role="tool", tool_result=res), "tool", approval=decisions.get(i),
+                Message(role="tool", tool_result=res),
+                "tool",
+                approval=decisions.get(i),
                 call_key=keys[i],
-            )  # fmt: skip
+            )
             self._returned(res)
             if res.status in TOOL_FAILURES:
                 self._counters = self._counters.model_copy(
                     update={
                         "last_error": TurnError(
-                            source="tool", kind=res.status, tool=res.name,
-                            message=res.output[:500], at_ms=self._now_ms(),
+                            source="tool",
+                            kind=res.status,
+                            tool=res.name,
+                            message=res.output[:500],
+                            at_ms=self._now_ms(),
                         )
                     }
-                )  # fmt: skip
+                )
         self._counters = self._counters.model_copy(update={"tool_batches": batch + 1})
         return run.settles
 
@@ -104,10 +125,15 @@ class ToolSteps(LoopState):
     def _returned(self, res: ToolResult) -> None:
         self._emit(
             ToolReturned(
-                self.turn_id, self.epoch, res.call_id, res.name, res.status,
-                res.output[:LIVE_TEXT_LIMIT], self._now_ms(),
+                self.turn_id,
+                self.epoch,
+                res.call_id,
+                res.name,
+                res.status,
+                res.output[:LIVE_TEXT_LIMIT],
+                self._now_ms(),
             )
-        )  # fmt: skip
+        )
 
     async def _await_approval(self, key: str, call: ToolCall, spec: ToolSpec) -> Approval:
         """Wait in the ``awaiting_approval`` transient for the call's decision; past its cap
@@ -152,8 +178,12 @@ class ToolSteps(LoopState):
             self._append(Message(role="tool", tool_result=res), "tool")
             self._emit(
                 ToolCalled(
-                    self.turn_id, self.epoch, call.id, call.name,
-                    call.arguments_json()[:LIVE_TEXT_LIMIT], self._now_ms(),
+                    self.turn_id,
+                    self.epoch,
+                    call.id,
+                    call.name,
+                    call.arguments_json()[:LIVE_TEXT_LIMIT],
+                    self._now_ms(),
                 )
-            )  # fmt: skip
+            )
             self._returned(res)

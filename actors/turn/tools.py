@@ -243,8 +243,10 @@ class TimedSteps:
             log.warning(
                 "tool %s held the event loop for %.1f s without awaiting: every turn and call "
                 "of this process waited meanwhile; make it await, or a plain function (which "
-                "runs in a thread of its own)", self._name, held,
-            )  # fmt: skip
+                "runs in a thread of its own)",
+                self._name,
+                held,
+            )
 
 
 #: Sync tool calls whose caller stopped waiting (a timeout, a cancel) while their thread ran on.
@@ -284,8 +286,10 @@ async def in_own_thread(name: str, fn: Callable[..., Any], kwargs: dict[str, Any
         ABANDONED[name] += 1
         log.warning(
             "tool %s: its call was given up while its thread runs on (a thread cannot be "
-            "stopped; %d such calls of it so far)", name, ABANDONED[name],
-        )  # fmt: skip
+            "stopped; %d such calls of it so far)",
+            name,
+            ABANDONED[name],
+        )
         raise
 
 

@@ -37,18 +37,20 @@ class EffectCounters:
     async def counts(self, turn_id: str) -> dict[str, int]:
         """Runs per call key (the ``#`` run markers and the model's counters left out)."""
         return {
-            k: n for k, n in (await self._all(turn_id)).items()
+            k: n
+            for k, n in (await self._all(turn_id)).items()
             if not k.startswith(MODEL_REPLY_PREFIX)
-        }  # fmt: skip
+        }
 
     async def replies(self, turn_id: str) -> dict[str, int]:
         """Complete replies the scripted model gave per request of the turn (by the digest of
         the transcript it answered)."""
         n = len(MODEL_REPLY_PREFIX)
         return {
-            k[n:]: v for k, v in (await self._all(turn_id)).items()
+            k[n:]: v
+            for k, v in (await self._all(turn_id)).items()
             if k.startswith(MODEL_REPLY_PREFIX)
-        }  # fmt: skip
+        }
 
     async def _all(self, turn_id: str) -> dict[str, int]:
         with translated(f"read effects {turn_id}"):

@@ -125,10 +125,19 @@ class EndpointLimiter:
         await self._name(endpoint)
         k = self.keys
         args: list[str | int | float] = [
-            ticket, schedule.request_ms, max(1, schedule.burst), schedule.token_ms,
-            max(0, tokens), schedule.max_in_flight, schedule.hold_ms, WAITER_GRACE_MS,
-            label or endpoint, STATE_KEEP_MS, GAP_HALF_LIFE_MS, FIRST_GAP_MS,
-        ]  # fmt: skip
+            ticket,
+            schedule.request_ms,
+            max(1, schedule.burst),
+            schedule.token_ms,
+            max(0, tokens),
+            schedule.max_in_flight,
+            schedule.hold_ms,
+            WAITER_GRACE_MS,
+            label or endpoint,
+            STATE_KEEP_MS,
+            GAP_HALF_LIFE_MS,
+            FIRST_GAP_MS,
+        ]
         with translated(f"admit a call to model endpoint {endpoint}"):
             wait_ms = await self._admit(
                 keys=[k.model_limit(endpoint), k.model_line(endpoint), k.model_flight(endpoint)],
@@ -158,10 +167,14 @@ class EndpointLimiter:
             await self._pause(
                 keys=[self.keys.model_limit(endpoint)],
                 args=[
-                    max(1, int(seconds * 1000)), STATE_KEEP_MS, max(0, int(sent_s_ago * 1000)),
-                    ESTIMATE_MIN_MS, ESTIMATE_MAX_MS, GAP_HALF_LIFE_MS,
+                    max(1, int(seconds * 1000)),
+                    STATE_KEEP_MS,
+                    max(0, int(sent_s_ago * 1000)),
+                    ESTIMATE_MIN_MS,
+                    ESTIMATE_MAX_MS,
+                    GAP_HALF_LIFE_MS,
                 ],
-            )  # fmt: skip
+            )
 
     async def snapshot(self) -> list[EndpointState]:
         """Every endpoint with a limiter state in this namespace, as it is now."""

@@ -106,15 +106,31 @@ class Holder:
             ["phaseline", *sys.argv[1:2]] if sys.argv[0].endswith("phaseline") else sys.argv[:1]
         )
         return cls(
-            cluster, uuid.uuid4().hex, socket.gethostname(), os.getpid(), command or "?",
+            cluster,
+            uuid.uuid4().hex,
+            socket.gethostname(),
+            os.getpid(),
+            command or "?",
             auth=auth,
-        )  # fmt: skip
+        )
 
     def fields(self) -> list[str | int]:
         return [
-            "cluster", self.cluster, "owner", self.owner, "host", self.host, "pid", self.pid,
-            "command", self.command, "since", self.since_ms, "auth", self.auth.value,
-        ]  # fmt: skip
+            "cluster",
+            self.cluster,
+            "owner",
+            self.owner,
+            "host",
+            self.host,
+            "pid",
+            self.pid,
+            "command",
+            self.command,
+            "since",
+            self.since_ms,
+            "auth",
+            self.auth.value,
+        ]
 
     def line(self) -> str:
         """The holder for a person."""
@@ -186,8 +202,11 @@ class NamespaceOwner:
         if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
             reply = await self._claim_script(me, holder.owner, cross=True)
             if answer(OwnerClaimAnswer, reply, "claim") is OwnerClaimAnswer.ACQUIRED:
-                log.warning("namespace %r: took it over from %s, which is gone",
-                            self.keys.namespace, holder.line())  # fmt: skip
+                log.warning(
+                    "namespace %r: took it over from %s, which is gone",
+                    self.keys.namespace,
+                    holder.line(),
+                )
                 return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
             holder = _holder(key, reply[1:])
         if holder.cluster != me.cluster:
@@ -218,9 +237,18 @@ class NamespaceOwner:
         with translated(f"claim namespace {self.keys.namespace}"):
             reply = await self._claim(
                 keys=[self.keys.owner()],
-                args=[me.cluster, me.owner, me.host, me.pid, me.command, self.ttl_ms, replacing,
-                      "1" if cross else "0", me.auth.value],
-            )  # fmt: skip
+                args=[
+                    me.cluster,
+                    me.owner,
+                    me.host,
+                    me.pid,
+                    me.command,
+                    self.ttl_ms,
+                    replacing,
+                    "1" if cross else "0",
+                    me.auth.value,
+                ],
+            )
         return list(reply)
 
     async def renew(self, cluster: str, last: Holder | None) -> bool:
@@ -251,10 +279,14 @@ def _holder(key: str, flat: Sequence[bytes | str]) -> Holder:
     fields = {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
     try:
         return Holder(
-            cluster=fields["cluster"], owner=fields["owner"], host=fields["host"],
-            pid=int(fields["pid"]), command=fields["command"], since_ms=int(fields["since"]),
+            cluster=fields["cluster"],
+            owner=fields["owner"],
+            host=fields["host"],
+            pid=int(fields["pid"]),
+            command=fields["command"],
+            since_ms=int(fields["since"]),
             auth=RayAuth(fields.get("auth", "")),
-        )  # fmt: skip
+        )
     except (KeyError, ValueError) as exc:
         raise RecordError(key, f"unreadable namespace owner {fields}: {exc}") from None
 
@@ -277,8 +309,10 @@ async def holding(owners: NamespaceOwner, command: str) -> AsyncIterator[Holder]
             await asyncio.sleep(owners.ttl_ms / 4000)  # the renewal period
             try:
                 if not await owners.renew(me.cluster, me):
-                    log.error("namespace %r was taken over while this process ran turns in it",
-                              owners.keys.namespace)  # fmt: skip
+                    log.error(
+                        "namespace %r was taken over while this process ran turns in it",
+                        owners.keys.namespace,
+                    )
                     return
             except PhaselineError as exc:  # Redis away for a moment: the next period retries
                 log.warning("cannot renew namespace %r: %s", owners.keys.namespace, exc)

@@ -72,10 +72,16 @@ class TurnPurger:
         (nothing deleted) if it is in progress or gone."""
         k = self.keys
         keys = [
-            k.turn(turn_id), k.bodies(turn_id), k.spec(turn_id), k.tools(turn_id),
-            k.effects(turn_id), k.inbox(turn_id), k.approval(turn_id), k.live(turn_id),
+            k.turn(turn_id),
+            k.bodies(turn_id),
+            k.spec(turn_id),
+            k.tools(turn_id),
+            k.effects(turn_id),
+            k.inbox(turn_id),
+            k.approval(turn_id),
+            k.live(turn_id),
             k.turns_of(turn_id),
-        ]  # fmt: skip
+        ]
         with translated(f"purge turn {turn_id}"):
             reply = await self._purge(keys=keys, args=[turn_id])
         return answer(PurgeAnswer, reply, f"purge turn {turn_id}") is PurgeAnswer.PURGED

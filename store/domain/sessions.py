@@ -137,8 +137,10 @@ class Sessions:
                         if await pipe.hlen(watched[1]) or await pipe.strlen(watched[2]):
                             if text_fields(await pipe.hgetall(key)) != fields:
                                 continue  # a rival opened it since the first read: again
-                            raise TurnExists(f"turn {new} already exists; session {session_id} "
-                                             "cannot open its next turn")  # fmt: skip
+                            raise TurnExists(
+                                f"turn {new} already exists; session {session_id} "
+                                "cannot open its next turn"
+                            )
                         if queued is not None:
                             build = await _queue_head(pipe, queue, queued)
                             if build is None:

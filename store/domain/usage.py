@@ -103,10 +103,16 @@ class Tally:
         t = c.tokens
         return cls(
             str(record.fields.get("agent", "")) or "-",
-            (1, t.prompt_tokens, t.completion_tokens, t.cached_tokens, c.unmetered_calls,
-             c.resume_attempts),
+            (
+                1,
+                t.prompt_tokens,
+                t.completion_tokens,
+                t.cached_tokens,
+                c.unmetered_calls,
+                c.resume_attempts,
+            ),
             "" if c.outcome is None else c.outcome.value,
-        )  # fmt: skip
+        )
 
     def argv(self) -> list[str | int]:
         """The save script's tally ARGV: the agent, the counters, the outcome."""

@@ -114,10 +114,15 @@ def connect(
             return aioredis.Redis(connection_pool=pool, decode_responses=False)
         kw = pool.connection_kwargs
         lane = Lane(
-            host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)),
-            username=kw.get("username"), password=kw.get("password"), db=int(kw.get("db", 0)),
-            retry_s=retry_s, connect_timeout_s=5, reply_timeout_s=30,
-        )  # fmt: skip
+            host=kw.get("host", "localhost"),
+            port=int(kw.get("port", 6379)),
+            username=kw.get("username"),
+            password=kw.get("password"),
+            db=int(kw.get("db", 0)),
+            retry_s=retry_s,
+            connect_timeout_s=5,
+            reply_timeout_s=30,
+        )
         return LaneRedis(connection_pool=pool, decode_responses=False, lane=lane)
     except ValueError as exc:
         raise StoreError(f"invalid Redis URL {redact_url(url)}: {exc}") from None

@@ -246,9 +246,10 @@ class EmbeddedRedis:
         manifest = self.data_dir / "appendonlydir" / "appendonly.aof.manifest"
         if manifest.exists():
             incr = [
-                line.split()[1] for line in manifest.read_text().splitlines()
+                line.split()[1]
+                for line in manifest.read_text().splitlines()
                 if line.split()[-1:] == ["i"]
-            ]  # fmt: skip
+            ]
             if not incr:
                 return None
             path = manifest.parent / incr[-1]
@@ -288,20 +289,34 @@ class EmbeddedRedis:
             port = self.port or free_port()
             conf = self.data_dir / "redis.conf"
             # aof-load-truncated: a tail cut mid-command (a power loss) loads up to the cut.
-            _private_file(conf, "\n".join([
-                f"port {port}", "bind 127.0.0.1", "protected-mode yes",
-                f"requirepass {self.password}", f'dir "{self.data_dir}"',
-                "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""',
-                "aof-load-truncated yes",
-                "daemonize no", f'logfile "{self.data_dir / "redis.log"}"',
-                *self.extra_config, "",
-            ]))  # fmt: skip
+            _private_file(
+                conf,
+                "\n".join(
+                    [
+                        f"port {port}",
+                        "bind 127.0.0.1",
+                        "protected-mode yes",
+                        f"requirepass {self.password}",
+                        f'dir "{self.data_dir}"',
+                        "appendonly yes",
+                        f"appendfsync {self.appendfsync}",
+                        'save ""',
+                        "aof-load-truncated yes",
+                        "daemonize no",
+                        f'logfile "{self.data_dir / "redis.log"}"',
+                        *self.extra_config,
+                        "",
+                    ]
+                ),
+            )
             self.process = subprocess.Popen(
                 [binary, str(conf)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
                 pass_fds=(self._lock,),  # the lock lives as long as the server does
                 umask=0o077,
-            )  # fmt: skip
+            )
             if self._wait_ready(port):
                 self.port = port
                 _private_file(self.data_dir / "url", self.url)

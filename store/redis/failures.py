@@ -34,9 +34,18 @@ def _store_error(exc: BaseException, action: str) -> StoreError:
 #: replica, too few replicas, a failover, a slot moving, a long script running. redis-py gives
 #: some their own classes and keeps the code in ``status_code`` or at the head of the message.
 _REFUSALS = frozenset(
-    {"LOADING", "OOM", "MISCONF", "READONLY", "NOREPLICAS", "MASTERDOWN", "TRYAGAIN",
-     "CLUSTERDOWN", "BUSY"}
-)  # fmt: skip
+    {
+        "LOADING",
+        "OOM",
+        "MISCONF",
+        "READONLY",
+        "NOREPLICAS",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "BUSY",
+    }
+)
 
 
 _REFUSAL_CLASSES = (

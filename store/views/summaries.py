@@ -238,9 +238,13 @@ async def _candidates(
         async with client.pipeline(transaction=False) as pipe:
             for shard in keys.all_shards():
                 pipe.zrevrangebyscore(
-                    keys.turns(shard), top, since_ms, start=0, num=n + tied[shard],
+                    keys.turns(shard),
+                    top,
+                    since_ms,
+                    start=0,
+                    num=n + tied[shard],
                     withscores=True,
-                )  # fmt: skip
+                )
             shards = await pipe.execute()
     rows = (
         (int(score), text(member))

@@ -359,9 +359,13 @@ class RedisCheckpointStore:
             while True:
                 with translated("list turns"):
                     rows = await self.client.zrangebyscore(
-                        self.keys.turns(shard), since_ms, top, start=offset, num=page,
+                        self.keys.turns(shard),
+                        since_ms,
+                        top,
+                        start=offset,
+                        num=page,
                         withscores=True,
-                    )  # fmt: skip
+                    )
                 for tid, score in cast(list[tuple[bytes, float]], rows):  # withscores: pairs
                     yield text(tid), int(score)
                 if len(rows) < page:

@@ -121,14 +121,21 @@ class SaveKeys:
     def of(cls, keys: KeyLayout, turn_id: str) -> SaveKeys:
         session = turn_id.partition("/")[0] if "/" in turn_id else None
         return cls(
-            record=keys.turn(turn_id), bodies=keys.bodies(turn_id),
-            events=keys.events_of(turn_id), in_progress=keys.in_progress_of(turn_id),
-            usage=keys.usage_of(turn_id), spec=keys.spec(turn_id), ledger=keys.tools(turn_id),
-            effects=keys.effects(turn_id), inbox=keys.inbox(turn_id),
+            record=keys.turn(turn_id),
+            bodies=keys.bodies(turn_id),
+            events=keys.events_of(turn_id),
+            in_progress=keys.in_progress_of(turn_id),
+            usage=keys.usage_of(turn_id),
+            spec=keys.spec(turn_id),
+            ledger=keys.tools(turn_id),
+            effects=keys.effects(turn_id),
+            inbox=keys.inbox(turn_id),
             approvals=keys.approval(turn_id),
             session=keys.session(session) if session is not None else keys.turn(turn_id),
-            live=keys.live(turn_id), turns=keys.turns_of(turn_id), phases=keys.phases_of(turn_id),
-        )  # fmt: skip
+            live=keys.live(turn_id),
+            turns=keys.turns_of(turn_id),
+            phases=keys.phases_of(turn_id),
+        )
 
     def ordered(self) -> list[str]:
         """The script's KEYS."""
@@ -137,8 +144,17 @@ class SaveKeys:
     def kept(self) -> tuple[str, ...]:
         """What a finished turn leaves, each given the retention's time to live by its final
         save (``store.domain.retention``)."""
-        return (self.record, self.bodies, self.spec, self.ledger, self.effects, self.inbox,
-                self.approvals, self.session, self.live)  # fmt: skip
+        return (
+            self.record,
+            self.bodies,
+            self.spec,
+            self.ledger,
+            self.effects,
+            self.inbox,
+            self.approvals,
+            self.session,
+            self.live,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +198,21 @@ class SaveCall:
         """The script's ARGV (its contract is on top of the script)."""
         r = self.record
         args: list[bytes | str | int] = [
-            r.epoch, r.seq, r.turn_id, r.phase, r.reason, int(r.in_progress), self.events_maxlen,
-            self.spec, int(r.replace), len(r.puts), len(r.drops), *self.tally.argv(),
-            self.ttl_ms, len(r.settles),
-        ]  # fmt: skip
+            r.epoch,
+            r.seq,
+            r.turn_id,
+            r.phase,
+            r.reason,
+            int(r.in_progress),
+            self.events_maxlen,
+            self.spec,
+            int(r.replace),
+            len(r.puts),
+            len(r.drops),
+            *self.tally.argv(),
+            self.ttl_ms,
+            len(r.settles),
+        ]
         for settle in r.settles:
             args += (settle.call_key, settle.dispatched, settle.settled)
         for address, body in r.puts.items():

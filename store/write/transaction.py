@@ -73,10 +73,27 @@ def save_commands(
     out.append(("DEL", k.record))
     out.append(("HSET", k.record, *(x for pair in record.fields.items() for x in pair)))
     out.append(
-        ("XADD", k.events, "MAXLEN", "~", call.events_maxlen, "*", "turn_id", turn,
-         "epoch", record.epoch, "seq", record.seq, "phase", record.phase,
-         "reason", record.reason, "in_progress", int(record.in_progress))
-    )  # fmt: skip
+        (
+            "XADD",
+            k.events,
+            "MAXLEN",
+            "~",
+            call.events_maxlen,
+            "*",
+            "turn_id",
+            turn,
+            "epoch",
+            record.epoch,
+            "seq",
+            record.seq,
+            "phase",
+            record.phase,
+            "reason",
+            record.reason,
+            "in_progress",
+            int(record.in_progress),
+        )
+    )
     out.append(("SADD" if record.in_progress else "SREM", k.in_progress, turn))
     phase_now = record.phase if record.in_progress else None
     if phase_was != phase_now:
@@ -152,11 +169,19 @@ class ShardBatch:
         # The settles are unfenced and the script applies them whatever its fence says: here
         # before the WATCH, by the ledger's own compare-and-set (a resend is a replay).
         settles: list[tuple[Any, ...]] = [
-            ("EVAL", CAS_LUA, 3, c.keys.record, c.keys.ledger, c.keys.usage, "",
-             *(x for s in c.record.settles for x in (s.call_key, s.dispatched, s.settled)))
+            (
+                "EVAL",
+                CAS_LUA,
+                3,
+                c.keys.record,
+                c.keys.ledger,
+                c.keys.usage,
+                "",
+                *(x for s in c.record.settles for x in (s.call_key, s.dispatched, s.settled)),
+            )
             for c in self.calls
             if c.record.settles
-        ]  # fmt: skip
+        ]
         reads: list[tuple[Any, ...]] = [*settles, ("WATCH", *(c.keys.record for c in self.calls))]
         for c in self.calls:
             reads.append(("HMGET", c.keys.record, "epoch", "seq", "in_progress", "phase"))

@@ -12,8 +12,9 @@ from actors.engine.models.scenario import load_scenario
 from actors.engine.settings.config import Settings
 from actors.harness.bench.durability_modes import durability_modes
 from actors.harness.bench.durable_loop import SCENARIO, durable_loop
-from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench, targets
+from actors.harness.bench.runner import FIGURES, QUICK, SCENARIOS, parse_figures, run_bench
 from actors.harness.bench.sizes import bench_record, checkpoint_sizes, transcript_bytes
+from actors.harness.bench.targets import targets
 from actors.harness.bench.unit_costs import unit_costs
 from actors.harness.bench.workload import durability_overhead
 from actors.harness.percentiles import summarize

@@ -54,8 +54,23 @@ def command(
 ) -> list[str]:
     """The server's command line (run it with this interpreter, from any directory)."""
     return [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model_path()),
-        "--model_alias", MODEL_ALIAS, "--chat_format", "chatml-function-calling",
-        "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--interrupt_requests", "False",
-        "--host", host, "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model_path()),
+        "--model_alias",
+        MODEL_ALIAS,
+        "--chat_format",
+        "chatml-function-calling",
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(threads),
+        "--interrupt_requests",
+        "False",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]

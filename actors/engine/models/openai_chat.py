@@ -257,9 +257,13 @@ class OpenAIChatClient:
         cfg = self.cfg
         estimate = estimate_tokens(request, cfg.max_tokens)
         wait = await admission.admit(
-            self.endpoint_id, self.ticket, cfg.limits, estimate, cfg.timeout_s,
+            self.endpoint_id,
+            self.ticket,
+            cfg.limits,
+            estimate,
+            cfg.timeout_s,
             f"{cfg.model} at {redact_url(cfg.endpoint())}",
-        )  # fmt: skip
+        )
         if wait > 0:
             raise AwaitingAdmission(
                 f"the cluster's limiter holds calls to {cfg.model} back for {wait:.2f} s",
@@ -311,15 +315,19 @@ class OpenAIChatClient:
         except openai.APIConnectionError as exc:
             if isinstance(exc, openai.APITimeoutError):
                 raise
-            log.info("%s dropped the request after an empty stream; sending it again: %s",
-                     redact_url(self.cfg.endpoint()), with_cause(exc))  # fmt: skip
+            log.info(
+                "%s dropped the request after an empty stream; sending it again: %s",
+                redact_url(self.cfg.endpoint()),
+                with_cause(exc),
+            )
             return self._whole(await self.sdk.chat.completions.create(**body))
 
     def _remember_empty_stream(self, request: LLMRequest) -> None:
         where = (self.cfg.endpoint(), self.cfg.model)
         if not request.tools:
-            log.info("%s answered an empty stream; asking again without streaming",
-                     redact_url(where[0]))  # fmt: skip
+            log.info(
+                "%s answered an empty stream; asking again without streaming", redact_url(where[0])
+            )
             return
         if where not in _NO_TOOL_STREAMS:
             _NO_TOOL_STREAMS.add(where)
@@ -327,8 +335,9 @@ class OpenAIChatClient:
                 "%s (model %s) answered an empty stream to a request with tools: it cannot "
                 "stream tool calls, so calls with tools to it are made without streaming from "
                 "now on in this process",
-                redact_url(where[0]), where[1],
-            )  # fmt: skip
+                redact_url(where[0]),
+                where[1],
+            )
 
     def _whole(self, completion: Any) -> LLMReply:
         if not completion.choices:
@@ -428,4 +437,4 @@ def estimate_tokens(request: LLMRequest, max_tokens: int | None) -> int:
         for m in request.messages
     )
     reply = max_tokens or 256
-    return size // 4 + reply * (2 if request.more_room else 1)  # fmt: skip
+    return size // 4 + reply * (2 if request.more_room else 1)

@@ -96,9 +96,12 @@ def status_error(exc: openai.APIStatusError) -> LLMError:
     what = scrub(f"HTTP {exc.status_code}: {exc.message}")
     if exc.status_code == 429 or exc.code in RATE_LIMIT_CODES:
         return RateLimitedLLMError(
-            what, retry_after_s=retry_after_s(exc.response.headers), status=exc.status_code,
-            code=exc.code, request_id=exc.request_id,
-        )  # fmt: skip
+            what,
+            retry_after_s=retry_after_s(exc.response.headers),
+            status=exc.status_code,
+            code=exc.code,
+            request_id=exc.request_id,
+        )
     kind: type[LLMError] = FatalLLMError
     if exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
         kind = RetryableLLMError

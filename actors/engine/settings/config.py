@@ -133,12 +133,14 @@ class CheckpointSettings(_Section):
     )
     """Cap on one record's encoded size; a turn whose next checkpoint would pass it ends
     ``aborted:record_too_large`` on its last checkpoint (Redis itself refuses 512 MB)."""
-    max_tool_result_bytes: int = Field(default=DEFAULT_MAX_TOOL_RESULT_BYTES, ge=1024,
-                                       le=RECORD_BYTES_CEILING)  # fmt: skip
+    max_tool_result_bytes: int = Field(
+        default=DEFAULT_MAX_TOOL_RESULT_BYTES, ge=1024, le=RECORD_BYTES_CEILING
+    )
     """Cap on one tool result (its UTF-8 bytes): a larger one fails that call, not the turn;
     the model reads an error that gives the size and the cap, and the ledger holds only that."""
-    max_model_reply_bytes: int = Field(default=_LOOP.max_reply_bytes, ge=1024,
-                                       le=RECORD_BYTES_CEILING)  # fmt: skip
+    max_model_reply_bytes: int = Field(
+        default=_LOOP.max_reply_bytes, ge=1024, le=RECORD_BYTES_CEILING
+    )
     """Cap on one model reply (its text and tool calls' arguments, UTF-8 bytes): a larger one
     is not kept; the model is told its size and the cap and asked again (a nudge), and a turn
     whose replies stay over it after its nudges ends ``aborted:oversized_reply``."""
@@ -223,8 +225,9 @@ class ToolSettings(_Section):
     def _check_bounds(self) -> ToolSettings:
         lo, hi = self.bounds()
         if not lo <= self.workers <= hi:
-            raise ValueError(f"need min_workers <= workers <= max_workers, got {lo}, "
-                             f"{self.workers}, {hi}")  # fmt: skip
+            raise ValueError(
+                f"need min_workers <= workers <= max_workers, got {lo}, {self.workers}, {hi}"
+            )
         return self
 
     def bounds(self) -> tuple[int, int]:

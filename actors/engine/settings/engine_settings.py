@@ -19,7 +19,10 @@ from bus.events import LiveEvent
 from bus.phase import Transition
 from store.domain.effects import EffectCounters
 from store.domain.retention import Retention
+from store.keys import KeyLayout
+from store.redis.connection import StoreClient
 from store.redis.durability import Durability
+from store.write.checkpoint import RedisCheckpointStore
 from store.write.transaction import AtomicSave
 
 __all__ = ["EngineHooks", "EngineSettings"]
@@ -69,6 +72,18 @@ class EngineSettings:
             on_agent_change=settings.loop.on_agent_change,
             probation_patience_s=settings.supervisor.probation_patience_s,
             tool_threads=settings.tools.threads,
+        )
+
+    def checkpoint_store(self, client: StoreClient, keys: KeyLayout) -> RedisCheckpointStore:
+        """The checkpoint store these settings save through (its size cap, durability, atomic
+        path and retention)."""
+        return RedisCheckpointStore(
+            client,
+            keys,
+            max_record_bytes=self.max_record_bytes,
+            durability=self.durability,
+            atomic=self.atomic,
+            retention=self.retention,
         )
 
 

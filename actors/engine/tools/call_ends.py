@@ -159,6 +159,7 @@ async def call_result(
         return await refusals_waited(f"write {call.name}'s effect", attempts_made)
     except StoreRefused as exc:
         return tool_result(
-            call, "error", f"{call.name} was not run: the store refused its write ({exc}); it "
-            "had no effect",
-        )  # fmt: skip
+            call,
+            "error",
+            f"{call.name} was not run: the store refused its write ({exc}); it had no effect",
+        )

@@ -187,8 +187,9 @@ class BatchExecutor:
             else:
                 results[i] = outcome
         if reads:
-            await self._decide_held(turn_id, epoch, batch, calls, keys, reads, refused,
-                                    results, runnable)  # fmt: skip
+            await self._decide_held(
+                turn_id, epoch, batch, calls, keys, reads, refused, results, runnable
+            )
         running = [len(runnable)]  # calls of the batch still running
         left: list[Settle] = []  # outcomes for the checkpoint after the batch to carry
 
@@ -271,16 +272,23 @@ class BatchExecutor:
         decided = self._decide(call, entry, denied)
         if isinstance(decided, ToolSpec):
             return LedgerEntry(
-                state="dispatched", name=call.name, updated_at=_now_ms(), epoch=epoch,
+                state="dispatched",
+                name=call.name,
+                updated_at=_now_ms(),
+                epoch=epoch,
                 writer=new_id(),
-            ), decided  # fmt: skip
+            ), decided
         state, res = decided
         if state is None:
             return None, res
         return LedgerEntry(
-            state=state, name=call.name, result=res, updated_at=_now_ms(), epoch=epoch,
+            state=state,
+            name=call.name,
+            result=res,
+            updated_at=_now_ms(),
+            epoch=epoch,
             writer=new_id(),
-        ), res  # fmt: skip
+        ), res
 
     async def _decide_held(
         self,
@@ -359,7 +367,10 @@ class BatchExecutor:
         if res.status == "outcome_unknown":
             state = "outcome_unknown"
         entry = LedgerEntry(
-            state=state, name=call.name, result=res, updated_at=_now_ms(),
+            state=state,
+            name=call.name,
+            result=res,
+            updated_at=_now_ms(),
             writer=new_id(),
-        )  # fmt: skip
+        )
         return res, entry

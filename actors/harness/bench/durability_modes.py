@@ -89,9 +89,11 @@ async def durability_modes(
                 await _linked(replica.url)
                 for _ in range(reps):
                     for mode, url in (
-                        ("ack", solo.url), ("fsync", solo.url),
-                        ("ack+replica", primary.url), ("replicas:1", primary.url),
-                    ):  # fmt: skip
+                        ("ack", solo.url),
+                        ("fsync", solo.url),
+                        ("ack+replica", primary.url),
+                        ("replicas:1", primary.url),
+                    ):
                         wire = "ack" if mode == "ack+replica" else mode
                         rates[mode].append(await saves_per_s(url, wire, seconds=seconds))
     median = {m: statistics.median(r) for m, r in rates.items()}

@@ -97,9 +97,13 @@ async def durable_loop(
         with gc_tuned(gc_threshold):  # as a host runs its turns
             timed = await _timed(
                 {"durable": durable, "memory": memory},
-                turns=turns, concurrent=concurrent, reps=reps, warmup=warmup,
-                round_trips=round_trips, write=write,
-            )  # fmt: skip
+                turns=turns,
+                concurrent=concurrent,
+                reps=reps,
+                warmup=warmup,
+                round_trips=round_trips,
+                write=write,
+            )
     finally:
         # best effort: a Redis gone by now already failed the figure
         with contextlib.suppress(StoreError), translated("delete the bench's write key"):

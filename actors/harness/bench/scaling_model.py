@@ -145,9 +145,17 @@ def size(costs: UnitCosts, work: Workload, hw: Hardware = Hardware()) -> Sizing:
     )
     bottleneck = "the CheckpointActor" if per_ckpt <= per_redis else "Redis"
     return Sizing(
-        work.turns, round(rounds, 1), round(saves, 1), hosts, checkpoint_actors, redis_shards,
-        nodes, bottleneck, per_ckpt, per_redis,
-    )  # fmt: skip
+        work.turns,
+        round(rounds, 1),
+        round(saves, 1),
+        hosts,
+        checkpoint_actors,
+        redis_shards,
+        nodes,
+        bottleneck,
+        per_ckpt,
+        per_redis,
+    )
 
 
 def _turns_per_unit(cpu_ms_per_round: float, work: Workload, hw: Hardware) -> int:

@@ -29,10 +29,17 @@ async def tool_scaling(
 ) -> dict[str, Any]:
     """Per worker count, a fresh deployment (2 hosts) runs ``turns`` turns of ``rounds`` calls
     of the napping tool each, all at once; calls/s is calls over the wall time of the run."""
-    scenario = Scenario.model_validate({
-        "name": "tool_scaling", "rounds": rounds, "tools_per_round": 1, "tools": ["sleep"],
-        "llm_latency_ms": 0, "tool_latency_ms": latency_ms, "payload_bytes": 20,
-    })  # fmt: skip
+    scenario = Scenario.model_validate(
+        {
+            "name": "tool_scaling",
+            "rounds": rounds,
+            "tools_per_round": 1,
+            "tools": ["sleep"],
+            "llm_latency_ms": 0,
+            "tool_latency_ms": latency_ms,
+            "payload_bytes": 20,
+        }
+    )
     _, turn_input = scripted_turn(scenario)  # the scripted input, run by the napping agent
     rows: list[dict[str, Any]] = []
     for workers in worker_counts:

@@ -105,10 +105,11 @@ async def _measure(rt: Runtime, scenario: Scenario, turns: int) -> dict[str, Any
         "cpu_s": {role: round(s, 3) for role, s in cpu.items()},
         "cpu_ms_per_round": per_round,
         "checkpoint_actor_cpu_s": [round(c, 3) for c in each],
-        "host_peak_growth_bytes_per_turn": None if peak is None or idle is None
+        "host_peak_growth_bytes_per_turn": None
+        if peak is None or idle is None
         else round((peak - idle.rss_bytes) / turns),
         "redis_bytes_per_turn": round((mem1 - mem0) / turns),
-    }  # fmt: skip
+    }
 
 
 def _costs(m: dict[str, Any]) -> UnitCosts:
@@ -120,13 +121,14 @@ def _costs(m: dict[str, Any]) -> UnitCosts:
         checkpoint_cpu_ms_per_save=per_round["checkpoint"] / saves_per_round,
         redis_cpu_ms=per_round["redis"],
         tool_cpu_ms_per_call=per_round["tool"] / calls_per_round if calls_per_round else 0.0,
-        other_cpu_ms=sum(per_round[k] for k in ("watchdog", "recovery", "supervisor", "driver",
-                                                 "other")),
+        other_cpu_ms=sum(
+            per_round[k] for k in ("watchdog", "recovery", "supervisor", "driver", "other")
+        ),
         saves_per_round=saves_per_round,
         calls_per_round=calls_per_round,
         host_bytes_per_turn=float(m["host_peak_growth_bytes_per_turn"] or 0),
         redis_bytes_per_turn=float(max(1, m["redis_bytes_per_turn"])),
-    )  # fmt: skip
+    )
 
 
 async def unit_costs(
