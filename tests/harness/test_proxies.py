@@ -19,6 +19,7 @@ from actors.harness.links import Links, outside_links
 from actors.harness.provider_proxy import Latency, ProviderFault, ProviderProxy
 from actors.harness.targets import ChaosTarget
 from actors.harness.tcp_proxy import ProxyLoop, TcpProxy
+from tests.support.polling import wait_until
 
 SCRIPT = '#script {"rounds": 0, "say": "fine"}\nhello'
 
@@ -81,7 +82,8 @@ def test_the_provider_proxy_forwards_then_brings_each_fault_as_a_provider_does(
     proxy = ProviderProxy(loop, openai_server, latency=Latency(median_ms=20), seed=3)
     client = sdk(proxy.base_url)
     assert ask(client) == "fine" and ask(client, stream=True) == "fine"
-    assert proxy.forwarded == 2
+    # Counted once the upstream connection ends, which may be after the client has its answer.
+    wait_until(lambda: proxy.forwarded == 2, timeout=10, what="both requests counted forwarded")
 
     proxy.storm(ProviderFault.RATE_LIMIT, 5)
     with pytest.raises(openai.RateLimitError) as limited:
