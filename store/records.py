@@ -165,6 +165,12 @@ class Counters(FrozenModel):
     replies_lost: int = 0
     """Journaled replies refused on resume (undecodable, or from an epoch not the record's):
     their calls were reported to the model as lost, and it was asked again."""
+    generations_adopted: int = 0
+    """Model calls in flight at a crash whose generation (on a model worker) a resume
+    adopted: neither asked for nor paid again."""
+    generations_repaid: int = 0
+    """Generations lost with the model worker that ran them, asked for again (paid twice;
+    the lost one's tokens are not in ``tokens``)."""
 
     def calls_line(self) -> str:
         """The turn's model calls for a person, with the replies a resume did not pay again."""
@@ -176,6 +182,10 @@ class Counters(FrozenModel):
             )
         if self.replies_lost:
             line += f"; {self.replies_lost} journaled replies refused on resume (model told)"
+        if self.generations_adopted:
+            line += f"; {self.generations_adopted} generations adopted after a crash (not repaid)"
+        if self.generations_repaid:
+            line += f"; {self.generations_repaid} generations lost with their worker and repaid"
         return line
 
     def tokens_line(self) -> str:

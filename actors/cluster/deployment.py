@@ -151,6 +151,9 @@ class Deployment(BaseModel):
         labels = {self.host_label(slot) for slot in self.slots()}
         return label in labels and gen.isdigit()
 
+    def model_worker_name(self, index: int) -> str:
+        return f"{self.settings.redis.namespace}.models.{index}"
+
     def tool_worker_name(self, pool: str, index: int) -> str:
         return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
 

@@ -240,6 +240,19 @@ class RecoveryRef(ServiceRef):
             raise PhaselineError(f"unexpected decision {reply!r:.80}: {exc}") from None
 
 
+class ModelWorkerRef(ServiceRef):
+    """A model worker: runs the model calls of the deployment's turns."""
+
+    def generate(self, gen_id: str, agent: str, epoch: int, ask: bytes) -> ray.ObjectRef[Any]:
+        """Start (or join) generation ``gen_id`` for incarnation ``epoch``; the returned ref
+        is its answer's bytes (``actors.engine.models.generations.GenerationAnswer``)."""
+        return self._call("generate", gen_id, agent, epoch, ask)
+
+    def cancel(self, gen_id: str, epoch: int) -> ray.ObjectRef[Any]:
+        """End generation ``gen_id`` where it runs (unless a newer incarnation owns it)."""
+        return self._call("cancel", gen_id, epoch)
+
+
 class ToolWorkerRef(ServiceRef):
     """A ToolWorker of a pool."""
 

@@ -45,6 +45,7 @@ from actors.cluster.deployment import Deployment, HostDirectory, worker_options
 from actors.cluster.info import HostInfo, ServiceInfo, SupervisorInfo, this_node
 from actors.cluster.joining import ray_cluster_id
 from actors.cluster.metrics import metrics
+from actors.cluster.model_workers import ModelWorker
 from actors.cluster.placement import (
     alive_nodes,
     host_node,
@@ -164,6 +165,8 @@ class Supervisor:
                 _kill(name["name"])
         for role in services(self.dep):
             _kill(self.dep.name(role))
+        for i in range(self.dep.settings.models.workers):
+            _kill(self.dep.model_worker_name(i))
         _lo, hi = self.dep.settings.tools.bounds()
         for pool in self.dep.tool_pools():
             for i in range(hi):
@@ -232,6 +235,7 @@ class Supervisor:
             for role, cls in services(self.dep).items()
         ]
         await self._scale_pools()
+        self._model_workers()
         await asyncio.gather(
             *(_ping(r, cfg.ping_timeout_s) for r in refs),  # also starts the watchdog loop
             *(self._check_slot(slot) for slot in self.dep.slots()),
@@ -269,6 +273,14 @@ class Supervisor:
             if now - self._resized[pool] > 2.5:  # hosts have read the size (1 s cache)
                 for i in range(new, hi):
                     await _retire(self.dep.tool_worker_name(pool, i))
+
+    def _model_workers(self) -> None:
+        """Make sure the model workers run (Ray restarts a dead one in place; this starts
+        the ones never started)."""
+        models = self.dep.settings.models
+        if models.remote:
+            for i in range(models.workers):
+                spawn(ModelWorker, self.dep.model_worker_name(i), self.dep.to_wire())
 
     def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> None:
         name = self.dep.tool_worker_name(pool, index)

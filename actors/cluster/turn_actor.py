@@ -36,6 +36,7 @@ from actors.cluster.checkpoint_actor import CheckpointClient, ShardedCheckpoints
 from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
+from actors.cluster.model_workers import RayModels
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem
@@ -99,6 +100,7 @@ class TurnActor:
             EngineHooks(
                 checkpoints=self.checkpoints,
                 runner=self.tools,
+                models=RayModels(self.dep) if self.dep.settings.models.remote else None,
                 on_transition=self.publisher.add,
                 on_event=self._on_event,
                 on_isolate=self._isolation_wanted,

@@ -384,12 +384,15 @@ class TurnEngine(RunningTurns):
             self.settings.on_agent_change,
             on_event=self.hooks.on_event,
         )
+        llm = agent.client(
+            ModelContext(record.turn_id, spec.input, record.baseline, self.admission, self.effects)
+        )
+        if self.hooks.models is not None:
+            llm = self.hooks.models.client(
+                llm, spec.agent, spec.input, record.baseline, record.epoch
+            )
         wired = TurnDeps(
-            llm=agent.client(
-                ModelContext(
-                    record.turn_id, spec.input, record.baseline, self.admission, self.effects
-                )
-            ),
+            llm=llm,
             tools=BatchExecutor(
                 registry,
                 self.runner,

@@ -51,6 +51,15 @@ class LLMReply:
     text is usable as far as it goes, its tool calls are not (their arguments may be cut)."""
     finish_reason: str = ""
     """Why the reply stopped, as the endpoint said (``stop``, ``tool_calls``, ``length``)."""
+    published: bool = False
+    """Its text already went to watchers where it was generated (a generation on a model
+    worker publishes its own deltas): the loop does not publish it again."""
+    adopted: bool = False
+    """It comes from a generation an earlier incarnation of the turn asked for and this one
+    adopted (it was not asked for, nor paid, again)."""
+    repaid: int = 0
+    """Generations of this call lost with the worker that ran them and asked again: each was
+    paid (its partial tokens unknown) and paid again."""
 
 
 #: The slowest rate a limit may name, a minute: one a day. Slower ones overflow the limiter's

@@ -68,7 +68,15 @@ class ModelSteps(LoopState):
                 raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
         reply = task.result()
-        if not streamed and reply.message.text:  # a model that does not stream: all at once
+        if reply.adopted or reply.repaid:
+            c = self._counters
+            self._counters = c.model_copy(
+                update={
+                    "generations_adopted": c.generations_adopted + reply.adopted,
+                    "generations_repaid": c.generations_repaid + reply.repaid,
+                }
+            )
+        if not streamed and not reply.published and reply.message.text:  # all at once
             on_text(reply.message.text)
         return reply
 

@@ -235,6 +235,21 @@ class ToolSettings(_Section):
         return (self.min_workers or self.workers, self.max_workers or self.workers)
 
 
+class ModelSettings(_Section):
+    """The ``[models]`` section: where the model calls of Ray-hosted turns run."""
+
+    remote: bool = True
+    """Run them on model workers, where a host's death does not end them (a resumed turn
+    adopts the generation); False: in the host, as in process (lost with it)."""
+    workers: int = Field(default=2, ge=1, le=1024)
+    """ModelWorker actors (each runs many generations at once). A generation is placed by its
+    name over this many: changing it while turns run loses adoption of the ones in flight."""
+    keep_s: float = Field(default=600.0, gt=0, le=86_400)
+    """How long a finished generation whose asker died waits for its resumed turn."""
+    sweep_s: float = Field(default=2.0, gt=0, le=3600)
+    """How often a worker drops the generations of turns no longer in progress."""
+
+
 class EventSettings(_Section):
     """Each turn's live stream, what ``phaseline watch`` and ``Runtime.watch`` read."""
 
@@ -323,6 +338,7 @@ class Settings(_Section):
     loop: LoopSectionSettings = LoopSectionSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
     tools: ToolSettings = ToolSettings()
+    models: ModelSettings = ModelSettings()
     events: EventSettings = EventSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     host: HostSettings = HostSettings()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from actors.engine.agents import AgentChange
+from actors.engine.models.generations import RemoteModels
 from actors.engine.on_finish import OnFinish
 from actors.engine.settings.config import Settings
 from actors.engine.tools.toolrun import ToolRunner
@@ -95,6 +96,8 @@ class EngineHooks:
     """Where saves go (a Ray host's CheckpointActors); None: the store, here."""
     runner: ToolRunner | None = None
     """Where tool calls run (a Ray host's ToolWorkers); None: in this process."""
+    models: RemoteModels | None = None
+    """Where model calls run (a Ray host's model workers); None: in this process."""
     on_transition: Callable[[Transition], None] | None = None
     """Hears every phase transition."""
     on_event: Callable[[LiveEvent], None] | None = None

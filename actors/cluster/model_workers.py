@@ -1,0 +1,293 @@
+"""Model calls on the cluster: generations that outlive the host that asked for them.
+
+A turn hosted by a TurnActor sends each model call to a ModelWorker and waits for its answer;
+the worker runs the call as a task of its own, publishes its streamed text to the turn's live
+stream, and keeps the answer (``actors.engine.models.generations``). When the host dies the
+generation goes on. Its name is the request's digest and its worker is placed by that name, so
+the resumed turn, asking for the same request, reaches the same generation: still streaming,
+it waits for it (its watchers never stopped seeing its text); finished, it takes the stored
+answer. Neither is asked for, nor paid, again. A worker that dies takes its generations with
+it: the host asks again (Ray restarts the worker under its name) and counts the call repaid.
+
+Cancel, a force stop and the watchdog's hard timeout cancel the host's wait, which ends the
+generation where it runs; a generation whose asker died is dropped once its turn is no longer
+in progress (cancelled, finished, purged) or after ``[models] keep_s``. A fenced incarnation
+cannot take an answer a newer one adopted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any, ClassVar
+
+from ray.exceptions import RayActorError
+
+from actors.cluster.deployment import Deployment
+from actors.cluster.info import ServiceInfo
+from actors.cluster.refs import ModelWorkerRef, ask
+from actors.engine.agents import load_agent
+from actors.engine.gc_tuning import tune_gc
+from actors.engine.models.admission import RedisAdmission
+from actors.engine.models.generations import (
+    GenerationAnswer,
+    GenerationAsk,
+    GenerationTable,
+    ModelFailure,
+    TurnState,
+    answer_of,
+    failure_of,
+    generation_id,
+    pack_ask,
+    reply_of,
+    unpack_answer,
+    unpack_ask,
+)
+from actors.turn.agent import ModelContext
+from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+from bus.errors import LLMError, RecordError, RetryableLLMError
+from bus.events import TextDelta
+from store.codec import pack_model
+from store.domain.effects import EffectCounters
+from store.records import TurnInput
+from store.redis.connection import connect
+from store.redis.failures import translated
+from store.redis.replies import text
+from store.views.streams import BufferedPublisher, RedisBus
+
+log = logging.getLogger(__name__)
+
+#: How long a host waits for a dead model worker to be back (Ray restarts it in place).
+RESTART_WAIT_S = 30.0
+
+#: Times one call is asked again after its worker died, before the turn's own retry policy
+#: takes over (a worker that dies on every try is a fault, not bad luck).
+MAX_REPAID = 3
+
+
+class ModelWorker:
+    """Runs model calls of many turns; one process, many generations at once."""
+
+    RAY_OPTIONS: ClassVar[Mapping[str, Any]] = {
+        "num_cpus": 0,
+        "max_restarts": -1,  # restarted in place: hosts find it under its name again
+        "max_task_retries": 0,  # a lost generation is asked again by its host, and counted
+        "max_concurrency": 10_000,
+    }
+
+    def __init__(self, deployment_json: str) -> None:
+        dep = Deployment.from_wire(deployment_json)
+        tune_gc(dep.settings.host.gc_threshold)
+        self.dep = dep
+        self._client = dep.connect(max_connections=64)
+        self._effects = EffectCounters(
+            connect(dep.effects_url, retry_s=dep.settings.redis.retry_s)
+            if dep.effects_url
+            else self._client,
+            dep.keys,
+        )
+        self._admission = RedisAdmission(self._client, dep.keys)
+        self._publisher = BufferedPublisher(
+            RedisBus(self._client, dep.keys, live=dep.settings.events.live())
+        )
+        self._table = GenerationTable(keep_s=dep.settings.models.keep_s)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def generate(self, gen_id: str, agent: str, epoch: int, wire: bytes) -> bytes:
+        """The answer (msgpack :class:`GenerationAnswer`) of generation ``gen_id``, started
+        here unless it runs or ran here already (then joined: adopted by a newer ``epoch``,
+        refused to an older one)."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep_forever())
+        try:
+            request = unpack_ask(wire)
+        except RecordError as exc:
+            return pack_model(GenerationAnswer(failure=ModelFailure.FATAL, error=str(exc)))
+        if generation_id(wire) != gen_id:
+            return pack_model(
+                GenerationAnswer(failure=ModelFailure.FATAL, error="request and name differ")
+            )
+        answer = await self._table.answer(
+            gen_id, request.turn_id, epoch, partial(self._run, agent, request)
+        )
+        return pack_model(answer)
+
+    async def _run(
+        self, agent: str, request: GenerationAsk, owner: Callable[[], int]
+    ) -> GenerationAnswer:
+        """The call itself: its text published as it streams (under the epoch that owns the
+        generation now), its answer or its typed failure."""
+        streamed = False
+
+        def on_text(piece: str) -> None:
+            nonlocal streamed
+            streamed = True
+            at = int(time.time() * 1000)
+            self._publisher.add(TextDelta(request.turn_id, owner(), piece, at))
+
+        try:
+            client = load_agent(agent).client(
+                ModelContext(
+                    request.turn_id,
+                    request.input,
+                    request.baseline,
+                    self._admission,
+                    self._effects,
+                )
+            )
+            reply = await client.complete(request.request(on_text))
+        except LLMError as exc:
+            answer = failure_of(exc)
+        except Exception as exc:  # the agent's own model code failed: the loop's error
+            log.exception("generation of %s failed", request.turn_id)
+            answer = GenerationAnswer(
+                failure=ModelFailure.RETRYABLE, error=f"{type(exc).__name__}: {exc}"
+            )
+        else:
+            if not streamed and reply.message.text:  # a model that does not stream
+                on_text(reply.message.text)
+            answer = answer_of(reply)
+        with contextlib.suppress(Exception):  # advisory: the text before the answer
+            await self._publisher.flush()
+        return answer
+
+    async def cancel(self, gen_id: str, epoch: int) -> bool:
+        """End a generation where it runs; False if it is not here or a newer incarnation
+        owns it."""
+        return self._table.cancel(gen_id, epoch)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.dep.settings.models.sweep_s)  # the sweep's period
+            with contextlib.suppress(Exception):  # Redis away: the next sweep
+                await self._sweep()
+
+    async def _sweep(self) -> None:
+        """Drop the generations whose asker died and that no turn will take."""
+        turns = self._table.turns_unattended()
+        if not turns:
+            return
+        states: dict[str, TurnState] = {}
+        with translated("read the turns of unattended generations"):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for turn_id in turns:
+                    pipe.hmget(self.dep.keys.turn(turn_id), "in_progress", "epoch")
+                replies = await pipe.execute()
+        for turn_id, (in_progress, epoch) in zip(turns, replies, strict=True):
+            if in_progress is None:
+                states[turn_id] = None
+            else:
+                states[turn_id] = (text(in_progress) == "1", int(text(epoch or b"0")))
+        for gen_id in self._table.sweep(states):
+            log.info("generation %s dropped: its turn will not take it", gen_id)
+
+    async def hello(self) -> dict[str, Any]:
+        t = self._table
+        return ServiceInfo.here(
+            {
+                "generations": len(t),
+                "started": t.started,
+                "adopted": t.adopted,
+                "dropped": t.dropped,
+                "events_dropped": self._publisher.dropped,
+            }
+        )
+
+
+class RayModels:
+    """Where the model calls of a host's turns run: the deployment's model workers."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep = dep
+        self._handles: dict[str, ModelWorkerRef] = {}
+
+    def client(
+        self, local: LLMClient, agent: str, turn_input: TurnInput, baseline: int, epoch: int
+    ) -> LLMClient:
+        """The model client of one incarnation of a turn: ``local``'s calls, run on a worker."""
+        return RemoteModel(self, local, agent, turn_input, baseline, epoch)
+
+    def _pick(self, gen_id: str) -> ModelWorkerRef | None:
+        index = zlib.crc32(gen_id.encode()) % self.dep.settings.models.workers
+        name = self.dep.model_worker_name(index)
+        cached = self._handles.get(name)
+        if cached is not None:
+            return cached
+        worker = ModelWorkerRef.named(name)
+        if worker is not None:
+            self._handles[name] = worker
+        return worker
+
+    async def worker(self, gen_id: str, *, after_death: bool) -> ModelWorkerRef | None:
+        """The worker of generation ``gen_id``; after its death, once it answers again (Ray
+        restarting it), None if it does not within :data:`RESTART_WAIT_S`."""
+        if not after_death:
+            worker = self._pick(gen_id)
+            if worker is not None:
+                return worker
+        self._handles.clear()
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while time.monotonic() < deadline:
+            worker = self._pick(gen_id)
+            if worker is not None:
+                try:
+                    await worker.hello(5.0)
+                    return worker
+                except (RayActorError, TimeoutError):
+                    self._handles.clear()
+            await asyncio.sleep(0.2)  # backoff while Ray restarts it
+        return None
+
+
+class RemoteModel:
+    """An :class:`~actors.turn.llm.LLMClient` whose calls run on model workers."""
+
+    def __init__(
+        self,
+        models: RayModels,
+        local: LLMClient,
+        agent: str,
+        turn_input: TurnInput,
+        baseline: int,
+        epoch: int,
+    ) -> None:
+        self.models = models
+        self.agent = agent
+        self.turn_input = turn_input
+        self.baseline = baseline
+        self.epoch = epoch
+        self.system = str(getattr(local, "system", "unknown"))
+        self.model = str(getattr(local, "model", "unknown"))
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        wire = pack_ask(GenerationAsk.of(request, self.turn_input, self.baseline))
+        gen_id = generation_id(wire)
+        repaid = 0
+        while True:
+            worker = await self.models.worker(gen_id, after_death=repaid > 0)
+            if worker is None:
+                raise RetryableLLMError("no model worker is up")
+            ref = worker.generate(gen_id, self.agent, self.epoch, wire)
+            try:
+                raw = await ask(ref, None)
+            except asyncio.CancelledError:
+                worker.cancel(gen_id, self.epoch)  # ends it where it runs; not awaited
+                raise
+            except RayActorError as exc:
+                repaid += 1
+                log.warning(
+                    "model worker died during %s's call (%d): %s", request.turn_id, repaid, exc
+                )
+                if repaid > MAX_REPAID:
+                    raise RetryableLLMError(
+                        f"the model worker died during this call {repaid} times"
+                    ) from exc
+                continue
+            if not isinstance(raw, bytes):
+                raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
+            return reply_of(unpack_answer(raw), repaid=repaid)

@@ -1,0 +1,168 @@
+"""Generations that outlive their asker, without Ray: the wire (a request names its generation,
+answers carry typed failures) and the worker's table (started once, adopted by a newer
+incarnation, fenced for an older one, cancelled where it runs, dropped when no turn will take
+it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from actors.engine.models.generations import (
+    GenerationAnswer,
+    GenerationAsk,
+    GenerationTable,
+    ModelFailure,
+    answer_of,
+    failure_of,
+    generation_id,
+    pack_ask,
+    reply_of,
+    unpack_answer,
+    unpack_ask,
+)
+from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.tools import ToolRegistry, tool
+from bus.errors import (
+    ContextLengthError,
+    FatalLLMError,
+    RateLimitedLLMError,
+    RecordError,
+    RetryableLLMError,
+    StaleOwner,
+)
+from bus.messages import Message, Usage
+from store.codec import pack_model
+from store.records import TurnInput
+
+
+@tool(idempotent=True)
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+def request(text: str = "hello", attempt: int = 0) -> LLMRequest:
+    return LLMRequest(
+        turn_id="t1",
+        messages=(Message(role="system", text="sys"), Message(role="user", text=text)),
+        tools_enabled=True,
+        attempt=attempt,
+        tools=tuple(ToolRegistry([add])),
+    )
+
+
+def wire(req: LLMRequest) -> bytes:
+    return pack_ask(GenerationAsk.of(req, TurnInput(message="hi"), 1))
+
+
+def test_the_same_request_names_the_same_generation_and_another_another() -> None:
+    assert generation_id(wire(request())) == generation_id(wire(request()))
+    assert generation_id(wire(request())) != generation_id(wire(request(attempt=1)))
+    assert generation_id(wire(request())) != generation_id(wire(request("other")))
+    back = unpack_ask(wire(request())).request(None)
+    assert back.messages == request().messages and back.tools[0].name == "add"
+    assert back.tools[0].parameters == request().tools[0].parameters
+    with pytest.raises(RecordError):
+        unpack_ask(b"\x93not a request")
+
+
+def test_an_answer_carries_a_reply_or_its_typed_failure() -> None:
+    reply = LLMReply(
+        Message(role="assistant", text="4"), Usage(prompt_tokens=3), finish_reason="stop"
+    )
+    back = reply_of(unpack_answer(pack_model(answer_of(reply))), repaid=1)
+    assert back.message == reply.message and back.usage == reply.usage
+    assert back.published and back.repaid == 1 and not back.adopted
+    limited = failure_of(RateLimitedLLMError("slow down", retry_after_s=2.5, status=429))
+    with pytest.raises(RateLimitedLLMError) as got:
+        reply_of(limited)
+    assert got.value.retry_after_s == 2.5 and got.value.status == 429
+    for exc, kind in ((ContextLengthError("long"), ContextLengthError),
+                      (RetryableLLMError("503"), RetryableLLMError),
+                      (FatalLLMError("401"), FatalLLMError)):  # fmt: skip
+        with pytest.raises(kind):
+            reply_of(failure_of(exc))
+    with pytest.raises(StaleOwner):
+        reply_of(GenerationAnswer(failure=ModelFailure.FENCED))
+    with pytest.raises(RetryableLLMError, match="did not decode"):
+        unpack_answer(b"garbage")
+
+
+class Gate:
+    """A generation that answers when the test says so, counting how often it was started."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.starts = 0
+        self.owners: list[int] = []
+
+    async def __call__(self, owner: Callable[[], int]) -> GenerationAnswer:
+        self.starts += 1
+        await self.go.wait()
+        self.owners.append(owner())
+        return answer_of(LLMReply(Message(role="assistant", text="done")))
+
+
+async def test_a_newer_incarnation_adopts_a_generation_its_dead_asker_left() -> None:
+    table, gate = GenerationTable(keep_s=60), Gate()
+    first = asyncio.create_task(table.answer("g", "t1", 1, gate))
+    await asyncio.sleep(0)  # the generation starts
+    first.cancel()  # its asker dies: the generation goes on
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert [g.gen_id for g in table.unattended()] == ["g"]
+    second = asyncio.create_task(table.answer("g", "t1", 2, gate))
+    stale = asyncio.create_task(table.answer("g", "t1", 1, gate))  # the fenced one asks again
+    gate.go.set()
+    answer = await second
+    assert answer.message is not None and answer.message.text == "done" and answer.adopted
+    assert (await stale).failure is ModelFailure.FENCED
+    assert gate.starts == 1 and gate.owners == [2] and table.adopted == 1
+    # Its host dies again before journaling the reply: the finished answer is taken again.
+    again = await table.answer("g", "t1", 3, gate)
+    assert again.adopted and gate.starts == 1
+
+
+async def test_cancel_ends_a_generation_where_it_runs_unless_a_newer_one_owns_it() -> None:
+    table, gate = GenerationTable(keep_s=60), Gate()
+    waiter = asyncio.create_task(table.answer("g", "t1", 2, gate))
+    await asyncio.sleep(0)
+    assert not table.cancel("g", 1)  # a fenced incarnation cannot end it
+    assert table.cancel("g", 2)
+    assert (await waiter).failure is ModelFailure.CANCELLED
+    assert len(table) == 0
+
+
+async def test_the_sweep_drops_what_no_turn_will_take() -> None:
+    table = GenerationTable(keep_s=0.01)
+    running, finished, kept = Gate(), Gate(), Gate()
+    finished.go.set()
+    kept.go.set()
+    tasks = [
+        asyncio.create_task(table.answer("run", "ended", 1, running)),
+        asyncio.create_task(table.answer("fin", "old", 1, finished)),
+        asyncio.create_task(table.answer("keep", "live", 1, kept)),
+    ]
+    await asyncio.sleep(0)
+    tasks[0].cancel()  # its asker died
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(0.02)  # past keep_s for the finished ones
+    assert table.turns_unattended() == ["ended", "live", "old"]
+    dropped = table.sweep({"ended": (False, 1), "old": (True, 1), "live": None})
+    assert sorted(dropped) == ["fin", "keep", "run"] and len(table) == 0 and table.dropped == 3
+    table2, gate = GenerationTable(keep_s=600), Gate()
+    orphan = asyncio.create_task(table2.answer("g", "live", 1, gate))
+    await asyncio.sleep(0)
+    orphan.cancel()
+    await asyncio.gather(orphan, return_exceptions=True)
+    assert table2.sweep({"live": (True, 2)}) == []  # in progress: its resumed turn may come
+    assert len(table2) == 1
+    table2.cancel_all()
