@@ -172,6 +172,7 @@ def chaos(
                 targets=chosen,
                 ray_address=local.address if local else ray_address,
                 host_routes=links.routes(hosts + 1) if links else (),
+                model_route=links.model_route() if links else None,
             ) as rt:
                 with bar.progress:
                     result = await run_chaos(
@@ -302,6 +303,8 @@ def _chaos_table(result: ChaosReport, cfg: ChaosSettings) -> Table:
         "most_resumes_of_one_turn",
         "model_calls",
         "replies_adopted",
+        "generations_adopted",
+        "generations_repaid",
         "calls_repaid",
     ):
         table.add_row(k, str(v[k]))
@@ -428,6 +431,8 @@ def demo(
         "resumed",
         "checkpoints",
         "model_calls",
+        "generations_adopted",
+        "generations_repaid",
         "calls_repaid",
         "duplicate_side_effects",
         "orphaned_side_effects",

@@ -226,6 +226,7 @@ def _run_on_ray(
                 hosts=hosts,
                 ray_address=ray_address,
                 host_routes=links.routes(hosts + 1) if links else (),
+                model_route=links.model_route() if links else None,
             )
             _exit_on_signals()  # again: Ray's core worker replaced the SIGTERM handler
             try:

@@ -91,6 +91,10 @@ class Deployment(BaseModel):
     takes the next: what replaced a host cut off from Redis runs on another machine, whose
     links the partition did not cut."""
 
+    model_route: HostRoute = HostRoute()
+    """How the model workers reach the model endpoints when not as the rest of the deployment
+    does (a chaos run's provider proxy): they make the model calls of every host."""
+
     def connect(
         self, *, max_connections: int = 64, host: tuple[int, int] | None = None
     ) -> StoreClient:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -83,6 +84,7 @@ class ModelWorker:
     def __init__(self, deployment_json: str) -> None:
         dep = Deployment.from_wire(deployment_json)
         tune_gc(dep.settings.host.gc_threshold)
+        os.environ.update(dep.model_route.env)  # its process is its own
         self.dep = dep
         self._client = dep.connect(max_connections=64)
         self._effects = EffectCounters(

@@ -29,7 +29,14 @@ from actors.cluster.info import HostInfo
 from actors.cluster.joining import ensure_ray
 from actors.cluster.namespace_claim import claim_namespace, may_stop
 from actors.cluster.placement import singleton_options
-from actors.cluster.refs import HostRef, ServiceRef, SupervisorRef, ToolWorkerRef, spawn
+from actors.cluster.refs import (
+    HostRef,
+    ModelWorkerRef,
+    ServiceRef,
+    SupervisorRef,
+    ToolWorkerRef,
+    spawn,
+)
 from actors.cluster.supervisor import Supervisor
 from actors.engine.agents import load_agent
 from actors.engine.front_desk import FrontDesk
@@ -91,6 +98,7 @@ class Runtime(FrontDesk):
         effects_url: str | None = None,
         agents: Sequence[str] = (),
         host_routes: Sequence[Sequence[HostRoute]] = (),
+        model_route: HostRoute | None = None,
     ) -> Runtime:
         """Start a private local Ray (or join ``ray_address``) and bring the deployment up, on
         ``redis_url`` (else ``[redis] url`` of the settings, else the embedded server on
@@ -100,7 +108,7 @@ class Runtime(FrontDesk):
         resource shape gets its ToolWorker pool); any agent whose tools need none runs without
         being listed. ``host_routes``: per host slot, the routes to Redis and its model
         endpoints its generations take in turn, when not as the rest of the deployment does
-        (a chaos run's partitions).
+        (a chaos run's partitions); ``model_route``: the model workers' (its provider proxy).
 
         The namespace is claimed first (``store.domain.ownership``): if this Ray cluster already
         runs its deployment, the runtime attaches to it as a client (its :meth:`shutdown` stops
@@ -122,6 +130,7 @@ class Runtime(FrontDesk):
             effects_url=effects_url,
             agents=tuple(agents),
             host_routes=tuple(tuple(r) for r in host_routes),
+            model_route=model_route or HostRoute(),
         )
         client = settings.redis.connect(redis_url)
         owns_ray = False
@@ -379,6 +388,10 @@ class Runtime(FrontDesk):
         """The service actor of a role (``checkpoint``, ``watchdog``, ``recovery``), if it
         is registered."""
         return ServiceRef.named(self.dep.name(role))
+
+    def model_worker(self, index: int) -> ModelWorkerRef | None:
+        """Model worker ``index``, if it is registered."""
+        return ModelWorkerRef.named(self.dep.model_worker_name(index))
 
     def tool_worker(self, pool: str, index: int) -> ToolWorkerRef | None:
         """Worker ``index`` of a tool pool, if it is registered."""

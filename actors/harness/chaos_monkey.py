@@ -134,6 +134,7 @@ class ChaosMonkey:
             ChaosTarget.HOST: self._kill_host,
             ChaosTarget.FREEZE: self._freeze_host,
             ChaosTarget.TOOL: self._kill_tool_worker,
+            ChaosTarget.MODEL: self._kill_model_worker,
             ChaosTarget.CONCURRENT_RESUME: self._rival_resume,
             ChaosTarget.NODE: self._node_loss,
             ChaosTarget.REDIS_FAILOVER: self._redis_failover,
@@ -257,6 +258,23 @@ class ChaosMonkey:
         pid = (await worker.hello()).pid
         os.kill(pid, signal.SIGKILL)
         return Fault(self.now(), ChaosTarget.TOOL, f"tools{index}", pid)
+
+    async def _kill_model_worker(self) -> Fault:
+        rt = self.rt
+        index = self.rng.randrange(rt.dep.settings.models.workers)
+        worker = rt.model_worker(index)
+        if worker is None or not rt.dep.settings.models.remote:
+            return Fault(
+                self.now(),
+                ChaosTarget.MODEL,
+                f"models{index}",
+                None,
+                note="model calls run in the hosts" if worker is None else "not up",
+                skipped=True,
+            )
+        pid = (await worker.hello()).pid
+        os.kill(pid, signal.SIGKILL)
+        return Fault(self.now(), ChaosTarget.MODEL, f"models{index}", pid)
 
     async def _restart_redis(self) -> Fault:
         assert self.server is not None

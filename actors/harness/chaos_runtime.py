@@ -28,11 +28,12 @@ async def chaos_runtime(
     ray_address: str | None,
     targets: Sequence[ChaosTarget],
     host_routes: Sequence[Sequence[HostRoute]] = (),
+    model_route: HostRoute | None = None,
 ) -> AsyncIterator[Runtime]:
     """A deployment for a chaos run, shut down after it. When a target can lose Redis writes
     (:data:`WITNESSED`), side effects are counted on a witness server outside the Redis under
     test, so a lost counter cannot hide a duplicate. ``host_routes``: each host slot's own
-    links (``actors.harness.links``)."""
+    links and ``model_route`` the model workers' (``actors.harness.links``)."""
     sup = settings.supervisor.model_copy(update={"adopt_interval_s": ADOPT_INTERVAL_S})
     tuned = settings.model_copy(update={"supervisor": sup})
     witnessed = any(t in WITNESSED for t in targets)
@@ -45,6 +46,7 @@ async def chaos_runtime(
             ray_address=ray_address,
             effects_url=None if witness is None else witness.url,
             host_routes=host_routes,
+            model_route=model_route,
         )
         try:
             yield rt

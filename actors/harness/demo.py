@@ -70,6 +70,8 @@ class DemoReport:
             "resumed": v.resumed,
             "checkpoints": v.checkpoints,
             "model_calls": v.model_calls,
+            "generations_adopted": v.generations_adopted,
+            "generations_repaid": v.generations_repaid,
             "calls_repaid": v.calls_repaid,
             "duplicate_side_effects": len(v.duplicate_effects),
             "orphaned_side_effects": len(v.orphaned_effects),

@@ -80,6 +80,11 @@ class Links:
             for slot in range(slots)
         ]
 
+    def model_route(self) -> HostRoute:
+        """How the model workers reach the model: through the provider proxy, if any (a
+        partition cuts hosts, not the workers that make their model calls)."""
+        return self._route(None)
+
     def _route(self, host: HostLinks | None) -> HostRoute:
         env = {}
         if host is not None and host.model is not None:

@@ -27,6 +27,8 @@ class ChaosTarget(StrEnum):
     """SIGKILL a turn host."""
     TOOL = "tool"
     """SIGKILL a tool worker."""
+    MODEL = "model"
+    """SIGKILL a model worker (the generations it runs are lost and asked again)."""
     CHECKPOINT = "checkpoint"
     """SIGKILL a CheckpointActor."""
     WATCHDOG = "watchdog"

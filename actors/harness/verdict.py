@@ -183,6 +183,10 @@ class Verdict:
     """Model calls in the turns' durable histories (``Counters.model_calls``), summed."""
     replies_adopted: int = 0
     """Journaled replies resumes continued from instead of asking the model again."""
+    generations_adopted: int = 0
+    """Generations in flight at a host's death that its resumed turn adopted (not repaid)."""
+    generations_repaid: int = 0
+    """Generations lost with their model worker and asked for again (paid twice)."""
     calls_repaid: int | None = None
     """Complete replies the model gave again to the same request after a crash (counted by the
     scripted model's ``random`` replies from outside; None where nothing counted them)."""
@@ -233,6 +237,8 @@ class Verdict:
             "checkpoints": self.checkpoints,
             "model_calls": self.model_calls,
             "replies_adopted": self.replies_adopted,
+            "generations_adopted": self.generations_adopted,
+            "generations_repaid": self.generations_repaid,
             "calls_repaid": self.calls_repaid,
             "examples": {
                 k: v[:5]
@@ -352,6 +358,8 @@ def _judge_transcript(
     v.checkpoints += record.seq
     v.model_calls += c.model_calls
     v.replies_adopted += c.replies_adopted
+    v.generations_adopted += c.generations_adopted
+    v.generations_repaid += c.generations_repaid
     v.outcome_unknown += sum(
         m.tool_result is not None and m.tool_result.status == "outcome_unknown"
         for m in record.messages

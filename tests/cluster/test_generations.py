@@ -1,0 +1,130 @@
+"""Generations that outlive their host, on Ray: every TurnActor SIGKILLed while its turns'
+generations stream, and the model worker SIGKILLed instead. Requests are counted at the model
+endpoint (the scripted OpenAI-compatible server), from outside the runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from actors.cluster.refs import ModelWorkerRef
+from actors.cluster.runtime import Runtime
+from actors.engine.settings.config import Settings
+from bus.events import Restarted, TextDelta, WatchEvent
+from bus.phase import TurnPhase
+from store.records import CheckpointRecord, TurnInput
+from tests.support.polling import eventually
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+AGENT = "tests.support.agents:http_bump"
+#: Every answer of the endpoint takes 2 s: generations a kill can land in.
+SCRIPT = {"rounds": 2, "tool": "bump", "latency_ms": 2000, "quote": False}
+
+
+def _stats(base_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/_stats", timeout=5) as reply:
+        return dict(json.loads(reply.read()))
+
+
+def _settings(namespace: str) -> Settings:
+    return Settings.model_validate(
+        {
+            "redis": {"namespace": namespace},
+            "checkpoint": {"min_interval_s": 0},
+            "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0},
+            "models": {"remote": True, "workers": 2},
+        }
+    )
+
+
+async def _generating(rt: Runtime, ids: list[str], n: int) -> bool:
+    """At least ``n`` of the turns wait on a model call now."""
+    waiting = 0
+    for tid in ids:
+        phase = await rt.client.hget(rt.dep.keys.turn(tid), "phase")
+        waiting += phase in (TurnPhase.AWAITING_LLM.value.encode(), None)
+    return waiting >= n
+
+
+def _calls(finals: dict[str, CheckpointRecord]) -> int:
+    return sum(f.counters.model_calls for f in finals.values())
+
+
+async def test_every_host_killed_mid_generation_repays_no_call(
+    redis_url: str, namespace: str, openai_server: str, real_client: aioredis.Redis
+) -> None:
+    turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
+    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        await rt.standbys()
+        before = _stats(openai_server)["requests"]
+        ids = [f"gen{i:02d}" for i in range(8)]
+        await rt.submit(AGENT, turn_input, ids)
+        # Each turn's first generation under way at the endpoint, none answered yet.
+        await eventually(
+            lambda: asyncio.sleep(0, _stats(openai_server)["requests"] - before >= len(ids)),
+            timeout=60,
+            what="every turn's first model call at the endpoint",
+        )
+        watched = ids[0]
+        seen: list[WatchEvent] = []
+
+        async def watch() -> None:
+            async for event in rt.watch(watched):
+                seen.append(event)
+
+        watcher = asyncio.ensure_future(watch())
+        for slot in range(rt.dep.hosts):
+            await rt.kill_host(slot)
+        finals = await rt.wait(ids, timeout=180)
+        await asyncio.wait_for(watcher, 60)
+    finally:
+        await rt.shutdown()
+    asked = _stats(openai_server)["requests"] - before
+    assert all(f.counters.outcome == "answered" for f in finals.values()), finals
+    adopted = sum(f.counters.generations_adopted for f in finals.values())
+    assert adopted >= len(ids), adopted  # each turn's first call, at least
+    assert sum(f.counters.generations_repaid for f in finals.values()) == 0
+    assert asked == _calls(finals), (asked, _calls(finals))  # 0 repaid, counted outside
+    # The watcher saw the restart, and every generation's text once: what the transcript's
+    # replies say, no more (nothing repeated after the restart) and no less.
+    assert any(isinstance(e, Restarted) for e in seen)
+    streamed = "".join(e.text for e in seen if isinstance(e, TextDelta))
+    replies = "".join(m.text for m in finals[watched].messages if m.role == "assistant")
+    assert streamed == replies
+
+
+async def test_a_model_worker_killed_mid_generation_is_asked_again_and_counted(
+    redis_url: str, namespace: str, openai_server: str
+) -> None:
+    turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
+    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        before = _stats(openai_server)["requests"]
+        ids = [f"mw{i:02d}" for i in range(8)]
+        await rt.submit(AGENT, turn_input, ids)
+        await eventually(
+            lambda: asyncio.sleep(0, _stats(openai_server)["requests"] - before >= len(ids)),
+            timeout=60,
+            what="every turn's first model call at the endpoint",
+        )
+        for i in range(rt.dep.settings.models.workers):  # every generation in flight is lost
+            worker = ModelWorkerRef.named(rt.dep.model_worker_name(i))
+            assert worker is not None
+            os.kill((await worker.hello()).pid, signal.SIGKILL)
+        finals = await rt.wait(ids, timeout=180)
+    finally:
+        await rt.shutdown()
+    asked = _stats(openai_server)["requests"] - before
+    assert all(f.counters.outcome == "answered" for f in finals.values()), finals
+    repaid = sum(f.counters.generations_repaid for f in finals.values())
+    assert repaid >= len(ids)
+    assert asked == _calls(finals) + repaid, (asked, _calls(finals), repaid)
