@@ -166,3 +166,21 @@ async def test_the_sweep_drops_what_no_turn_will_take() -> None:
     assert table2.sweep({"live": (True, 2)}) == []  # in progress: its resumed turn may come
     assert len(table2) == 1
     table2.cancel_all()
+
+
+async def test_a_request_asked_again_after_a_failure_is_tried_again() -> None:
+    """A rate limit or the limiter's hold does not spend an attempt, so the same request comes
+    back under the same name: it gets a new try, not the kept failure."""
+    table, tries = GenerationTable(keep_s=60), 0
+
+    async def flaky(_owner: Callable[[], int]) -> GenerationAnswer:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            return failure_of(RateLimitedLLMError("slow down", retry_after_s=1))
+        return answer_of(LLMReply(Message(role="assistant", text="ok")))
+
+    assert (await table.answer("g", "t1", 1, flaky)).failure is ModelFailure.RATE_LIMITED
+    answer = await table.answer("g", "t1", 1, flaky)
+    assert answer.message is not None and answer.message.text == "ok" and tries == 2
+    assert (await table.answer("g", "t1", 1, flaky)).message is not None and tries == 2

@@ -236,7 +236,7 @@ def failure_of(exc: LLMError) -> GenerationAnswer:
 
 def reply_of(answer: GenerationAnswer, *, repaid: int = 0) -> LLMReply:
     """The reply an answer carries, or the typed error it stands for (:class:`StaleOwner`
-    for a fenced one, :class:`asyncio.CancelledError` for one cancelled where it ran)."""
+    for a fenced one; one cancelled where it ran, not by this asker, is a transient error)."""
     if answer.failure is None and answer.message is not None:
         return LLMReply(
             answer.message,
@@ -256,7 +256,7 @@ def reply_of(answer: GenerationAnswer, *, repaid: int = 0) -> LLMReply:
         case ModelFailure.FENCED:
             raise StaleOwner(answer.error or "a newer incarnation adopted the generation")
         case ModelFailure.CANCELLED:
-            raise asyncio.CancelledError(answer.error)
+            raise RetryableLLMError(f"the generation was cancelled where it ran: {answer.error}")
         case ModelFailure.AWAITING_ADMISSION:
             raise AwaitingAdmission(answer.error, retry_after_s=answer.retry_after_s, **kw)
         case ModelFailure.RATE_LIMITED:
@@ -347,6 +347,11 @@ class GenerationTable:
         events it publishes) unless it runs or ran here already. A newer epoch adopts it; an
         older one is fenced."""
         g = self._gens.get(gen_id)
+        if g is not None and _failed(g):
+            # Asked again after a failure (a rate limit, the limiter's hold, a transient
+            # error): a new try, not the kept failure.
+            del self._gens[gen_id]
+            g = None
         if g is None:
             task = asyncio.create_task(start(lambda: self._owner(gen_id, epoch)))
             g = self._gens[gen_id] = Generation(gen_id, turn_id, epoch, epoch, task)
@@ -418,6 +423,11 @@ class GenerationTable:
         for g in self._gens.values():
             g.task.cancel()
         self._gens.clear()
+
+
+def _failed(g: Generation) -> bool:
+    """The generation ended without a reply."""
+    return g.task.done() and (g.task.cancelled() or g.task.result().failure is not None)
 
 
 def _fenced(g: Generation) -> GenerationAnswer:
