@@ -33,6 +33,11 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     fi
     echo "$WANT" > "$STAMP"
 fi
+if [[ ",$EXTRAS," == *",llm,"* ]]; then
+    # llama.cpp's own C++ server, from the same pinned source: built once (4-10 minutes),
+    # cached outside the checkout; a no-op once cached.
+    PYTHON="$VENV/bin/python" "$ROOT/scripts/build_llama_server" >/dev/null
+fi
 export PATH="$VENV/bin:$PATH"
 eval "$_phaseline_opts"
 unset _phaseline_opts _phaseline_errexit

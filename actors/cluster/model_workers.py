@@ -55,7 +55,7 @@ from bus.errors import LLMError, RecordError, RetryableLLMError
 from bus.events import TextDelta
 from store.codec import pack_model
 from store.domain.effects import EffectCounters
-from store.records import TurnInput
+from store.records import CheckpointRecord, TurnInput, TurnSpec
 from store.redis.connection import connect
 from store.redis.failures import translated
 from store.redis.replies import text
@@ -208,11 +208,9 @@ class RayModels:
         self.dep = dep
         self._handles: dict[str, ModelWorkerRef] = {}
 
-    def client(
-        self, local: LLMClient, agent: str, turn_input: TurnInput, baseline: int, epoch: int
-    ) -> LLMClient:
+    def client(self, local: LLMClient, spec: TurnSpec, record: CheckpointRecord) -> LLMClient:
         """The model client of one incarnation of a turn: ``local``'s calls, run on a worker."""
-        return RemoteModel(self, local, agent, turn_input, baseline, epoch)
+        return RemoteModel(self, local, spec.agent, spec.input, record.baseline, record.epoch)
 
     def _pick(self, gen_id: str) -> ModelWorkerRef | None:
         index = zlib.crc32(gen_id.encode()) % self.dep.settings.models.workers

@@ -388,9 +388,7 @@ class TurnEngine(RunningTurns):
             ModelContext(record.turn_id, spec.input, record.baseline, self.admission, self.effects)
         )
         if self.hooks.models is not None:
-            llm = self.hooks.models.client(
-                llm, spec.agent, spec.input, record.baseline, record.epoch
-            )
+            llm = self.hooks.models.client(llm, spec, record)
         wired = TurnDeps(
             llm=llm,
             tools=BatchExecutor(

