@@ -26,7 +26,7 @@ from actors.harness.tcp_proxy import ProxyLoop
 from bus.events import Restarted, TextDelta, WatchEvent
 from store.records import CheckpointRecord, TurnInput
 from tests.conftest import _free_port, _wait_until_listening
-from tests.support.polling import eventually
+from tests.support.polling import eventually, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -50,9 +50,19 @@ def cpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         )
     base = f"http://127.0.0.1:{port}"
     _wait_until_listening(proc, f"{base}/health", "llama-server")
+    wait_until(lambda: _healthy(base), timeout=120, what="llama-server to load its model")
     yield f"{base}/v1"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def _healthy(base: str) -> bool:
+    """The server answers 200 on /health (503 while it loads the model)."""
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:  # HTTPError (503) included
+        return False
 
 
 def _predicted(base_url: str) -> int:
