@@ -9,10 +9,11 @@ it waits for it (its watchers never stopped seeing its text); finished, it takes
 answer. Neither is asked for, nor paid, again. A worker that dies takes its generations with
 it: the host asks again (Ray restarts the worker under its name) and counts the call repaid.
 
-Cancel, a force stop and the watchdog's hard timeout cancel the host's wait, which ends the
-generation where it runs; a generation whose asker died is dropped once its turn is no longer
-in progress (cancelled, finished, purged) or after ``[models] keep_s``. A fenced incarnation
-cannot take an answer a newer one adopted.
+An operator's cancel and the watchdog's hard timeout end the generation where it runs
+(``RemoteModel.end_call``); any other end of the host's wait (the host stopping, a successor
+claiming the turn) leaves it running for the next incarnation. A generation whose asker died
+is dropped once its turn is no longer in progress (cancelled, finished, purged) or after
+``[models] keep_s``. A fenced incarnation cannot take an answer a newer one adopted.
 """
 
 from __future__ import annotations
@@ -263,6 +264,16 @@ class RemoteModel:
         self.epoch = epoch
         self.system = str(getattr(local, "system", "unknown"))
         self.model = str(getattr(local, "model", "unknown"))
+        self._current: tuple[ModelWorkerRef, str] | None = None
+        """The worker and name of the call in flight."""
+
+    def end_call(self) -> None:
+        """End the call in flight where it runs: the turn was cancelled, or its watchdog's
+        hard timeout fired. Anything else that cancels the wait (the host stopping, a
+        successor's claim) leaves the generation running, for the next incarnation."""
+        if self._current is not None:
+            worker, gen_id = self._current
+            worker.cancel(gen_id, self.epoch)
 
     async def complete(self, request: LLMRequest) -> LLMReply:
         wire = pack_ask(GenerationAsk.of(request, self.turn_input, self.baseline))
@@ -273,11 +284,9 @@ class RemoteModel:
             if worker is None:
                 raise RetryableLLMError("no model worker is up")
             ref = worker.generate(gen_id, self.agent, self.epoch, wire)
+            self._current = (worker, gen_id)
             try:
                 raw = await ask(ref, None)
-            except asyncio.CancelledError:
-                worker.cancel(gen_id, self.epoch)  # ends it where it runs; not awaited
-                raise
             except RayActorError as exc:
                 repaid += 1
                 log.warning(
@@ -288,6 +297,7 @@ class RemoteModel:
                         f"the model worker died during this call {repaid} times"
                     ) from exc
                 continue
+            self._current = None
             if not isinstance(raw, bytes):
                 raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
             return reply_of(unpack_answer(raw), repaid=repaid)

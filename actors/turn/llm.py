@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from actors.turn.tools import ToolSpec
 from bus.messages import Message, Usage
@@ -142,4 +142,15 @@ class LLMClient(Protocol):
 
     async def complete(self, request: LLMRequest) -> LLMReply:
         """Return one assistant reply or raise a typed LLMError."""
+        ...
+
+
+@runtime_checkable
+class RemoteCalls(Protocol):
+    """A model client whose calls run elsewhere (a model worker) and outlive the asker's
+    cancellation: a resumed incarnation may adopt them. The loop ends one where it runs only
+    when the turn itself decided to (an operator's cancel, the hard idle timeout)."""
+
+    def end_call(self) -> None:
+        """End the call in flight where it runs (not awaited)."""
         ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from actors.turn.llm import LLMReply, LLMRequest
+from actors.turn.llm import LLMReply, LLMRequest, RemoteCalls
 from actors.turn.loop_state import CancelNow, LoopState
 from bus.errors import (
     ContextLengthError,
@@ -62,6 +62,10 @@ class ModelSteps(LoopState):
         finally:
             self._llm_task = None
         if task.cancelled():
+            if isinstance(self.deps.llm, RemoteCalls) and (
+                self._cancel.is_set() or self._hard_cancelled
+            ):
+                self.deps.llm.end_call()  # the turn's own decision: not for a successor
             if self._cancel.is_set():
                 raise CancelNow
             if self._hard_cancelled:
