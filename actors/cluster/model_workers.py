@@ -226,21 +226,20 @@ class RayModels:
 
     async def worker(self, gen_id: str, *, after_death: bool) -> ModelWorkerRef | None:
         """The worker of generation ``gen_id``; after its death, once it answers again (Ray
-        restarting it), None if it does not within :data:`RESTART_WAIT_S`."""
-        if not after_death:
-            worker = self._pick(gen_id)
-            if worker is not None:
-                return worker
-        self._handles.clear()
+        restarts it in place, so its handle stays good: no lookup by name, which blocks the
+        event loop on Ray's GCS while the actor restarts), None if it does not within
+        :data:`RESTART_WAIT_S`."""
         deadline = time.monotonic() + RESTART_WAIT_S
         while time.monotonic() < deadline:
             worker = self._pick(gen_id)
             if worker is not None:
+                if not after_death:
+                    return worker
                 try:
                     await worker.hello(5.0)
                     return worker
                 except (RayActorError, TimeoutError):
-                    self._handles.clear()
+                    pass
             await asyncio.sleep(0.2)  # backoff while Ray restarts it
         return None
 
