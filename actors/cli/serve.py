@@ -282,11 +282,26 @@ def redis_cmd(
     help="Context window, in tokens.",
 )
 @click.option("--threads", type=click.IntRange(1, 256), default=2, show_default=True)
-def model_server(port: int, host: str, n_ctx: int, threads: int) -> None:
+@click.option(
+    "--cpp",
+    is_flag=True,
+    help="llama.cpp's own C++ server (scripts/build_llama_server builds it): requests served "
+    "concurrently, /v1/responses and /v1/messages too.",
+)
+@click.option(
+    "--parallel",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="With --cpp: requests served at once (they share --ctx).",
+)
+def model_server(port: int, host: str, n_ctx: int, threads: int, cpp: bool, parallel: int) -> None:
     """Serve a real model on this machine, from any directory: llama.cpp's OpenAI-compatible
     server with SmolLM2-135M-Instruct (the llm extra; nothing is downloaded). It runs in the
     foreground until Ctrl-C; point the example agent at it with the variables it prints."""
     missing = local_model.available()
+    if missing is None and cpp and local_model.cpp_server() is None:
+        missing = "llama.cpp's C++ server is not built: scripts/build_llama_server (once)"
     if missing is not None:
         raise BadInput(missing)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
@@ -295,6 +310,10 @@ def model_server(port: int, host: str, n_ctx: int, threads: int) -> None:
         f"agent: export OPENAI_BASE_URL={url} PHASELINE_MODEL={local_model.MODEL_ALIAS}",
         highlight=False,
     )
-    argv = local_model.command(port, host=host, n_ctx=n_ctx, threads=threads)
+    argv = (
+        local_model.cpp_command(port, host=host, n_ctx=n_ctx, threads=threads, parallel=parallel)
+        if cpp
+        else local_model.command(port, host=host, n_ctx=n_ctx, threads=threads)
+    )
     sys.stderr.flush()
     os.execv(argv[0], argv)  # the server is this process: a signal reaches it, not a wrapper
