@@ -54,6 +54,16 @@ async def _generating(rt: Runtime, ids: list[str], n: int) -> bool:
     return waiting >= n
 
 
+async def _asked(base_url: str, before: int, n: int) -> None:
+    """Wait until the endpoint has received ``n`` requests since ``before`` (with 2 s to
+    answer each, none is answered yet)."""
+    await eventually(
+        lambda: asyncio.sleep(0, _stats(base_url)["requests"] - before >= n),
+        timeout=60,
+        what=f"{n} model calls at the endpoint",
+    )
+
+
 def _calls(finals: dict[str, CheckpointRecord]) -> int:
     return sum(f.counters.model_calls for f in finals.values())
 
@@ -69,11 +79,7 @@ async def test_every_host_killed_mid_generation_repays_no_call(
         ids = [f"gen{i:02d}" for i in range(8)]
         await rt.submit(AGENT, turn_input, ids)
         # Each turn's first generation under way at the endpoint, none answered yet.
-        await eventually(
-            lambda: asyncio.sleep(0, _stats(openai_server)["requests"] - before >= len(ids)),
-            timeout=60,
-            what="every turn's first model call at the endpoint",
-        )
+        await _asked(openai_server, before, len(ids))
         watched = ids[0]
         seen: list[WatchEvent] = []
 
@@ -111,11 +117,7 @@ async def test_a_model_worker_killed_mid_generation_is_asked_again_and_counted(
         before = _stats(openai_server)["requests"]
         ids = [f"mw{i:02d}" for i in range(8)]
         await rt.submit(AGENT, turn_input, ids)
-        await eventually(
-            lambda: asyncio.sleep(0, _stats(openai_server)["requests"] - before >= len(ids)),
-            timeout=60,
-            what="every turn's first model call at the endpoint",
-        )
+        await _asked(openai_server, before, len(ids))
         for i in range(rt.dep.settings.models.workers):  # every generation in flight is lost
             worker = ModelWorkerRef.named(rt.dep.model_worker_name(i))
             assert worker is not None

@@ -23,8 +23,9 @@ from actors.engine.models.generations import (
     unpack_answer,
     unpack_ask,
 )
+from actors.harness.http_agents import add
 from actors.turn.llm import LLMReply, LLMRequest
-from actors.turn.tools import ToolRegistry, tool
+from actors.turn.tools import ToolRegistry
 from bus.errors import (
     ContextLengthError,
     FatalLLMError,
@@ -36,17 +37,6 @@ from bus.errors import (
 from bus.messages import Message, Usage
 from store.codec import pack_model
 from store.records import TurnInput
-
-
-@tool(idempotent=True)
-def add(a: int, b: int = 0) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first addend.
-        b: The second addend.
-    """
-    return a + b
 
 
 def request(text: str = "hello", attempt: int = 0) -> LLMRequest:
