@@ -18,7 +18,6 @@ from actors.cluster.refs import ModelWorkerRef
 from actors.cluster.runtime import Runtime
 from actors.engine.settings.config import Settings
 from bus.events import Restarted, TextDelta, WatchEvent
-from bus.phase import TurnPhase
 from store.records import CheckpointRecord, TurnInput
 from tests.support.polling import eventually
 
@@ -43,15 +42,6 @@ def _settings(namespace: str) -> Settings:
             "models": {"remote": True, "workers": 2},
         }
     )
-
-
-async def _generating(rt: Runtime, ids: list[str], n: int) -> bool:
-    """At least ``n`` of the turns wait on a model call now."""
-    waiting = 0
-    for tid in ids:
-        phase = await rt.client.hget(rt.dep.keys.turn(tid), "phase")
-        waiting += phase in (TurnPhase.AWAITING_LLM.value.encode(), None)
-    return waiting >= n
 
 
 async def _asked(base_url: str, before: int, n: int) -> None:
