@@ -19,7 +19,6 @@ is dropped once its turn is no longer in progress (cancelled, finished, purged) 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -52,7 +51,7 @@ from actors.engine.models.generations import (
 )
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
-from bus.errors import LLMError, RecordError, RetryableLLMError
+from bus.errors import LLMError, PhaselineError, RecordError, RetryableLLMError
 from bus.events import TextDelta
 from store.codec import pack_model
 from store.domain.effects import EffectCounters
@@ -155,8 +154,7 @@ class ModelWorker:
             if not streamed and reply.message.text:  # a model that does not stream
                 on_text(reply.message.text)
             answer = answer_of(reply)
-        with contextlib.suppress(Exception):  # advisory: the text before the answer
-            await self._publisher.flush()
+        await self._publisher.flush()  # the text before the answer (advisory: never raises)
         return answer
 
     async def cancel(self, gen_id: str, epoch: int) -> bool:
@@ -167,8 +165,10 @@ class ModelWorker:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.dep.settings.models.sweep_s)  # the sweep's period
-            with contextlib.suppress(Exception):  # Redis away: the next sweep
+            try:
                 await self._sweep()
+            except PhaselineError as exc:  # Redis away: the next sweep
+                log.warning("model worker sweep: %s", exc)
 
     async def _sweep(self) -> None:
         """Drop the generations whose asker died and that no turn will take."""
@@ -179,13 +179,10 @@ class ModelWorker:
         with translated("read the turns of unattended generations"):
             async with self._client.pipeline(transaction=False) as pipe:
                 for turn_id in turns:
-                    pipe.hmget(self.dep.keys.turn(turn_id), "in_progress", "epoch")
+                    pipe.hget(self.dep.keys.turn(turn_id), "in_progress")
                 replies = await pipe.execute()
-        for turn_id, (in_progress, epoch) in zip(turns, replies, strict=True):
-            if in_progress is None:
-                states[turn_id] = None
-            else:
-                states[turn_id] = (text(in_progress) == "1", int(text(epoch or b"0")))
+        for turn_id, in_progress in zip(turns, replies, strict=True):
+            states[turn_id] = None if in_progress is None else text(in_progress) == "1"
         for gen_id in self._table.sweep(states):
             log.info("generation %s dropped: its turn will not take it", gen_id)
 

@@ -309,8 +309,8 @@ class Generation:
     """When it began (monotonic)."""
 
 
-#: A turn's state as the sweep reads it: (in progress, epoch); None: no record.
-TurnState = tuple[bool, int] | None
+#: A turn's state as the sweep reads it: whether it is in progress; None: no record.
+TurnState = bool | None
 
 
 class GenerationTable:
@@ -404,8 +404,7 @@ class GenerationTable:
         now = time.monotonic()
         dropped = []
         for g in self.unattended():
-            state = states.get(g.turn_id)
-            ended = state is None or not state[0]
+            ended = not states.get(g.turn_id)
             stale = g.done_at is not None and now - g.done_at > self.keep_s
             if ended or stale:
                 g.task.cancel()
