@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from actors.engine.models import generations
 from actors.engine.models.generations import (
     GenerationAnswer,
     GenerationAsk,
@@ -131,23 +132,28 @@ async def test_cancel_ends_a_generation_where_it_runs_unless_a_newer_one_owns_it
     assert len(table) == 0
 
 
-async def test_the_sweep_drops_what_no_turn_will_take() -> None:
+async def test_the_sweep_drops_what_no_turn_will_take(monkeypatch: pytest.MonkeyPatch) -> None:
     table = GenerationTable(keep_s=0.01)
-    running, finished, kept = Gate(), Gate(), Gate()
-    finished.go.set()
-    kept.go.set()
-    tasks = [
+    running, finished, taken = Gate(), Gate(), Gate()
+    orphans = [
         asyncio.create_task(table.answer("run", "ended", 1, running)),
         asyncio.create_task(table.answer("fin", "old", 1, finished)),
-        asyncio.create_task(table.answer("keep", "live", 1, kept)),
+        asyncio.create_task(table.answer("gone", "purged", 1, Gate())),
     ]
     await asyncio.sleep(0)
-    tasks[0].cancel()  # its asker died
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.sleep(0.02)  # past keep_s for the finished ones
-    assert table.turns_unattended() == ["ended", "live", "old"]
-    dropped = table.sweep({"ended": False, "old": True, "live": None})
-    assert sorted(dropped) == ["fin", "keep", "run"] and len(table) == 0 and table.dropped == 3
+    for task in orphans:  # their askers died
+        task.cancel()
+    await asyncio.gather(*orphans, return_exceptions=True)
+    finished.go.set()
+    taken.go.set()
+    assert (await table.answer("took", "live", 1, taken)).message is not None
+    await asyncio.sleep(0.02)  # "fin" is past keep_s
+    # Only the turns of generations nobody took are read; a turn that took its answer is not.
+    assert table.turns_unattended() == ["ended", "old", "purged"]
+    dropped = table.sweep({"ended": False, "old": True, "purged": None})
+    assert sorted(dropped) == ["fin", "gone", "run"] and len(table) == 1
+    monkeypatch.setattr(generations, "DELIVERED_KEEP_S", 0.01)
+    assert table.sweep({}) == ["took"] and table.dropped == 4
     table2, gate = GenerationTable(keep_s=600), Gate()
     orphan = asyncio.create_task(table2.answer("g", "live", 1, gate))
     await asyncio.sleep(0)

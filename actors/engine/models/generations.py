@@ -303,11 +303,18 @@ class Generation:
     """The call itself, independent of whoever waits on it."""
     waiting: int = 0
     """Callers waiting on it now (0: its asker died, or took the answer)."""
+    delivered: bool = False
+    """Its owner took its answer (kept a little longer, in case the owner died before it
+    journaled it)."""
     done_at: float | None = None
     """When it ended (monotonic)."""
     started_at: float = field(default_factory=time.monotonic)
     """When it began (monotonic)."""
 
+
+#: How long a generation whose owner took its answer is kept: the owner dying between taking
+#: it and journaling it is resumed within seconds, and takes it again.
+DELIVERED_KEEP_S = 60.0
 
 #: A turn's state as the sweep reads it: whether it is in progress; None: no record.
 TurnState = bool | None
@@ -371,6 +378,7 @@ class GenerationTable:
             g.waiting -= 1
         if epoch != g.owner:
             return _fenced(g)
+        g.delivered = True
         if epoch != g.started_by:
             self.adopted += 1
             return answer.model_copy(update={"adopted": True})
@@ -393,20 +401,27 @@ class GenerationTable:
         return True
 
     def unattended(self) -> list[Generation]:
-        """Generations nobody waits on: their asker died (or took the answer and moved on)."""
-        return [g for g in self._gens.values() if g.waiting == 0]
+        """Generations nobody waits on and nobody took: their asker died."""
+        return [g for g in self._gens.values() if g.waiting == 0 and not g.delivered]
 
     def sweep(self, states: Mapping[str, TurnState]) -> list[str]:
-        """Drop the unattended generations no turn will take: their turn is gone or no longer
-        in progress (cancelled, finished, purged), or a finished one kept past ``keep_s``.
-        ``states``: each unattended generation's turn, as its record says. The names
-        dropped."""
+        """Drop what no turn will take: an unattended generation whose turn is gone or no
+        longer in progress (cancelled, finished, purged; ``states``: each one's turn, as its
+        record says), one finished past ``keep_s``, and one its owner took past
+        :data:`DELIVERED_KEEP_S`. The names dropped."""
         now = time.monotonic()
         dropped = []
-        for g in self.unattended():
-            ended = not states.get(g.turn_id)
-            stale = g.done_at is not None and now - g.done_at > self.keep_s
-            if ended or stale:
+        for g in list(self._gens.values()):
+            if g.waiting:
+                continue
+            done_for = None if g.done_at is None else now - g.done_at
+            if g.delivered:
+                drop = done_for is not None and done_for > DELIVERED_KEEP_S
+            else:
+                drop = not states.get(g.turn_id) or (
+                    done_for is not None and done_for > self.keep_s
+                )
+            if drop:
                 g.task.cancel()
                 del self._gens[g.gen_id]
                 dropped.append(g.gen_id)
@@ -414,7 +429,8 @@ class GenerationTable:
         return dropped
 
     def turns_unattended(self) -> Sequence[str]:
-        """The turns whose state a sweep needs."""
+        """The turns whose state a sweep needs: those of unattended generations only (a turn
+        that took its answer costs the sweep nothing)."""
         return sorted({g.turn_id for g in self.unattended()})
 
     def cancel_all(self) -> None:
