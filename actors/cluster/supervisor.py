@@ -199,6 +199,7 @@ class Supervisor:
             self._holder = holder
         if await self.owners.renew(self._cluster, self._holder):
             return True
+        holder = await self.owners.holder()  # who took it: read after the refusal, not before
         self._lost = (
             f"namespace {self.dep.keys.namespace!r} is now held by "
             f"{holder.line() if holder else 'another cluster'}"

@@ -153,16 +153,26 @@ async def _fail_over_held(
     *,
     lag_s: float,
     unsent_bytes: int,
+    park_first: bool,
 ) -> tuple[float, float, dict[str, int]]:
     """SIGKILL the primary holding ``key`` under the writers, park them, wait for the
     failover and the rejoin; the seconds each took and the acknowledged saves lost. The
-    writers go on after."""
+    writers go on after. ``park_first``: park them before the kill, not at it (no save is
+    then in flight at the kill: one sent again to the promoted replica would carry its whole
+    record over a lost one and hide the loss)."""
     node = client.get_node_from_key(key)
     assert node is not None
     loop = asyncio.get_running_loop()
 
+    async def parked() -> None:
+        w.running.clear()
+        await w.until(lambda: w.parked == len(w.ids))
+
     def hold() -> None:  # called in fail_over's thread
         loop.call_soon_threadsafe(w.running.clear)
+
+    def park() -> None:  # called in fail_over's thread, before the kill
+        asyncio.run_coroutine_threadsafe(parked(), loop).result()
 
     # The writers park at the kill, so what the promoted replica holds is read before any
     # newer save could cover a lost one (a save carries the whole record: seq n + 1 lands
@@ -173,6 +183,7 @@ async def _fail_over_held(
         cluster.node_of_port(int(node.port)),
         lag_s=lag_s,
         unsent_bytes=unsent_bytes,
+        before_kill=park if park_first else None,
         on_kill=hold,
     )
     await w.until(lambda: w.parked == len(w.ids))
@@ -191,6 +202,7 @@ async def failover_under_saves(
     lag_s: float = 0.0,
     unsent_bytes: int = 0,
     payload_bytes: int = 0,
+    park_first: bool = False,
 ) -> FailoverReport:
     """Run the writers; once each has ``saves_before`` acknowledged saves, SIGKILL the primary
     of turn 0's slot (``lag_s``: its replica stopped that long first, and ``unsent_bytes``:
@@ -198,7 +210,8 @@ async def failover_under_saves(
     hold them, wait for its replica to take over and for the killed node to rejoin as a
     replica, count what the writers saw acknowledged and the cluster no longer has, and let
     them go on until each has ``saves_after`` more. ``payload_bytes``: the size of each save's
-    message (what the replica falls behind by)."""
+    message (what the replica falls behind by); ``park_first``: the writers are parked just
+    before the kill rather than at it (see :func:`_fail_over_held`)."""
     client = connect(cluster.url, cluster=True, retry_s=1.0)
     assert isinstance(client, RedisCluster)
     keys = KeyLayout("failover", shards=16)
@@ -209,7 +222,13 @@ async def failover_under_saves(
     try:
         await w.until(lambda: min(w.acked.values()) >= saves_before)
         failover_s, rejoined_s, lost = await _fail_over_held(
-            cluster, client, keys.turn(ids[0]), w, lag_s=lag_s, unsent_bytes=unsent_bytes
+            cluster,
+            client,
+            keys.turn(ids[0]),
+            w,
+            lag_s=lag_s,
+            unsent_bytes=unsent_bytes,
+            park_first=park_first,
         )
         marks = dict(w.acked)
         await w.until(lambda: all(w.acked[t] >= marks[t] + saves_after for t in ids))

@@ -283,6 +283,7 @@ class EmbeddedCluster:
         *,
         lag_s: float = 0.0,
         unsent_bytes: int = 0,
+        before_kill: Callable[[], None] | None = None,
         on_kill: Callable[[], None] | None = None,
     ) -> tuple[float, float]:
         """SIGKILL a primary, wait until its replica serves its slots, start it again and wait
@@ -297,7 +298,8 @@ class EmbeddedCluster:
         that are not even in the kernel's socket buffers (:meth:`unsent_to_replicas`). A
         stopped process's socket still takes a few MB, and a replica that read them when let
         go lost nothing: time alone opened the window only on a machine fast enough to write
-        past them. ``on_kill`` is called right after the SIGKILL."""
+        past them. ``before_kill`` is called just before the SIGKILL, ``on_kill`` right after
+        it."""
         stopped = None
         if lag_s > 0 or unsent_bytes > 0:
             stopped = self.replica_of(primary)
@@ -308,6 +310,8 @@ class EmbeddedCluster:
                 lambda: self.unsent_to_replicas(primary) >= unsent_bytes,
                 f"{unsent_bytes} bytes held for the stopped replica",
             )
+        if before_kill is not None:
+            before_kill()
         down = time.monotonic()
         primary.kill()
         if on_kill is not None:

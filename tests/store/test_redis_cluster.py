@@ -66,7 +66,9 @@ async def test_without_wait_a_lagging_replica_loses_acknowledged_saves() -> None
     """The known window, shown: under ``ack`` the saves a primary acknowledged while its
     replica lagged (2 s, and 2 MB held for it beyond its socket's buffers) are gone once that
     replica takes over (so the harness above can see a loss, and ``replicas:1`` is what
-    closes it)."""
+    closes it). The writers park before the kill: a save in flight at it is sent again to
+    the promoted replica (the transport resends a round trip its connection lost) and, being
+    the whole record, covers the loss it would show."""
     with EmbeddedCluster() as cluster:
         report = await failover_under_saves(
             cluster,
@@ -75,6 +77,7 @@ async def test_without_wait_a_lagging_replica_loses_acknowledged_saves() -> None
             lag_s=2.0,
             unsent_bytes=2_000_000,
             payload_bytes=32_000,
+            park_first=True,
         )
     assert report.lost_turns > 0 and report.lost_saves > 0, report
 
