@@ -47,11 +47,11 @@ def _settings(namespace: str) -> Settings:
 async def _asked(base_url: str, before: int, n: int) -> None:
     """Wait until the endpoint has received ``n`` requests since ``before`` (with 2 s to
     answer each, none is answered yet)."""
-    await eventually(
-        lambda: asyncio.sleep(0, _stats(base_url)["requests"] - before >= n),
-        timeout=60,
-        what=f"{n} model calls at the endpoint",
-    )
+
+    async def asked() -> bool:
+        return bool(_stats(base_url)["requests"] - before >= n)
+
+    await eventually(asked, timeout=60, what=f"{n} model calls at the endpoint")
 
 
 def _calls(finals: dict[str, CheckpointRecord]) -> int:

@@ -92,11 +92,13 @@ class Gate:
 
     def __init__(self) -> None:
         self.go = asyncio.Event()
+        self.started = asyncio.Event()
         self.starts = 0
         self.owners: list[int] = []
 
     async def __call__(self, owner: Callable[[], int]) -> GenerationAnswer:
         self.starts += 1
+        self.started.set()
         await self.go.wait()
         self.owners.append(owner())
         return answer_of(LLMReply(Message(role="assistant", text="done")))
@@ -105,7 +107,7 @@ class Gate:
 async def test_a_newer_incarnation_adopts_a_generation_its_dead_asker_left() -> None:
     table, gate = GenerationTable(keep_s=60), Gate()
     first = asyncio.create_task(table.answer("g", "t1", 1, gate))
-    await asyncio.sleep(0)  # the generation starts
+    await gate.started.wait()
     first.cancel()  # its asker dies: the generation goes on
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -125,43 +127,45 @@ async def test_a_newer_incarnation_adopts_a_generation_its_dead_asker_left() -> 
 async def test_cancel_ends_a_generation_where_it_runs_unless_a_newer_one_owns_it() -> None:
     table, gate = GenerationTable(keep_s=60), Gate()
     waiter = asyncio.create_task(table.answer("g", "t1", 2, gate))
-    await asyncio.sleep(0)
+    await gate.started.wait()
     assert not table.cancel("g", 1)  # a fenced incarnation cannot end it
     assert table.cancel("g", 2)
     assert (await waiter).failure is ModelFailure.CANCELLED
     assert len(table) == 0
 
 
-async def test_the_sweep_drops_what_no_turn_will_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    table = GenerationTable(keep_s=0.01)
-    running, finished, taken = Gate(), Gate(), Gate()
+async def test_the_sweep_drops_what_no_turn_will_take() -> None:
+    now = [0.0]
+    table = GenerationTable(keep_s=10, clock=lambda: now[0])
+    running, finished, taken, gone = Gate(), Gate(), Gate(), Gate()
     orphans = [
         asyncio.create_task(table.answer("run", "ended", 1, running)),
         asyncio.create_task(table.answer("fin", "old", 1, finished)),
-        asyncio.create_task(table.answer("gone", "purged", 1, Gate())),
+        asyncio.create_task(table.answer("gone", "purged", 1, gone)),
     ]
-    await asyncio.sleep(0)
+    for gate in (running, finished, gone):
+        await gate.started.wait()
     for task in orphans:  # their askers died
         task.cancel()
     await asyncio.gather(*orphans, return_exceptions=True)
     finished.go.set()
     taken.go.set()
     assert (await table.answer("took", "live", 1, taken)).message is not None
-    await asyncio.sleep(0.02)  # "fin" is past keep_s
+    now[0] = 11.0  # "fin" is past keep_s
     # Only the turns of generations nobody took are read; a turn that took its answer is not.
     assert table.turns_unattended() == ["ended", "old", "purged"]
     dropped = table.sweep({"ended": False, "old": True, "purged": None})
     assert sorted(dropped) == ["fin", "gone", "run"] and len(table) == 1
-    monkeypatch.setattr(generations, "DELIVERED_KEEP_S", 0.01)
+    now[0] += generations.DELIVERED_KEEP_S
     assert table.sweep({}) == ["took"] and table.dropped == 4
     table2, gate = GenerationTable(keep_s=600), Gate()
     orphan = asyncio.create_task(table2.answer("g", "live", 1, gate))
-    await asyncio.sleep(0)
+    await gate.started.wait()
     orphan.cancel()
     await asyncio.gather(orphan, return_exceptions=True)
     assert table2.sweep({"live": True}) == []  # in progress: its resumed turn may come
     assert len(table2) == 1
-    table2.cancel_all()
+    assert table2.cancel("g", 1)
 
 
 async def test_a_request_asked_again_after_a_failure_is_tried_again() -> None:

@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol
@@ -308,8 +308,6 @@ class Generation:
     journaled it)."""
     done_at: float | None = None
     """When it ended (monotonic)."""
-    started_at: float = field(default_factory=time.monotonic)
-    """When it began (monotonic)."""
 
 
 #: How long a generation whose owner took its answer is kept: the owner dying between taking
@@ -323,8 +321,10 @@ TurnState = bool | None
 class GenerationTable:
     """The generations of one worker, by name."""
 
-    def __init__(self, *, keep_s: float) -> None:
+    def __init__(self, *, keep_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.keep_s = keep_s
+        self._clock = clock
+        """Seconds, for when a generation ended and how long ago."""
         self._gens: dict[str, Generation] = {}
         self.started = 0
         """Generations started here."""
@@ -335,11 +335,6 @@ class GenerationTable:
 
     def __len__(self) -> int:
         return len(self._gens)
-
-    def owner_of(self, gen_id: str) -> int | None:
-        """The epoch the generation answers (None: not here)."""
-        g = self._gens.get(gen_id)
-        return None if g is None else g.owner
 
     async def answer(
         self,
@@ -389,7 +384,7 @@ class GenerationTable:
         return default if g is None else g.owner
 
     def _ended(self, g: Generation, _task: object) -> None:
-        g.done_at = time.monotonic()
+        g.done_at = self._clock()
 
     def cancel(self, gen_id: str, epoch: int) -> bool:
         """End generation ``gen_id`` where it runs, if ``epoch`` may (not a fenced one)."""
@@ -409,7 +404,7 @@ class GenerationTable:
         longer in progress (cancelled, finished, purged; ``states``: each one's turn, as its
         record says), one finished past ``keep_s``, and one its owner took past
         :data:`DELIVERED_KEEP_S`. The names dropped."""
-        now = time.monotonic()
+        now = self._clock()
         dropped = []
         for g in list(self._gens.values()):
             if g.waiting:
@@ -432,11 +427,6 @@ class GenerationTable:
         """The turns whose state a sweep needs: those of unattended generations only (a turn
         that took its answer costs the sweep nothing)."""
         return sorted({g.turn_id for g in self.unattended()})
-
-    def cancel_all(self) -> None:
-        for g in self._gens.values():
-            g.task.cancel()
-        self._gens.clear()
 
 
 def _failed(g: Generation) -> bool:
