@@ -34,7 +34,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     echo "$WANT" > "$STAMP"
 fi
 if [[ ",$EXTRAS," == *",llm,"* ]]; then
-    # llama.cpp's own C++ server, from the same pinned source: built once (4-10 minutes),
+    # llama.cpp's own C++ server, from the same pinned source: built once (minutes),
     # cached outside the checkout; a no-op once cached.
     PYTHON="$VENV/bin/python" "$ROOT/scripts/build_llama_server" >/dev/null
 fi
