@@ -151,6 +151,23 @@ class AwaitingAdmission(RateLimitedLLMError):
     provider's pause after a 429): nothing was sent. Waited for like a rate-limit refusal, but
     not an error of the turn."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        held_s: float = 0.0,
+        status: int | None = None,
+        code: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            message, retry_after_s=retry_after_s, status=status, code=code, request_id=request_id
+        )
+        self.held_s = held_s
+        """Seconds the call was already held where it runs (a model worker waits for the
+        limiter itself before it answers this): part of the turn's rate-limit wait."""
+
 
 class ContextLengthError(LLMError):
     """The transcript no longer fits the model's context window; compaction may help."""

@@ -51,7 +51,13 @@ from actors.engine.models.generations import (
 )
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
-from bus.errors import LLMError, PhaselineError, RecordError, RetryableLLMError
+from bus.errors import (
+    AwaitingAdmission,
+    LLMError,
+    PhaselineError,
+    RecordError,
+    RetryableLLMError,
+)
 from bus.events import TextDelta
 from store.codec import pack_model
 from store.domain.effects import EffectCounters
@@ -65,6 +71,13 @@ log = logging.getLogger(__name__)
 
 #: How long a host waits for a dead model worker to be back (Ray restarts it in place).
 RESTART_WAIT_S = 30.0
+
+#: How long a worker holds a call the cluster's limiter holds back, waiting and asking the
+#: limiter again itself, before it answers the asker that the call still waits (the asker
+#: counts that time against its rate-limit cap and asks again, or gives up). Held here, the
+#: call keeps its ticket, so its place in the limiter's line, and no round trip to the host
+#: carries the transcript again for each wait.
+HOLD_S = 30.0
 
 #: Times one call is asked again after its worker died, before the turn's own retry policy
 #: takes over (a worker that dies on every try is a fault, not bad luck).
@@ -142,7 +155,7 @@ class ModelWorker:
                     self._effects,
                 )
             )
-            reply = await client.complete(request.request(on_text))
+            reply = await self._admitted(client, request.request(on_text))
         except LLMError as exc:
             answer = failure_of(exc)
         except Exception as exc:  # the agent's own model code failed: the loop's error
@@ -156,6 +169,23 @@ class ModelWorker:
             answer = answer_of(reply)
         await self._publisher.flush()  # the text before the answer (advisory: never raises)
         return answer
+
+    async def _admitted(self, client: LLMClient, request: LLMRequest) -> LLMReply:
+        """The client's reply, waiting here while the cluster's limiter holds the call back,
+        up to :data:`HOLD_S` or the deployment's rate-limit cap (then
+        :class:`AwaitingAdmission`, with the time held)."""
+        cap = min(HOLD_S, self.dep.settings.loop.rate_limit_max_wait_s)
+        held = 0.0
+        while True:
+            try:
+                return await client.complete(request)
+            except AwaitingAdmission as exc:
+                wait = max(exc.retry_after_s or 0.0, 0.001)
+                if held + wait > cap:
+                    exc.held_s = held
+                    raise
+            await asyncio.sleep(wait)  # the limiter's own wait: nothing to wake it sooner
+            held += wait
 
     async def cancel(self, gen_id: str, epoch: int) -> bool:
         """End a generation where it runs; False if it is not here or a newer incarnation
@@ -262,6 +292,12 @@ class RemoteModel:
         self.model = str(getattr(local, "model", "unknown"))
         self._current: tuple[ModelWorkerRef, str] | None = None
         """The worker and name of the call in flight."""
+        self._repaid = 0
+        """Generations lost with their worker since the loop last took the count."""
+
+    def take_repaid(self) -> int:
+        repaid, self._repaid = self._repaid, 0
+        return repaid
 
     def end_call(self) -> None:
         """End the call in flight where it runs: the turn was cancelled, or its watchdog's
@@ -285,6 +321,7 @@ class RemoteModel:
                 raw = await ask(ref, None)
             except RayActorError as exc:
                 repaid += 1
+                self._repaid += 1
                 log.warning(
                     "model worker died during %s's call (%d): %s", request.turn_id, repaid, exc
                 )
@@ -296,4 +333,4 @@ class RemoteModel:
             self._current = None
             if not isinstance(raw, bytes):
                 raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
-            return reply_of(unpack_answer(raw), repaid=repaid)
+            return reply_of(unpack_answer(raw))

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 
 from actors.cluster.deployment import (
     Deployment,
@@ -397,14 +398,25 @@ class Runtime(FrontDesk):
         """Worker ``index`` of a tool pool, if it is registered."""
         return ToolWorkerRef.named(self.dep.tool_worker_name(pool, index))
 
-    async def kill_host(self, slot: int, sig: int = signal.SIGKILL) -> int:
-        """Send ``sig`` to the process of a host (for demos and chaos); returns its pid."""
-        host = await self.hosts.handle(slot)
-        if host is None:
-            raise PhaselineError(f"host slot {slot} has no live actor")
-        pid = (await host.hello()).pid
-        os.kill(pid, sig)
-        return pid
+    async def kill_host(self, slot: int, sig: int = signal.SIGKILL, wait_s: float = 30.0) -> int:
+        """Send ``sig`` to the process of a host (for demos and chaos); returns its pid. A host
+        the supervisor replaced between the lookup and its answer (slow to answer a ping on a
+        busy machine) is followed to its successor, for up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            host = await self.hosts.handle(slot)
+            if host is None and time.monotonic() > deadline:
+                raise PhaselineError(f"host slot {slot} has no live actor")
+            if host is not None:
+                try:
+                    pid = (await host.hello()).pid
+                except RayActorError:
+                    if time.monotonic() > deadline:
+                        raise PhaselineError(f"host slot {slot} died before it answered") from None
+                else:
+                    os.kill(pid, sig)
+                    return pid
+            await asyncio.sleep(0.1)  # the supervisor is bringing the slot's next generation
 
     async def respawns(self) -> int:
         with translated("read supervisor stats"):

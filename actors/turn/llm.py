@@ -57,9 +57,6 @@ class LLMReply:
     adopted: bool = False
     """It comes from a generation an earlier incarnation of the turn asked for and this one
     adopted (it was not asked for, nor paid, again)."""
-    repaid: int = 0
-    """Generations of this call lost with the worker that ran them and asked again: each was
-    paid (its partial tokens unknown) and paid again."""
 
 
 #: The slowest rate a limit may name, a minute: one a day. Slower ones overflow the limiter's
@@ -153,4 +150,10 @@ class RemoteCalls(Protocol):
 
     def end_call(self) -> None:
         """End the call in flight where it runs (not awaited)."""
+        ...
+
+    def take_repaid(self) -> int:
+        """Generations lost with the worker that ran them, and asked for again, since the last
+        take: each was paid (its partial tokens unknown) and is paid again. Taken after every
+        call, whatever came of it (a call asked again may then be held back or fail)."""
         ...

@@ -178,7 +178,9 @@ class TurnLoop(ToolSteps, ModelSteps):
                 answer = await self._call_llm(tools_enabled=tools_enabled, more_room=more_room)
             except LLMError as exc:
                 problem = problem_of(exc)
-                if not isinstance(exc, AwaitingAdmission):  # held back here: no error
+                if isinstance(exc, AwaitingAdmission):  # held back: no error of the turn
+                    self._held_for_admission(exc.held_s)
+                else:
                     self._note_error(problem, str(exc), exc)
                 asked = exc.retry_after_s if isinstance(exc, RateLimitedLLMError) else None
                 decision = self._decide(problem, retry_after_s=asked)
@@ -268,6 +270,15 @@ class TurnLoop(ToolSteps, ModelSteps):
         log.warning("turn %s: aborted (%s): %s", self.turn_id, decision.cause.value, detail)
         self._recovering(problem, action, detail)
         return await self._finish(Outcome.aborted_by(decision.cause))
+
+    def _held_for_admission(self, held_s: float) -> None:
+        """Count the time a model worker already held the call for the cluster's limiter
+        against the call's rate-limit cap, as if the loop had waited it here."""
+        if held_s > 0:
+            c = self._counters
+            self._counters = c.model_copy(
+                update={"rate_limit_waited_ms": c.rate_limit_waited_ms + int(held_s * 1000)}
+            )
 
     async def _wait_rate_limit(
         self, decision: Decision, problem: Problem, detail: str, *, asked: bool

@@ -11,6 +11,7 @@ import logging
 from actors.turn.llm import LLMReply, LLMRequest, RemoteCalls
 from actors.turn.loop_state import CancelNow, LoopState
 from bus.errors import (
+    AwaitingAdmission,
     ContextLengthError,
     HardIdleTimeout,
     LLMError,
@@ -32,8 +33,6 @@ class ModelSteps(LoopState):
 
     async def _call_llm(self, *, tools_enabled: bool, more_room: bool = False) -> LLMReply:
         await self._note_step()
-        c = self._counters
-        self._counters = c.model_copy(update={"model_calls": c.model_calls + 1})
         streamed = False
 
         def on_text(piece: str) -> None:
@@ -72,25 +71,26 @@ class ModelSteps(LoopState):
                 raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
         reply = task.result()
-        if reply.adopted or reply.repaid:
+        if reply.adopted:
             c = self._counters
-            self._counters = c.model_copy(
-                update={
-                    "generations_adopted": c.generations_adopted + reply.adopted,
-                    "generations_repaid": c.generations_repaid + reply.repaid,
-                }
-            )
+            self._counters = c.model_copy(update={"generations_adopted": c.generations_adopted + 1})
         if not streamed and not reply.published and reply.message.text:  # all at once
             on_text(reply.message.text)
         return reply
 
     async def _replied(self, request: LLMRequest, started_ms: int) -> LLMReply:
-        """The model's reply; either way the call ends, a :class:`ModelReplied` says how."""
+        """The model's reply; either way the call ends, a :class:`ModelReplied` says how.
+        A call the cluster's limiter held back was never sent: it is not a model call (the
+        counter is what the endpoint was asked, whatever came of it)."""
         llm = self.deps.llm
         system = str(getattr(llm, "system", "unknown"))  # optional: see LLMClient
         model = str(getattr(llm, "model", "unknown"))
+        sent = True
         try:
             reply = await llm.complete(request)
+        except AwaitingAdmission:
+            sent = False
+            raise
         except LLMError as exc:
             self._emit(
                 ModelReplied(
@@ -104,6 +104,16 @@ class ModelSteps(LoopState):
                 )
             )
             raise
+        finally:
+            c = self._counters
+            repaid = llm.take_repaid() if isinstance(llm, RemoteCalls) else 0
+            self._counters = c.model_copy(
+                update={
+                    # a call cancelled in flight was sent all the same
+                    "model_calls": c.model_calls + sent,
+                    "generations_repaid": c.generations_repaid + repaid,
+                }
+            )
         u = reply.usage or Usage()
         self._emit(
             ModelReplied(

@@ -28,6 +28,7 @@ from actors.harness.http_agents import add
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.tools import ToolRegistry
 from bus.errors import (
+    AwaitingAdmission,
     ContextLengthError,
     FatalLLMError,
     RateLimitedLLMError,
@@ -69,13 +70,17 @@ def test_an_answer_carries_a_reply_or_its_typed_failure() -> None:
     reply = LLMReply(
         Message(role="assistant", text="4"), Usage(prompt_tokens=3), finish_reason="stop"
     )
-    back = reply_of(unpack_answer(pack_model(answer_of(reply))), repaid=1)
+    back = reply_of(unpack_answer(pack_model(answer_of(reply))))
     assert back.message == reply.message and back.usage == reply.usage
-    assert back.published and back.repaid == 1 and not back.adopted
+    assert back.published and not back.adopted
     limited = failure_of(RateLimitedLLMError("slow down", retry_after_s=2.5, status=429))
     with pytest.raises(RateLimitedLLMError) as got:
         reply_of(limited)
     assert got.value.retry_after_s == 2.5 and got.value.status == 429
+    held = AwaitingAdmission("the limiter holds it", retry_after_s=0.5, held_s=30.0)
+    with pytest.raises(AwaitingAdmission) as waits:  # the time a worker held it travels back
+        reply_of(unpack_answer(pack_model(failure_of(held))))
+    assert (waits.value.retry_after_s, waits.value.held_s) == (0.5, 30.0)
     for exc, kind in ((ContextLengthError("long"), ContextLengthError),
                       (RetryableLLMError("503"), RetryableLLMError),
                       (FatalLLMError("401"), FatalLLMError)):  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from actors.turn.poison import ISOLATE_AFTER
 from actors.turn.run_result import RunStop, TurnOutcome
 from actors.turn.settings import LoopSettings
 from actors.turn.watchdog import WatchdogSettings
-from bus.errors import StoreError, StoreUnavailable, TurnNotRunning
+from bus.errors import AwaitingAdmission, StoreError, StoreUnavailable, TurnNotRunning
 from bus.messages import ToolResult
 from bus.outcomes import Outcome, SaveReason
 from bus.phase import Transition, TurnPhase
@@ -673,3 +674,55 @@ async def test_an_unreachable_redis_is_asked_about_once_at_the_end_of_a_run(
     stopped = [TurnOutcome.stopped(f"t{i}", RunStop.INTERRUPTED, 1) for i in range(5)]
     left = await still_in_progress(engine.store, stopped, skip=set())
     assert left == [f"t{i}" for i in range(5)] and asked == ["t0"]
+
+
+class WorkerLikeLLM:
+    """A model client whose calls run elsewhere (:class:`~actors.turn.llm.RemoteCalls`, as a
+    model worker's do): its first ask comes back held by the cluster's limiter after
+    ``held_s`` there, one generation lost with its worker on the way; then the scripted
+    model answers."""
+
+    def __init__(self, inner: ScriptedLLM, held_s: float) -> None:
+        self.inner = inner
+        self.held_s = held_s
+        self.asks = 0
+        self._repaid = 0
+
+    def end_call(self) -> None:
+        pass
+
+    def take_repaid(self) -> int:
+        repaid, self._repaid = self._repaid, 0
+        return repaid
+
+    async def complete(self, request: LLMRequest) -> LLMReply:
+        self.asks += 1
+        if self.asks == 1:
+            self._repaid += 1
+            raise AwaitingAdmission("held", retry_after_s=0.01, held_s=self.held_s)
+        return await self.inner.complete(request)
+
+
+@pytest.mark.parametrize(
+    ("held_s", "outcome", "calls"), [(0.05, "answered", 2), (0.3, "aborted:rate_limited", 0)]
+)
+async def test_a_call_held_by_the_limiter_is_no_model_call_and_its_hold_counts_to_the_cap(
+    real_client: aioredis.Redis, keys: KeyLayout, held_s: float, outcome: str, calls: int
+) -> None:
+    """What the endpoint was asked is what ``model_calls`` counts (a call the limiter held back
+    was never sent); a generation lost with its worker is counted repaid even when the ask
+    that followed was held; the time a worker held the call counts against the rate-limit
+    cap (0.2 s here) as if the loop had waited it."""
+    engine = make_engine(real_client, keys, watchdog=None)
+    sc = scenario(rounds=1, tools_per_round=1)
+    record = await engine.submit(*scripted_turn(sc), f"held{held_s}")
+    model = WorkerLikeLLM(ScriptedLLM(sc, baseline=record.baseline), held_s)
+    settings = dataclasses.replace(FAST, rate_limit_max_wait_s=0.2)
+    loop = await engine.build_loop(
+        record, await engine.store.load_spec(record.turn_id), llm=model, settings=settings
+    )
+    result = await engine.drive(loop)
+    final = await engine.store.load(record.turn_id)
+    assert result.outcome == final.counters.outcome == outcome
+    assert (final.counters.model_calls, model.asks) == (calls, calls + 1)
+    assert final.counters.generations_repaid == 1

@@ -381,17 +381,21 @@ async def test_with_the_limit_declared_the_cluster_keeps_to_it(
     real_client: aioredis.Redis, keys: KeyLayout, endpoint: str, rate_limit: Callable[..., None]
 ) -> None:
     """The same burst, the agent declaring the endpoint's limit: calls wait in the cluster's
-    limiter instead of being refused (at most 10 % refused), and every turn answers."""
+    limiter instead of being refused (at most 10 % refused), and every turn answers. A call
+    the limiter held back was never sent: the turns' model calls are the endpoint's requests."""
     rate_limit(rpm=600, burst=5, headers=True)
     ids = [f"decl-{i}" for i in range(20)]
     engine = TurnEngine(real_client, keys, EngineSettings(loop=FAST, watchdog=None))
+    before = stats_of(endpoint)["requests"]
     stats = await engine.run_new(LIMITED, ask(2), ids)
     seen = stats_of(endpoint)
     assert stats.outcomes == {"answered": 20}
     assert seen["accepted"] >= 60 and seen["refused"] <= 0.1 * seen["accepted"], seen
-    for tid in ids:  # held back by the limiter is no error of the turn
-        error = (await engine.store.load(tid)).counters.last_error
+    records = [await engine.store.load(tid) for tid in ids]
+    for record in records:  # held back by the limiter is no error of the turn
+        error = record.counters.last_error
         assert error is None or error.status == 429, error
+    assert sum(r.counters.model_calls for r in records) == seen["requests"] - before
 
 
 async def test_tokens_are_summed_per_turn_and_a_budget_wraps_the_turn_up(

@@ -198,6 +198,9 @@ class GenerationAnswer(FrozenModel):
     """The provider's request id, if any."""
     retry_after_s: float | None = None
     """How long a rate limit asked to wait."""
+    held_s: float = 0.0
+    """Seconds the worker held the call for the cluster's limiter before it answered that it
+    still waits (the asker counts them against its rate-limit cap)."""
 
 
 _FAILURES: tuple[tuple[type[LLMError], ModelFailure], ...] = (
@@ -230,10 +233,11 @@ def failure_of(exc: LLMError) -> GenerationAnswer:
         code=exc.code,
         request_id=exc.request_id,
         retry_after_s=getattr(exc, "retry_after_s", None),
+        held_s=getattr(exc, "held_s", 0.0),
     )
 
 
-def reply_of(answer: GenerationAnswer, *, repaid: int = 0) -> LLMReply:
+def reply_of(answer: GenerationAnswer) -> LLMReply:
     """The reply an answer carries, or the typed error it stands for (:class:`StaleOwner`
     for a fenced one; one cancelled where it ran, not by this asker, is a transient error)."""
     if answer.failure is None and answer.message is not None:
@@ -244,7 +248,6 @@ def reply_of(answer: GenerationAnswer, *, repaid: int = 0) -> LLMReply:
             finish_reason=answer.finish_reason,
             published=True,
             adopted=answer.adopted,
-            repaid=repaid,
         )
     kw: dict[str, Any] = {
         "status": answer.status,
@@ -257,7 +260,9 @@ def reply_of(answer: GenerationAnswer, *, repaid: int = 0) -> LLMReply:
         case ModelFailure.CANCELLED:
             raise RetryableLLMError(f"the generation was cancelled where it ran: {answer.error}")
         case ModelFailure.AWAITING_ADMISSION:
-            raise AwaitingAdmission(answer.error, retry_after_s=answer.retry_after_s, **kw)
+            raise AwaitingAdmission(
+                answer.error, retry_after_s=answer.retry_after_s, held_s=answer.held_s, **kw
+            )
         case ModelFailure.RATE_LIMITED:
             raise RateLimitedLLMError(answer.error, retry_after_s=answer.retry_after_s, **kw)
         case ModelFailure.RETRYABLE:
