@@ -202,6 +202,17 @@ class ServiceRestarting(PhaselineError):
     repeated (translated ``RayActorError``)."""
 
 
+class PoisonGeneration(PhaselineError):
+    """A model call killed the worker that ran it, and then the isolation worker that ran it
+    alone, again: the poison-turn policy parks the turn (``suspended:poison``) instead of
+    letting it take more workers, and the generations on them, down."""
+
+    def __init__(self, message: str, deaths: int) -> None:
+        super().__init__(message)
+        self.deaths = deaths
+        """Workers that died under the call (the first one shared, the rest isolated)."""
+
+
 class SessionBusy(PhaselineError):
     """A session already has a turn in progress (or suspended): its next turn must wait.
 

@@ -158,6 +158,15 @@ class Deployment(BaseModel):
     def model_worker_name(self, index: int) -> str:
         return f"{self.settings.redis.namespace}.models.{index}"
 
+    def model_isolation_name(self) -> str:
+        """The model worker that runs a call alone after a worker died under it."""
+        return f"{self.settings.redis.namespace}.models.isolation"
+
+    def model_worker_names(self) -> list[str]:
+        """Every model worker's name, the isolation one last."""
+        shared = [self.model_worker_name(i) for i in range(self.settings.models.workers)]
+        return [*shared, self.model_isolation_name()]
+
     def tool_worker_name(self, pool: str, index: int) -> str:
         return f"{self.settings.redis.namespace}.tools.{pool}.{index}"
 

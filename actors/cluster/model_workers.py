@@ -8,6 +8,10 @@ the resumed turn, asking for the same request, reaches the same generation: stil
 it waits for it (its watchers never stopped seeing its text); finished, it takes the stored
 answer. Neither is asked for, nor paid, again. A worker that dies takes its generations with
 it: the host asks again (Ray restarts the worker under its name) and counts the call repaid.
+A call under which workers keep dying is judged as a poison turn's host deaths are
+(``actors.turn.poison``): after two deaths it runs alone on the isolation worker, and two
+deaths there park the turn (``suspended:poison``), so it cannot take down worker after worker
+and every generation on them.
 
 An operator's cancel and the watchdog's hard timeout end the generation where it runs
 (``RemoteModel.end_call``); any other end of the host's wait (the host stopping, a successor
@@ -51,10 +55,12 @@ from actors.engine.models.generations import (
 )
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+from actors.turn.poison import ISOLATE_AFTER, SAME_STEP_DEATHS
 from bus.errors import (
     AwaitingAdmission,
     LLMError,
     PhaselineError,
+    PoisonGeneration,
     RecordError,
     RetryableLLMError,
 )
@@ -79,10 +85,6 @@ RESTART_WAIT_S = 30.0
 #: carries the transcript again for each wait.
 HOLD_S = 30.0
 
-#: Times one call is asked again after its worker died, before the turn's own retry policy
-#: takes over (a worker that dies on every try is a fault, not bad luck).
-MAX_REPAID = 3
-
 
 class ModelWorker:
     """Runs model calls of many turns; one process, many generations at once."""
@@ -94,7 +96,9 @@ class ModelWorker:
         "max_concurrency": 10_000,
     }
 
-    def __init__(self, deployment_json: str) -> None:
+    def __init__(self, deployment_json: str, isolated: bool = False) -> None:
+        """``isolated``: the isolation worker, which runs one generation at a time, so a
+        death under it is the death of that call."""
         dep = Deployment.from_wire(deployment_json)
         tune_gc(dep.settings.host.gc_threshold)
         os.environ.update(dep.model_route.env)  # its process is its own
@@ -111,6 +115,7 @@ class ModelWorker:
             RedisBus(self._client, dep.keys, live=dep.settings.events.live())
         )
         self._table = GenerationTable(keep_s=dep.settings.models.keep_s)
+        self._alone: asyncio.Semaphore | None = asyncio.Semaphore(1) if isolated else None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def generate(self, gen_id: str, agent: str, epoch: int, wire: bytes) -> bytes:
@@ -136,7 +141,16 @@ class ModelWorker:
         self, agent: str, request: GenerationAsk, owner: Callable[[], int]
     ) -> GenerationAnswer:
         """The call itself: its text published as it streams (under the epoch that owns the
-        generation now), its answer or its typed failure."""
+        generation now), its answer or its typed failure; on the isolation worker, once no
+        other call runs."""
+        if self._alone is None:
+            return await self._generated(agent, request, owner)
+        async with self._alone:
+            return await self._generated(agent, request, owner)
+
+    async def _generated(
+        self, agent: str, request: GenerationAsk, owner: Callable[[], int]
+    ) -> GenerationAnswer:
         streamed = False
 
         def on_text(piece: str) -> None:
@@ -240,9 +254,13 @@ class RayModels:
         """The model client of one incarnation of a turn: ``local``'s calls, run on a worker."""
         return RemoteModel(self, local, spec.agent, spec.input, record.baseline, record.epoch)
 
-    def _pick(self, gen_id: str) -> ModelWorkerRef | None:
-        index = zlib.crc32(gen_id.encode()) % self.dep.settings.models.workers
-        name = self.dep.model_worker_name(index)
+    def _pick(self, gen_id: str, isolated: bool) -> ModelWorkerRef | None:
+        if isolated:
+            name = self.dep.model_isolation_name()
+        else:
+            name = self.dep.model_worker_name(
+                zlib.crc32(gen_id.encode()) % self.dep.settings.models.workers
+            )
         cached = self._handles.get(name)
         if cached is not None:
             return cached
@@ -251,14 +269,16 @@ class RayModels:
             self._handles[name] = worker
         return worker
 
-    async def worker(self, gen_id: str, *, after_death: bool) -> ModelWorkerRef | None:
-        """The worker of generation ``gen_id``; after its death, once it answers again (Ray
-        restarts it in place, so its handle stays good: no lookup by name, which blocks the
-        event loop on Ray's GCS while the actor restarts), None if it does not within
-        :data:`RESTART_WAIT_S`."""
+    async def worker(
+        self, gen_id: str, *, isolated: bool, after_death: bool
+    ) -> ModelWorkerRef | None:
+        """The worker of generation ``gen_id`` (placed by its name, or the isolation worker);
+        after a death, once it answers again (Ray restarts it in place, so its handle stays
+        good: no lookup by name, which blocks the event loop on Ray's GCS while the actor
+        restarts), None if it does not within :data:`RESTART_WAIT_S`."""
         deadline = time.monotonic() + RESTART_WAIT_S
         while time.monotonic() < deadline:
-            worker = self._pick(gen_id)
+            worker = self._pick(gen_id, isolated)
             if worker is not None:
                 if not after_death:
                     return worker
@@ -310,9 +330,14 @@ class RemoteModel:
     async def complete(self, request: LLMRequest) -> LLMReply:
         wire = pack_ask(GenerationAsk.of(request, self.turn_input, self.baseline))
         gen_id = generation_id(wire)
-        repaid = 0
+        deaths = 0
         while True:
-            worker = await self.models.worker(gen_id, after_death=repaid > 0)
+            # the poison-turn policy, for model calls: a worker runs many generations, so a
+            # death under this call is no evidence against it; after ISOLATE_AFTER the call
+            # runs alone on the isolation worker, where a death is its own, and after
+            # SAME_STEP_DEATHS there the turn is parked (PoisonGeneration)
+            isolated = deaths >= ISOLATE_AFTER
+            worker = await self.models.worker(gen_id, isolated=isolated, after_death=deaths > 0)
             if worker is None:
                 raise RetryableLLMError("no model worker is up")
             ref = worker.generate(gen_id, self.agent, self.epoch, wire)
@@ -320,14 +345,16 @@ class RemoteModel:
             try:
                 raw = await ask(ref, None)
             except RayActorError as exc:
-                repaid += 1
+                deaths += 1
                 self._repaid += 1
                 log.warning(
-                    "model worker died during %s's call (%d): %s", request.turn_id, repaid, exc
+                    "model worker died during %s's call (%d): %s", request.turn_id, deaths, exc
                 )
-                if repaid > MAX_REPAID:
-                    raise RetryableLLMError(
-                        f"the model worker died during this call {repaid} times"
+                if deaths - ISOLATE_AFTER >= SAME_STEP_DEATHS:
+                    raise PoisonGeneration(
+                        f"this model call killed its worker {ISOLATE_AFTER} times, then the "
+                        f"isolation worker {SAME_STEP_DEATHS} times running it alone",
+                        deaths,
                     ) from exc
                 continue
             self._current = None

@@ -165,8 +165,8 @@ class Supervisor:
                 _kill(name["name"])
         for role in services(self.dep):
             _kill(self.dep.name(role))
-        for i in range(self.dep.settings.models.workers):
-            _kill(self.dep.model_worker_name(i))
+        for name in self.dep.model_worker_names():
+            _kill(name)
         _lo, hi = self.dep.settings.tools.bounds()
         for pool in self.dep.tool_pools():
             for i in range(hi):
@@ -278,10 +278,10 @@ class Supervisor:
     def _model_workers(self) -> None:
         """Make sure the model workers run (Ray restarts a dead one in place; this starts
         the ones never started)."""
-        models = self.dep.settings.models
-        if models.remote:
-            for i in range(models.workers):
-                spawn(ModelWorker, self.dep.model_worker_name(i), self.dep.to_wire())
+        if self.dep.settings.models.remote:
+            isolation = self.dep.model_isolation_name()
+            for name in self.dep.model_worker_names():
+                spawn(ModelWorker, name, self.dep.to_wire(), name == isolation)
 
     def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> None:
         name = self.dep.tool_worker_name(pool, index)

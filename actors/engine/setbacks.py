@@ -13,10 +13,12 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+from actors.turn.poison import step_name
 from actors.turn.run_result import RunStop, TurnOutcome
-from bus.errors import ConfigError, StoreError
+from bus.errors import ConfigError, PoisonGeneration, StoreError
 from bus.events import LiveEvent, Recovering
 from bus.outcomes import Action, EngineProblem, Outcome, SaveReason
+from bus.phase import TurnPhase
 from store.records import (
     AGENT_FAILURES_TO_SUSPEND,
     RUN_FAILURES_TO_SUSPEND,
@@ -62,6 +64,8 @@ class Setbacks:
         checkpoint between them it is suspended with the error, as a poison turn is: it never
         spins on a live host, and the other turns go on."""
         tid = record.turn_id
+        if isinstance(exc, PoisonGeneration):  # judged where it ran: parked at once
+            return await self.poison_generation(record, exc)
         failures = self._failures[tid] = 1 if progressed else self._failures.get(tid, 0) + 1
         where = f"{socket.gethostname()} (pid {os.getpid()})"
         error = TurnError(
@@ -88,6 +92,21 @@ class Setbacks:
             )
         await asyncio.sleep(wait)  # backoff before the next run, not a synchronisation
         return await self._rerun(record)
+
+    async def poison_generation(
+        self, record: CheckpointRecord, exc: PoisonGeneration
+    ) -> TurnOutcome:
+        """A model call that killed its workers: suspended as a poison turn, the deaths kept
+        as its evidence (a step each, as the host policy keeps them)."""
+        error = TurnError(
+            source="model", kind="poison", at_ms=int(time.time() * 1000), message=str(exc)[:500]
+        )
+        step = step_name(TurnPhase.AWAITING_LLM.value, len(record.messages))
+        evidence = record.counters.isolated_deaths + (f"model_worker:{step}",) * exc.deaths
+        record = record.model_copy(
+            update={"counters": record.counters.model_copy(update={"isolated_deaths": evidence})}
+        )
+        return await self.park(record, Outcome.SUSPENDED_POISON, error)
 
     async def park(
         self, record: CheckpointRecord, outcome: Outcome, error: TurnError

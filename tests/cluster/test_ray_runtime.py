@@ -192,6 +192,34 @@ async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
         assert all(n == 1 for n in (await effects.counts(tid)).values()), tid
 
 
+async def test_a_model_call_that_kills_its_model_worker_parks_its_turn_and_no_other(
+    start_runtime: StartRuntime, real_client: aioredis.Redis
+) -> None:
+    """The same poison turn with its model calls on model workers: its third call SIGKILLs
+    the worker it runs on, twice (the generations of the others on it are asked again), then
+    the isolation worker twice running it alone, and the turn is parked; no host died, and
+    everyone else finishes correctly, each effect once."""
+    rt = await start_runtime(hosts=2, models={"remote": True, "workers": 2})
+    sc = scenario(rounds=4, tools=["echo", "counter_increment"], llm_latency_ms=100)
+    ids = [f"mok{i}" for i in range(8)]
+    await rt.submit(*scripted_turn(sc), ids)
+    await rt.submit(*scripted_turn(poison_variant(sc)), ["mbad"])
+    finals = await rt.wait([*ids, "mbad"], timeout=240)
+
+    bad = finals.pop("mbad")
+    assert bad.counters.outcome == "suspended:poison" and not bad.in_progress
+    (step,) = set(bad.counters.isolated_deaths)
+    assert step.startswith("model_worker:") and len(bad.counters.isolated_deaths) == 4
+    assert bad.counters.last_error is not None and bad.counters.last_error.kind == "poison"
+    assert bad.counters.resume_attempts == 0 and await rt.respawns() == 0
+    ref = await reference(real_client, sc, sorted(finals))
+    effects = EffectCounters(real_client, rt.dep.keys)
+    for tid, final in finals.items():
+        assert final.counters.outcome == "answered", tid
+        assert first_difference(final.messages, ref[tid].messages) is None, tid
+        assert all(n == 1 for n in (await effects.counts(tid)).values()), tid
+
+
 async def test_wait_reports_a_record_corrupted_mid_run_and_returns_the_others(
     start_runtime: StartRuntime, real_client: aioredis.Redis
 ) -> None:
