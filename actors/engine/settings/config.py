@@ -238,11 +238,11 @@ class ToolSettings(_Section):
 class ModelSettings(_Section):
     """The ``[models]`` section: where the model calls of Ray-hosted turns run."""
 
-    remote: bool = False
+    remote: bool = True
     """Run them on model workers, where a host's death does not end them (a resumed turn
-    adopts the generation); False: in the host, as in process (lost with it). Off by default
-    for now: a model call that kills the process it runs in (a poison turn) would take a model
-    worker and every generation on it, and the poison-turn policy judges hosts only."""
+    adopts the generation); False: in the host, as in process (lost with it). A call that
+    kills the worker it runs on is judged like a poison turn's host deaths: alone on the
+    isolation worker after two, parked after two more there."""
     workers: int = Field(default=2, ge=1, le=1024)
     """ModelWorker actors (each runs many generations at once). A generation is placed by its
     name over this many: changing it while turns run loses adoption of the ones in flight."""
