@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any, get_args
 
 from bus.errors import PhaselineError
-from bus.messages import ToolStatus
+from bus.messages import ToolStatus, storable
 from bus.outcomes import Action, EngineProblem, Outcome, Problem, SaveReason
 from bus.phase import Transition, TurnPhase
 
@@ -304,7 +304,10 @@ def encode_event(event: WatchEvent) -> dict[str, str | int]:
     fields: dict[str, str | int] = {"kind": _KIND_OF[type(event)]}
     for name in event.__slots__:
         value = getattr(event, name)
-        fields[name] = "" if value is None else int(value) if isinstance(value, bool) else value
+        if isinstance(value, str):  # a model's or a tool's text, as it streams: made storable
+            fields[name] = storable(value)
+        else:
+            fields[name] = "" if value is None else int(value) if isinstance(value, bool) else value
     return fields
 
 

@@ -165,6 +165,6 @@ async def test_text_utf8_cannot_hold_is_made_storable_on_ray(
         (final,) = (await rt.wait(["sur"], timeout=120)).values()
     finally:
         await rt.shutdown()
-    assert final.counters.outcome == "answered" and final.epoch == 1
+    assert final.counters.outcome == "answered" and final.epoch == 1, final.counters.last_error
     assert final.answer == "done \ufffd"
     assert [m.tool_result.output for m in final.messages if m.tool_result] == ["report-\ufffd.txt"]

@@ -214,6 +214,18 @@ def test_a_valid_bus_entry_round_trips() -> None:
             decode_bus_event(wire)
 
 
+def test_text_utf8_cannot_hold_is_made_storable_when_an_event_is_encoded() -> None:
+    """A model's streamed text or a tool's output may hold a lone surrogate (a JSON ``\\ud800``
+    escape): the event is encoded with U+FFFD in its place, not refused by Redis's client."""
+    for live in (
+        TextDelta("t1", 2, "done \ud800", 1),
+        ToolReturned("t1", 2, "c1", "files", "ok", "report-\udcff.txt", 3),
+    ):
+        wire = {k.encode(): str(v).encode() for k, v in encode_event(live).items()}
+        back = decode_event(wire)
+        assert "\ufffd" in str(back) and "\ud800" not in str(back) and "\udcff" not in str(back)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("status", "exploded"), ("outcome", "aborted:boredom"), ("problem", "gremlins"),
