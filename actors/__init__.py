@@ -24,6 +24,7 @@ _EXPORTS = {
     "scripted_turn": "actors.engine.models.scripted",
     "load_agent": "actors.engine.agents",
     "OpenAIChat": "actors.engine.models.openai_chat",
+    "OpenAIResponses": "actors.engine.models.openai_responses",
     "FrontDesk": "actors.engine.front_desk",
     "SessionSubmit": "actors.engine.front_desk",
     "IfBusy": "store.domain.sessions",
@@ -119,6 +120,7 @@ __all__ = [
     "ModelLimits",
     "NamespaceHeld",
     "OpenAIChat",
+    "OpenAIResponses",
     "Outcome",
     "PhaselineError",
     "RecordError",
@@ -171,6 +173,7 @@ if TYPE_CHECKING:
     from actors.engine.cancel import Cancelled
     from actors.engine.front_desk import FrontDesk, SessionSubmit
     from actors.engine.models.openai_chat import OpenAIChat
+    from actors.engine.models.openai_responses import OpenAIResponses
     from actors.engine.models.scenario import Scenario, load_scenario
     from actors.engine.models.scripted import scripted_turn
     from actors.engine.run_stats import RunStats

@@ -18,6 +18,9 @@ Layout (``ns`` is the configurable namespace, ``s`` the shard of the turn)::
                                             WatchEvent), capped, expires a day after its last
                                             entry or with its finished turn (store.views.streams,
                                             store.domain.retention)
+    {ns}:{s<N>}:response:<turn_id>  string  "<generation> <response id>": the provider's id of
+                                            the turn's model call in flight, for an endpoint
+                                            that keeps generations (store.domain.responses)
     {ns}:{s<N>}:session:<session>   hash    a session's turn count and latest turn id
                                             (store.domain.sessions)
     {ns}:{s<N>}:queue:<session>     list    a session's next turns, waiting for the one that
@@ -194,6 +197,9 @@ class KeyLayout:
 
     def live(self, turn_id: str) -> str:
         return self._turn_key("live", turn_id)
+
+    def response(self, turn_id: str) -> str:
+        return self._turn_key("response", turn_id)
 
     def session(self, session_id: str) -> str:
         shard = self.shard_of(check_session_id(session_id))

@@ -38,7 +38,7 @@ from actors.cluster.info import ServiceInfo
 from actors.cluster.refs import ModelWorkerRef, ask
 from actors.engine.agents import load_agent
 from actors.engine.gc_tuning import tune_gc
-from actors.engine.models.admission import RedisAdmission
+from actors.engine.models.context import ModelServices
 from actors.engine.models.generations import (
     GenerationAnswer,
     GenerationAsk,
@@ -53,8 +53,7 @@ from actors.engine.models.generations import (
     unpack_answer,
     unpack_ask,
 )
-from actors.turn.agent import ModelContext
-from actors.turn.llm import LLMClient, LLMReply, LLMRequest
+from actors.turn.llm import LLMClient, LLMReply, LLMRequest, RemoteCalls
 from actors.turn.poison import ISOLATE_AFTER, SAME_STEP_DEATHS
 from bus.errors import (
     AwaitingAdmission,
@@ -104,13 +103,13 @@ class ModelWorker:
         os.environ.update(dep.model_route.env)  # its process is its own
         self.dep = dep
         self._client = dep.connect(max_connections=64)
-        self._effects = EffectCounters(
+        effects = EffectCounters(
             connect(dep.effects_url, retry_s=dep.settings.redis.retry_s)
             if dep.effects_url
             else self._client,
             dep.keys,
         )
-        self._admission = RedisAdmission(self._client, dep.keys)
+        self._services = ModelServices(self._client, dep.keys, effects)
         self._publisher = BufferedPublisher(
             RedisBus(self._client, dep.keys, live=dep.settings.events.live())
         )
@@ -159,17 +158,16 @@ class ModelWorker:
             at = int(time.time() * 1000)
             self._publisher.add(TextDelta(request.turn_id, owner(), piece, at))
 
+        client: LLMClient | None = None
         try:
             client = load_agent(agent).client(
-                ModelContext(
-                    request.turn_id,
-                    request.input,
-                    request.baseline,
-                    self._admission,
-                    self._effects,
-                )
+                self._services.context(request.turn_id, request.input, request.baseline)
             )
             reply = await self._admitted(client, request.request(on_text))
+        except asyncio.CancelledError:  # ended here (a cancel, a sweep): at a provider too
+            if isinstance(client, RemoteCalls):  # one that keeps its generations
+                client.end_call()
+            raise
         except LLMError as exc:
             answer = failure_of(exc)
         except Exception as exc:  # the agent's own model code failed: the loop's error
@@ -181,6 +179,8 @@ class ModelWorker:
             if not streamed and reply.message.text:  # a model that does not stream
                 on_text(reply.message.text)
             answer = answer_of(reply)
+        if isinstance(client, RemoteCalls) and (repaid := client.take_repaid()):
+            answer = answer.model_copy(update={"repaid": repaid})  # its provider kept nothing
         await self._publisher.flush()  # the text before the answer (advisory: never raises)
         return answer
 
@@ -360,4 +360,6 @@ class RemoteModel:
             self._current = None
             if not isinstance(raw, bytes):
                 raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
-            return reply_of(unpack_answer(raw))
+            answer = unpack_answer(raw)
+            self._repaid += answer.repaid
+            return reply_of(answer)

@@ -23,7 +23,7 @@ from actors.engine.agents import (
     refuse_unrunnable,
 )
 from actors.engine.listeners import Listeners
-from actors.engine.models.admission import RedisAdmission
+from actors.engine.models.context import ModelServices
 from actors.engine.on_finish import load_on_finish, on_finish_of
 from actors.engine.probation import Probations
 from actors.engine.resume import (
@@ -45,7 +45,6 @@ from actors.engine.tools.toolrun import (
     ToolRunner,
 )
 from actors.engine.turn_checkpoints import TurnCheckpoints
-from actors.turn.agent import ModelContext
 from actors.turn.deps import Checkpointer, ProbationHooks, TurnDeps
 from actors.turn.loop import TurnLoop
 from actors.turn.run_result import RunStop, TurnOutcome
@@ -86,7 +85,7 @@ class TurnEngine(RunningTurns):
         self.effects = hooks.effects or EffectCounters(client, keys)
         self.inbox = Inbox(client, keys)
         self.approvals = Approvals(client, keys)
-        self.admission = RedisAdmission(client, keys)
+        self.model_services = ModelServices(client, keys, self.effects)
         self.isolation = Isolation(client, keys)
         self.sessions = Sessions(self.store)
         self.checkpoints: Checkpointer = hooks.checkpoints or GroupCommit(self.store)
@@ -384,9 +383,7 @@ class TurnEngine(RunningTurns):
             self.settings.on_agent_change,
             on_event=self.hooks.on_event,
         )
-        llm = agent.client(
-            ModelContext(record.turn_id, spec.input, record.baseline, self.admission, self.effects)
-        )
+        llm = agent.client(self.model_services.context(record.turn_id, spec.input, record.baseline))
         if self.hooks.models is not None:
             llm = self.hooks.models.client(llm, spec, record)
         wired = TurnDeps(

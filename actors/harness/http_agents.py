@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from actors.engine.models.openai_chat import OpenAIChat
+from actors.engine.models.openai_responses import OpenAIResponses
 from actors.turn.agent import Agent
 from actors.turn.llm import ModelLimits
 from actors.turn.tools import ToolContext, ToolRegistry, tool
@@ -19,6 +20,8 @@ __all__ = [
     "http_bump",
     "http_json",
     "http_limited_bench",
+    "http_responses",
+    "http_responses_polled",
     "http_stream",
 ]
 
@@ -64,6 +67,16 @@ http_json = dataclasses.replace(
 )
 #: Calls ``bump``, not idempotent: a duplicate run shows in its counter, counted from outside.
 http_bump = dataclasses.replace(http_stream, tools=ToolRegistry([add, bump]))
+#: :data:`http_bump` on OpenAI's Responses API, background responses followed after a crash.
+http_responses = dataclasses.replace(
+    http_bump,
+    model=OpenAIResponses(model="test-model", api_key_env=TEST_KEY_ENV, timeout_s=20),
+)
+#: The same without streaming: a background response polled until it ends.
+http_responses_polled = dataclasses.replace(
+    http_responses,
+    model=OpenAIResponses(model="test-model", api_key_env=TEST_KEY_ENV, stream=False),
+)
 
 
 def http_agent(model: str, **kw: object) -> Agent:

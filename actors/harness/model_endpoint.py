@@ -1,7 +1,8 @@
-"""A scripted OpenAI-compatible Chat Completions endpoint (an ASGI app run by uvicorn, the
-``console`` extra): what the tests, the chaos runs on the HTTP model path (``scripts/http_chaos``)
-and the model benchmarks (``scripts/rate_limit_bench.py``, ``scripts/model_overhead.py``) point
-their HTTP agents (:mod:`actors.harness.http_agents`) at.
+"""A scripted OpenAI-compatible endpoint, Chat Completions and the Responses API
+(:mod:`actors.harness.responses_endpoint`, ``background`` mode too), an ASGI app run by uvicorn
+(the ``console`` extra): what the tests, the chaos runs on the HTTP model path
+(``scripts/http_chaos``) and the model benchmarks (``scripts/rate_limit_bench.py``,
+``scripts/model_overhead.py``) point their HTTP agents (:mod:`actors.harness.http_agents`) at.
 
 It speaks the real protocol: JSON replies and SSE streams (``stream: true``, tool call arguments
 split across deltas, a usage chunk when ``stream_options.include_usage``), and error bodies in
@@ -71,6 +72,7 @@ from collections import Counter
 from typing import Any
 
 from actors.engine.settings.extras import Extra, needs
+from actors.harness import responses_endpoint
 
 Scope = dict[str, Any]
 Receive = Any
@@ -350,6 +352,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
                 "accepted": STATS.accepted,
                 "refused": STATS.refused,
                 "bodies": STATS.bodies[-20:],
+                **{f"responses_{k}": n for k, n in responses_endpoint.RESPONSES.items()},
             },
         )
         return
@@ -370,10 +373,17 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         STATS.accepted = STATS.refused = 0
         await _json(send, 200, {"limit": spec})
         return
-    if scope["method"] != "POST" or scope["path"] != "/v1/chat/completions":
+    if scope["path"].startswith("/v1/responses/"):
+        await responses_endpoint.retrieve(scope, send)
+        return
+    asks = scope["path"] if scope["method"] == "POST" else ""
+    if asks not in ("/v1/chat/completions", "/v1/responses"):
         await _json(send, 404, _error("not found", "invalid_request_error", None))
         return
     body = json.loads(await _read_body(receive))
+    created = body if asks == "/v1/responses" else None  # a Responses API request
+    if created is not None:
+        body = responses_endpoint.chat_body(created)
     STATS.requests += 1
     STATS.bodies.append(body)
     headers = dict(scope["headers"])
@@ -398,10 +408,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         return
     kind, reply = plan(body)
     script = _script(body["messages"])[1]
-    latency_ms = float(script.get("latency_ms", 0))
-    if latency_ms:
-        spread = float(script.get("latency_spread", 0))
-        await asyncio.sleep(latency_ms * random.uniform(1 - spread, 1 + spread) / 1000)
+    spread = float(script.get("latency_spread", 0))
+    latency_s = float(script.get("latency_ms", 0)) * random.uniform(1 - spread, 1 + spread) / 1000
+    if created is None:  # a response's generation takes its time in its own task
+        await asyncio.sleep(latency_s)
     if kind is not None:
         STATS.fired[kind] += 1
     if kind == "429":
@@ -437,6 +447,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await _json(send, 400, _error(msg, "invalid_request_error", "context_length_exceeded"))
         return
     reply, cut = _capped(body, reply)
+    if created is not None:
+        await responses_endpoint.start(send, created, reply, cut, _usage(body, reply), latency_s)
+        return
     finish = "tool_calls" if reply["tool_calls"] else "stop"
     if kind == "length" or cut:
         finish = "length"

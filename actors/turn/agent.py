@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from actors.turn.llm import Admission, LLMClient
+from actors.turn.llm import Admission, LLMClient, ResponseJournal
 from actors.turn.loopdetect import LoopThresholds
 from actors.turn.mcp import MCPServer
 from actors.turn.settings import LoopSettings
@@ -37,6 +37,9 @@ class ModelContext:
     effects: EffectSink | None = None
     """Where a test double counts what it did, seen from outside the process (the scripted
     model's ``random`` replies count each reply it completed there); None: nowhere."""
+    responses: ResponseJournal | None = None
+    """Where a client whose endpoint keeps generations notes their ids (None: nowhere, and
+    such a client asks again after a crash like any other)."""
 
 
 ModelFactory = Callable[[ModelContext], LLMClient]

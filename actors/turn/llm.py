@@ -142,6 +142,19 @@ class LLMClient(Protocol):
         ...
 
 
+class ResponseJournal(Protocol):
+    """Where a client whose endpoint keeps its generations (OpenAI's Responses API with
+    ``background``) notes the provider's id of the turn's call in flight, so that a resumed turn
+    asking for the same ``generation`` (the request's digest) follows that response instead of
+    paying for another (``store.domain.responses`` on Redis)."""
+
+    async def note(self, turn_id: str, generation: str, response_id: str) -> None: ...
+
+    async def find(self, turn_id: str, generation: str) -> str | None:
+        """The response id noted for ``generation``, or None."""
+        ...
+
+
 @runtime_checkable
 class RemoteCalls(Protocol):
     """A model client whose calls run elsewhere (a model worker) and outlive the asker's

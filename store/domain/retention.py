@@ -80,6 +80,7 @@ class TurnPurger:
             k.inbox(turn_id),
             k.approval(turn_id),
             k.live(turn_id),
+            k.response(turn_id),
             k.turns_of(turn_id),
         ]
         with translated(f"purge turn {turn_id}"):

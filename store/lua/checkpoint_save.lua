@@ -3,7 +3,7 @@
 -- KEYS: record hash, bodies hash, shard events stream, shard in-progress set,
 --       shard usage hash, spec key, ledger hash, effects hash, inbox list, approvals hash,
 --       session hash (the record key again for a turn of no session), live stream,
---       shard turns index, shard phase counts hash (store/write/save_script.py: SaveKeys names
+--       response key, shard turns index, shard phase counts hash (store/write/save_script.py: SaveKeys names
 --       each, SaveCall builds KEYS and ARGV)
 -- ARGV: epoch, seq, turn_id, phase, reason, in_progress (1|0), events maxlen,
 --       spec value ('' unless this is a submission), replace (1|0: empty the bodies hash
@@ -111,22 +111,22 @@ end
 local was = stored[3] == '1' and stored[4] or false
 local now = ARGV[6] == '1' and ARGV[4] or false
 if was ~= now then
-  if was then redis.call('HINCRBY', KEYS[14], was, -1) end
-  if now then redis.call('HINCRBY', KEYS[14], now, 1) end
+  if was then redis.call('HINCRBY', KEYS[15], was, -1) end
+  if now then redis.call('HINCRBY', KEYS[15], now, 1) end
 end
 if submission then
   redis.call('SET', KEYS[6], ARGV[8])
   for i = first, #ARGV, 2 do  -- the index orders turns by their first record's updated_at
-    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[13], ARGV[i + 1], ARGV[3]) end
+    if ARGV[i] == 'updated_at' then redis.call('ZADD', KEYS[14], ARGV[i + 1], ARGV[3]) end
   end
 end
 if ttl > 0 then
-  for i = 6, 12 do redis.call('PEXPIRE', KEYS[i], ttl) end
+  for i = 6, 13 do redis.call('PEXPIRE', KEYS[i], ttl) end
   redis.call('PEXPIRE', record, ttl)
   redis.call('PEXPIRE', bodies, ttl)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', '(' .. (now - ttl))
+  redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', '(' .. (now - ttl))
   redis.call('XTRIM', KEYS[3], 'MINID', '~', now - ttl)  -- the shard's checkpoint events too
 end
 return {'ok', id, redis.call('LLEN', KEYS[9])}

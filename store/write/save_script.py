@@ -112,6 +112,8 @@ class SaveKeys:
     KEYS stays fixed)."""
     live: str
     """Its live stream (what watchers read)."""
+    response: str
+    """The provider's id of its model call in flight (``store.domain.responses``)."""
     turns: str
     """The shard's index of turns by update time."""
     phases: str
@@ -133,6 +135,7 @@ class SaveKeys:
             approvals=keys.approval(turn_id),
             session=keys.session(session) if session is not None else keys.turn(turn_id),
             live=keys.live(turn_id),
+            response=keys.response(turn_id),
             turns=keys.turns_of(turn_id),
             phases=keys.phases_of(turn_id),
         )
@@ -154,6 +157,7 @@ class SaveKeys:
             self.approvals,
             self.session,
             self.live,
+            self.response,
         )
 
 

@@ -1,7 +1,8 @@
 """llama.cpp's own C++ server (``phaseline model-server --cpp``, built by
 ``scripts/build_llama_server``): started as a user starts it, it serves requests at once
 through the real ``openai`` SDK, and its ``/v1/responses`` answers but keeps nothing (no
-``background`` mode, no retrieval: what a durable generation on it cannot use)."""
+``background`` mode, no retrieval: what a durable generation on it cannot use), which
+phaseline's Responses client meets by asking again, counted repaid."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from actors.engine.models import local_model
+from actors.engine.models.openai_responses import OpenAIResponses
+from actors.turn.agent import ModelContext
+from actors.turn.llm import LLMRequest
+from bus.messages import Message
+from store.domain.responses import RedisResponses
+from store.keys import KeyLayout
+from store.records import TurnInput
 from tests.conftest import _free_port
 from tests.support.polling import wait_until
 from tests.support.processes import PHASELINE
@@ -85,3 +94,33 @@ def test_its_responses_endpoint_keeps_no_response(cpp_server: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
     client.close()
+
+
+async def test_the_responses_client_answers_there_and_asks_again_after_a_crash(
+    cpp_server: str, real_client: aioredis.Redis, keys: KeyLayout
+) -> None:
+    """phaseline's Responses client (background asked for, ids noted) against the real server:
+    it answers, streamed, its id noted; since the server keeps nothing, the same call made
+    again (a resumed turn's) finds the id, meets the 404, and asks again, counted repaid."""
+    ctx = ModelContext("lr", TurnInput(message="Say hi."), 1, responses=RedisResponses(
+        real_client, keys))  # fmt: skip
+    model = OpenAIResponses(
+        model=local_model.MODEL_ALIAS, base_url=cpp_server, api_key_env=None, max_tokens=16
+    )
+    client = model(ctx)
+    pieces: list[str] = []
+    request = LLMRequest(
+        turn_id="lr",
+        messages=(Message(role="system", text="Be brief."), Message(role="user", text="Hi.")),
+        tools_enabled=False,
+        attempt=0,
+        on_text=pieces.append,
+    )
+    reply = await client.complete(request)
+    assert reply.message.text and reply.usage is not None and reply.usage.completion_tokens > 0
+    assert "".join(pieces) == reply.message.text  # streamed as it came
+    assert await real_client.get(keys.response("lr")) is not None
+    assert client.take_repaid() == 0
+    again = await client.complete(request)  # as a resumed turn would ask
+    assert again.message.text and not again.adopted
+    assert client.take_repaid() == 1

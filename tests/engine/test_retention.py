@@ -1,7 +1,8 @@
 """Retention covers every copy of a finished turn's content: each key that names the turn
-(record, transcript, spec, ledger, effects, inbox, approvals, live stream, its session's hash)
-expires at most ``finished_ttl_s`` after its final save, also when the live stream's last events
-are published after that save, on fakeredis, one real server and a real Redis Cluster."""
+(record, transcript, spec, ledger, effects, inbox, approvals, live stream, its session's hash,
+the provider's id of its model call) expires at most ``finished_ttl_s`` after its final save,
+also when the live stream's last events are published after that save, on fakeredis, one real
+server and a real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ async def test_a_finished_turn_leaves_no_key_once_its_retention_is_over(
     turn = record.turn_id
     await engine.inbox.push(turn, "and then?")  # an inbox and an approval hash to expire too
     await engine.approvals.request(turn, "0.0.abc", tool="add", args="{}")
+    await engine.model_services.responses.note(turn, "gen", "resp_1")  # a kept generation's id
     assert (await engine.start(record, spec)).outcome == Outcome.ANSWERED
     await engine.aclose()  # the live stream's last events land after the final save
 
@@ -43,7 +45,7 @@ async def test_a_finished_turn_leaves_no_key_once_its_retention_is_over(
     left = await turn_keys()
     kinds = {k.split(":")[2] for k in left}
     assert kinds == {
-        "turn", "bodies", "spec", "tools", "inbox", "approval", "live", "session"
+        "turn", "bodies", "spec", "tools", "inbox", "approval", "live", "session", "response"
     }, left  # fmt: skip
     assert all(0 < ttl <= TTL_S * 1000 for ttl in left.values()), left
 

@@ -201,6 +201,9 @@ class GenerationAnswer(FrozenModel):
     held_s: float = 0.0
     """Seconds the worker held the call for the cluster's limiter before it answered that it
     still waits (the asker counts them against its rate-limit cap)."""
+    repaid: int = 0
+    """Generations its client asked for again on the worker (a provider that no longer had the
+    response it had kept): paid twice, as a worker's death is."""
 
 
 _FAILURES: tuple[tuple[type[LLMError], ModelFailure], ...] = (
@@ -220,6 +223,7 @@ def answer_of(reply: LLMReply) -> GenerationAnswer:
         usage=reply.usage,
         truncated=reply.truncated,
         finish_reason=reply.finish_reason,
+        adopted=reply.adopted,
     )
 
 

@@ -122,7 +122,7 @@ class OpenAIChat:
     429 still pauses the endpoint for every host for as long as it asks."""
 
     def __call__(self, ctx: ModelContext) -> OpenAIChatClient:
-        return OpenAIChatClient(self, _sdk_client(self), ctx)
+        return OpenAIChatClient(self, sdk_client(self), ctx)
 
     def endpoint(self) -> str:
         """The base URL calls go to, as this process resolves it."""
@@ -151,7 +151,7 @@ _CLIENTS: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 
 
-def _sdk_client(cfg: OpenAIChat) -> openai.AsyncOpenAI:
+def sdk_client(cfg: OpenAIChat) -> openai.AsyncOpenAI:
     """One SDK client per event loop and endpoint: its connection pool belongs to the loop."""
     of_loop = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
     key = (cfg.base_url, cfg.api_key_env, cfg.timeout_s)
@@ -204,7 +204,7 @@ def wire_tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def _arguments(raw: str) -> dict[str, Any]:
+def arguments(raw: str) -> dict[str, Any]:
     try:
         args = json.loads(raw) if raw.strip() else {}
     except ValueError:
@@ -348,7 +348,7 @@ class OpenAIChatClient:
             ToolCall(
                 id=c.id or f"call_{i}",
                 name=c.function.name,
-                args=_arguments(c.function.arguments or ""),
+                args=arguments(c.function.arguments or ""),
             )
             for i, c in enumerate(msg.tool_calls or ())
         )
@@ -393,7 +393,7 @@ class OpenAIChatClient:
                 raise _EmptyStream()
             raise RetryableLLMError("stream ended without a finish reason (cut mid-way)")
         tool_calls = tuple(
-            ToolCall(id=c["id"] or f"call_{i}", name=c["name"], args=_arguments(c["arguments"]))
+            ToolCall(id=c["id"] or f"call_{i}", name=c["name"], args=arguments(c["arguments"]))
             for i, c in sorted(calls.items())
         )
         return _reply(finish, "".join(text), tool_calls, usage)
