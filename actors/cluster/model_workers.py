@@ -339,6 +339,7 @@ class RemoteModel:
             isolated = deaths >= ISOLATE_AFTER
             worker = await self.models.worker(gen_id, isolated=isolated, after_death=deaths > 0)
             if worker is None:
+                self._repaid += deaths
                 raise RetryableLLMError("no model worker is up")
             ref = worker.generate(gen_id, self.agent, self.epoch, wire)
             self._current = (worker, gen_id)
@@ -346,11 +347,11 @@ class RemoteModel:
                 raw = await ask(ref, None)
             except RayActorError as exc:
                 deaths += 1
-                self._repaid += 1
                 log.warning(
                     "model worker died during %s's call (%d): %s", request.turn_id, deaths, exc
                 )
                 if deaths - ISOLATE_AFTER >= SAME_STEP_DEATHS:
+                    self._repaid += deaths
                     raise PoisonGeneration(
                         f"this model call killed its worker {ISOLATE_AFTER} times, then the "
                         f"isolation worker {SAME_STEP_DEATHS} times running it alone",
@@ -359,7 +360,14 @@ class RemoteModel:
                 continue
             self._current = None
             if not isinstance(raw, bytes):
+                self._repaid += deaths
                 raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
-            answer = unpack_answer(raw)
-            self._repaid += answer.repaid
+            try:
+                answer = unpack_answer(raw)
+            except RetryableLLMError:
+                self._repaid += deaths
+                raise
+            # each generation lost with a worker was paid for again, unless the endpoint kept
+            # it and the restarted worker followed it (OpenAIResponses: the answer is adopted)
+            self._repaid += answer.repaid + (0 if answer.adopted else deaths)
             return reply_of(answer)

@@ -1,6 +1,7 @@
 """Generations that outlive their host, on Ray: every TurnActor SIGKILLed while its turns'
-generations stream, and the model worker SIGKILLed instead. Requests are counted at the model
-endpoint (the scripted OpenAI-compatible server), from outside the runtime."""
+generations stream, and the model worker SIGKILLed instead (with Chat Completions, asked
+again; with background responses the endpoint kept, followed). Requests are counted at the
+model endpoint (the scripted OpenAI-compatible server), from outside the runtime."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.support.polling import eventually
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 AGENT = "tests.support.agents:http_bump"
+RESPONSES = "actors.harness.http_agents:http_responses"
 #: Every answer of the endpoint takes 2 s: generations a kill can land in.
 SCRIPT = {"rounds": 2, "tool": "bump", "latency_ms": 2000, "quote": False}
 
@@ -120,3 +122,34 @@ async def test_a_model_worker_killed_mid_generation_is_asked_again_and_counted(
     repaid = sum(f.counters.generations_repaid for f in finals.values())
     assert repaid >= len(ids)
     assert asked == _calls(finals) + repaid, (asked, _calls(finals), repaid)
+
+
+async def test_model_workers_killed_mid_response_follow_the_responses_the_endpoint_kept(
+    redis_url: str, namespace: str, openai_server: str, real_client: aioredis.Redis
+) -> None:
+    """The same kill with the agent on OpenAI's Responses API (background responses, kept by
+    the endpoint): the restarted workers follow the responses noted for each call instead of
+    asking again, so nothing is repaid and responses created = model calls."""
+    turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
+    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2)
+    try:
+        before = _stats(openai_server).get("responses_created", 0)
+        ids = [f"rw{i:02d}" for i in range(8)]
+        await rt.submit(RESPONSES, turn_input, ids)
+
+        async def noted() -> bool:  # each turn's first response generating, its id noted
+            return all([await real_client.get(rt.dep.keys.response(t)) for t in ids])
+
+        await eventually(noted, timeout=60, what="every turn's response noted")
+        for i in range(rt.dep.settings.models.workers):
+            worker = ModelWorkerRef.named(rt.dep.model_worker_name(i))
+            assert worker is not None
+            os.kill((await worker.hello()).pid, signal.SIGKILL)
+        finals = await rt.wait(ids, timeout=180)
+    finally:
+        await rt.shutdown()
+    created = _stats(openai_server)["responses_created"] - before
+    assert all(f.counters.outcome == "answered" for f in finals.values()), finals
+    assert sum(f.counters.generations_repaid for f in finals.values()) == 0
+    assert sum(f.counters.generations_adopted for f in finals.values()) >= len(ids)
+    assert created == _calls(finals), (created, _calls(finals))
