@@ -60,7 +60,7 @@ from typing import Any
 
 import openai
 
-from actors.engine.models.openai_errors import scrub, status_error, with_cause
+from actors.engine.models.openai_errors import scrub, sdk_errors, with_cause
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMReply, LLMRequest, ModelLimits
 from actors.turn.tools import ToolSpec
@@ -190,6 +190,22 @@ def wire_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     return out
 
 
+def options(cfg: OpenAIChat, request: LLMRequest, cap_field: str) -> dict[str, Any]:
+    """What every request of either API carries beside its input: whether tools may be called,
+    the sampling temperature, the reply's cap (named ``cap_field``; twice as much when the last
+    reply was cut) and the agent's extra fields."""
+    out: dict[str, Any] = {}
+    if request.tools:
+        out["tool_choice"] = "auto" if request.tools_enabled else "none"
+    if cfg.temperature is not None:
+        out["temperature"] = cfg.temperature
+    if cfg.max_tokens is not None:
+        out[cap_field] = cfg.max_tokens * (2 if request.more_room else 1)
+    if cfg.extra_body:
+        out["extra_body"] = dict(cfg.extra_body)
+    return out
+
+
 def wire_tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
     return [
         {
@@ -233,13 +249,7 @@ class OpenAIChatClient:
         body: dict[str, Any] = {"model": cfg.model, "messages": wire_messages(request.messages)}
         if request.tools:
             body["tools"] = wire_tools(request.tools)
-            body["tool_choice"] = "auto" if request.tools_enabled else "none"
-        if cfg.temperature is not None:
-            body["temperature"] = cfg.temperature
-        if cfg.max_tokens is not None:
-            body["max_tokens"] = cfg.max_tokens * (2 if request.more_room else 1)
-        if cfg.extra_body:
-            body["extra_body"] = dict(cfg.extra_body)
+        body.update(options(cfg, request, "max_tokens"))
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -288,7 +298,7 @@ class OpenAIChatClient:
                 await admission.settle(self.endpoint_id, self.ticket, cfg.limits, delta)
 
     async def _complete(self, request: LLMRequest) -> LLMReply:
-        try:
+        with sdk_errors():
             if self._streams(request):
                 try:
                     return await self._streamed(self._request(request, stream=True), request)
@@ -297,12 +307,6 @@ class OpenAIChatClient:
                     return await self._after_empty_stream(request)
             whole = await self.sdk.chat.completions.create(**self._request(request, stream=False))
             return self._whole(whole)
-        except openai.APIStatusError as exc:
-            raise status_error(exc) from None
-        except openai.APIConnectionError as exc:  # APITimeoutError included
-            raise RetryableLLMError(scrub(with_cause(exc))) from None
-        except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
-            raise RetryableLLMError(f"{type(exc).__name__}: {scrub(str(exc))}") from None
 
     async def _after_empty_stream(self, request: LLMRequest) -> LLMReply:
         """The call again without streaming. llama.cpp's server ends an empty stream by

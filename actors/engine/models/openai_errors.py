@@ -7,10 +7,11 @@ The mapping is listed in :mod:`actors.engine.models.openai_chat`, which raises w
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import openai
 
@@ -27,6 +28,7 @@ __all__ = [
     "RETRYABLE_STATUS",
     "retry_after_s",
     "scrub",
+    "sdk_errors",
     "status_error",
     "with_cause",
 ]
@@ -108,3 +110,17 @@ def status_error(exc: openai.APIStatusError) -> LLMError:
     elif exc.code == "context_length_exceeded" or "context_length_exceeded" in str(exc.body):
         kind = ContextLengthError
     return kind(what, status=exc.status_code, code=exc.code, request_id=exc.request_id)
+
+
+@contextlib.contextmanager
+def sdk_errors() -> Iterator[None]:
+    """The ``openai`` SDK's errors as the recovery policy's: a status by :func:`status_error`,
+    a connection error or timeout and a reply the protocol does not allow as transient."""
+    try:
+        yield
+    except openai.APIStatusError as exc:
+        raise status_error(exc) from None
+    except openai.APIConnectionError as exc:  # APITimeoutError included
+        raise RetryableLLMError(scrub(with_cause(exc))) from None
+    except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
+        raise RetryableLLMError(f"{type(exc).__name__}: {scrub(str(exc))}") from None

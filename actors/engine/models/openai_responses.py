@@ -44,9 +44,10 @@ from actors.engine.models.openai_chat import (
     OpenAIChat,
     OpenAIChatClient,
     arguments,
+    options,
     sdk_client,
 )
-from actors.engine.models.openai_errors import scrub, status_error, with_cause
+from actors.engine.models.openai_errors import scrub, sdk_errors
 from actors.turn.agent import ModelContext
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.tools import ToolSpec
@@ -159,13 +160,7 @@ class OpenAIResponsesClient(OpenAIChatClient):
             body["background"] = True
         if request.tools:
             body["tools"] = _wire_tools(request.tools)
-            body["tool_choice"] = "auto" if request.tools_enabled else "none"
-        if cfg.temperature is not None:
-            body["temperature"] = cfg.temperature
-        if cfg.max_tokens is not None:
-            body["max_output_tokens"] = cfg.max_tokens * (2 if request.more_room else 1)
-        if cfg.extra_body:
-            body["extra_body"] = dict(cfg.extra_body)
+        body.update(options(cfg, request, "max_output_tokens"))
         return body
 
     def _name(self, request: LLMRequest) -> str | None:
@@ -176,14 +171,8 @@ class OpenAIResponsesClient(OpenAIChatClient):
         return generation_id(pack_ask(GenerationAsk.of(request, ctx.input, ctx.baseline)))
 
     async def _complete(self, request: LLMRequest) -> LLMReply:
-        try:
+        with sdk_errors():
             return await self._generation(request)
-        except openai.APIStatusError as exc:
-            raise status_error(exc) from None
-        except openai.APIConnectionError as exc:  # APITimeoutError included
-            raise RetryableLLMError(scrub(with_cause(exc))) from None
-        except openai.OpenAIError as exc:  # e.g. a reply that is not what the protocol says
-            raise RetryableLLMError(f"{type(exc).__name__}: {scrub(str(exc))}") from None
 
     async def _generation(self, request: LLMRequest) -> LLMReply:
         # the id stays after the call (a cancel of the task must still find it for end_call);
