@@ -202,6 +202,12 @@ class ServiceRestarting(PhaselineError):
     repeated (translated ``RayActorError``)."""
 
 
+class AgentCodeError(PhaselineError):
+    """The agent's own model code raised on the model worker that ran the call (a bug, not a
+    model failure): the turn's run fails as it would have in its host, and is suspended after
+    a few runs (``suspended:failing``) instead of being retried as a model error."""
+
+
 class PoisonGeneration(PhaselineError):
     """A model call killed the worker that ran it, and then the isolation worker that ran it
     alone, again: the poison-turn policy parks the turn (``suspended:poison``) instead of

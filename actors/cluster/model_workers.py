@@ -170,10 +170,10 @@ class ModelWorker:
             raise
         except LLMError as exc:
             answer = failure_of(exc)
-        except Exception as exc:  # the agent's own model code failed: the loop's error
+        except Exception as exc:  # the agent's own model code failed: its run's error
             log.exception("generation of %s failed", request.turn_id)
             answer = GenerationAnswer(
-                failure=ModelFailure.RETRYABLE, error=f"{type(exc).__name__}: {exc}"
+                failure=ModelFailure.AGENT_CODE, error=f"{type(exc).__name__}: {exc}"
             )
         else:
             if not streamed and reply.message.text:  # a model that does not stream

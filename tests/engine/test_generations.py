@@ -28,6 +28,7 @@ from actors.harness.http_agents import add
 from actors.turn.llm import LLMReply, LLMRequest
 from actors.turn.tools import ToolRegistry
 from bus.errors import (
+    AgentCodeError,
     AwaitingAdmission,
     ContextLengthError,
     FatalLLMError,
@@ -88,6 +89,8 @@ def test_an_answer_carries_a_reply_or_its_typed_failure() -> None:
             reply_of(failure_of(exc))
     with pytest.raises(StaleOwner):
         reply_of(GenerationAnswer(failure=ModelFailure.FENCED))
+    with pytest.raises(AgentCodeError, match="KeyError"):  # a bug fails the asker's run
+        reply_of(GenerationAnswer(failure=ModelFailure.AGENT_CODE, error="KeyError: 'choices'"))
     with pytest.raises(RetryableLLMError, match="did not decode"):
         unpack_answer(b"garbage")
 

@@ -31,6 +31,7 @@ from pydantic import Field
 from actors.turn.llm import LLMClient, LLMReply, LLMRequest
 from actors.turn.tools import ToolSpec
 from bus.errors import (
+    AgentCodeError,
     AwaitingAdmission,
     ContextLengthError,
     FatalLLMError,
@@ -171,6 +172,8 @@ class ModelFailure(StrEnum):
     """Cancelled where it ran (the turn's cancel, a force stop, a purge)."""
     FENCED = "fenced"
     """A newer incarnation of the turn adopted the generation: its answer is not this one's."""
+    AGENT_CODE = "agent_code"
+    """The agent's own model code raised (a bug): the asker's run fails with it."""
 
 
 class GenerationAnswer(FrozenModel):
@@ -261,6 +264,8 @@ def reply_of(answer: GenerationAnswer) -> LLMReply:
     match answer.failure:
         case ModelFailure.FENCED:
             raise StaleOwner(answer.error or "a newer incarnation adopted the generation")
+        case ModelFailure.AGENT_CODE:
+            raise AgentCodeError(answer.error)
         case ModelFailure.CANCELLED:
             raise RetryableLLMError(f"the generation was cancelled where it ran: {answer.error}")
         case ModelFailure.AWAITING_ADMISSION:
