@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 #: How long a host waits for a dead model worker to be back (Ray restarts it in place).
 RESTART_WAIT_S = 30.0
 
+#: How often a call waiting for the isolation worker (it takes one at a time) asks again.
+ISOLATION_POLL_S = 0.2
+
 #: How long a worker holds a call the cluster's limiter holds back, waiting and asking the
 #: limiter again itself, before it answers the asker that the call still waits (the asker
 #: counts that time against its rate-limit cap and asks again, or gives up). Held here, the
@@ -96,7 +99,7 @@ class ModelWorker:
     }
 
     def __init__(self, deployment_json: str, isolated: bool = False) -> None:
-        """``isolated``: the isolation worker, which runs one generation at a time, so a
+        """``isolated``: the isolation worker, which takes one generation at a time, so a
         death under it is the death of that call."""
         dep = Deployment.from_wire(deployment_json)
         tune_gc(dep.settings.host.gc_threshold)
@@ -114,7 +117,10 @@ class ModelWorker:
             RedisBus(self._client, dep.keys, live=dep.settings.events.live())
         )
         self._table = GenerationTable(keep_s=dep.settings.models.keep_s)
-        self._alone: asyncio.Semaphore | None = asyncio.Semaphore(1) if isolated else None
+        self._isolated = isolated
+        self._alone: str | None = None
+        """On the isolation worker: the generation it runs (others are answered BUSY, so a
+        death here is only ever the death of the one call it took)."""
         self._sweeper: asyncio.Task[None] | None = None
 
     async def generate(self, gen_id: str, agent: str, epoch: int, wire: bytes) -> bytes:
@@ -131,25 +137,24 @@ class ModelWorker:
             return pack_model(
                 GenerationAnswer(failure=ModelFailure.FATAL, error="request and name differ")
             )
-        answer = await self._table.answer(
-            gen_id, request.turn_id, epoch, partial(self._run, agent, request)
-        )
+        if self._isolated:
+            if self._alone not in (None, gen_id):
+                return pack_model(GenerationAnswer(failure=ModelFailure.BUSY))
+            self._alone = gen_id
+        try:
+            answer = await self._table.answer(
+                gen_id, request.turn_id, epoch, partial(self._run, agent, request)
+            )
+        finally:
+            if self._alone == gen_id:
+                self._alone = None
         return pack_model(answer)
 
     async def _run(
         self, agent: str, request: GenerationAsk, owner: Callable[[], int]
     ) -> GenerationAnswer:
         """The call itself: its text published as it streams (under the epoch that owns the
-        generation now), its answer or its typed failure; on the isolation worker, once no
-        other call runs."""
-        if self._alone is None:
-            return await self._generated(agent, request, owner)
-        async with self._alone:
-            return await self._generated(agent, request, owner)
-
-    async def _generated(
-        self, agent: str, request: GenerationAsk, owner: Callable[[], int]
-    ) -> GenerationAnswer:
+        generation now), its answer or its typed failure."""
         streamed = False
 
         def on_text(piece: str) -> None:
@@ -367,6 +372,9 @@ class RemoteModel:
             except RetryableLLMError:
                 self._repaid += deaths
                 raise
+            if answer.failure is ModelFailure.BUSY:  # the isolation worker runs another call
+                await asyncio.sleep(ISOLATION_POLL_S)  # its turn comes when that one ends
+                continue
             # each generation lost with a worker was paid for again, unless the endpoint kept
             # it and the restarted worker followed it (OpenAIResponses: the answer is adopted)
             self._repaid += answer.repaid + (0 if answer.adopted else deaths)

@@ -166,8 +166,9 @@ async def test_a_poison_turn_is_suspended_and_its_slot_mates_complete(
 ) -> None:
     """A turn whose third model call SIGKILLs its host, among turns that do nothing wrong: it
     takes its shared host down twice (the first time after saving progress), then its
-    isolation host twice in the same step, and is parked; everyone else finishes correctly."""
-    rt = await start_runtime(hosts=2)
+    isolation host twice in the same step, and is parked; everyone else finishes correctly.
+    (Model calls in the hosts: on model workers the call kills a worker, the next test.)"""
+    rt = await start_runtime(hosts=2, models={"remote": False})
     sc = scenario(rounds=4, tools=["echo", "counter_increment"], llm_latency_ms=100)
     ids = [f"ok{i}" for i in range(8)]
     await rt.submit(*scripted_turn(sc), ids)

@@ -174,6 +174,8 @@ class ModelFailure(StrEnum):
     """A newer incarnation of the turn adopted the generation: its answer is not this one's."""
     AGENT_CODE = "agent_code"
     """The agent's own model code raised (a bug): the asker's run fails with it."""
+    BUSY = "busy"
+    """The isolation worker runs another call: ask again soon (nothing was started)."""
 
 
 class GenerationAnswer(FrozenModel):
@@ -266,6 +268,8 @@ def reply_of(answer: GenerationAnswer) -> LLMReply:
             raise StaleOwner(answer.error or "a newer incarnation adopted the generation")
         case ModelFailure.AGENT_CODE:
             raise AgentCodeError(answer.error)
+        case ModelFailure.BUSY:
+            raise RetryableLLMError("the isolation model worker runs another call")
         case ModelFailure.CANCELLED:
             raise RetryableLLMError(f"the generation was cancelled where it ran: {answer.error}")
         case ModelFailure.AWAITING_ADMISSION:
