@@ -15,12 +15,13 @@ from bus.errors import (
     ContextLengthError,
     HardIdleTimeout,
     LLMError,
+    PoisonGeneration,
     RateLimitedLLMError,
     RetryableLLMError,
 )
 from bus.events import ModelReplied, TextDelta
 from bus.messages import Message, Usage
-from bus.outcomes import Problem
+from bus.outcomes import Problem, SaveReason
 from bus.phase import TurnPhase
 from store.records import TurnError
 
@@ -70,7 +71,13 @@ class ModelSteps(LoopState):
             if self._hard_cancelled:
                 raise HardIdleTimeout("model call cancelled by the watchdog's hard idle timeout")
             raise asyncio.CancelledError()
-        reply = task.result()
+        try:
+            reply = task.result()
+        except PoisonGeneration:
+            # the turn is parked next (Setbacks), from its last stored record: the progress a
+            # debounced save left in memory (the last batch's results) is saved first
+            await self._checkpoint(SaveReason.TOOL_BATCH, force=True)
+            raise
         if reply.adopted:
             c = self._counters
             self._counters = c.model_copy(update={"generations_adopted": c.generations_adopted + 1})

@@ -21,12 +21,13 @@ from actors.engine.models.scenario import Scenario, parse_scenario
 from actors.engine.models.scripted import scripted_turn
 from actors.engine.settings.config import Settings
 from actors.harness.chaos import poison_variant
-from actors.harness.verdict import first_difference, judge
+from actors.harness.verdict import effect_findings, first_difference, judge
 from actors.turn.recovery import Decision
 from bus.errors import TurnNotRunning
 from bus.events import Recovering, StatusEvent, decode_event
 from bus.outcomes import Action, EngineProblem, Outcome, Problem
 from store.domain.effects import EffectCounters
+from store.domain.ledger import ToolLedger
 from store.domain.sessions import IfBusy
 from store.keys import KeyLayout
 from store.records import CheckpointRecord
@@ -199,8 +200,11 @@ async def test_a_model_call_that_kills_its_model_worker_parks_its_turn_and_no_ot
     """The same poison turn with its model calls on model workers: its third call SIGKILLs
     the worker it runs on, twice (the generations of the others on it are asked again), then
     the isolation worker twice running it alone, and the turn is parked; no host died, and
-    everyone else finishes correctly, each effect once."""
-    rt = await start_runtime(hosts=2, models={"remote": True, "workers": 2})
+    everyone else finishes correctly, each effect once. Mid-turn saves are debounced (as by
+    default): the parked record still tells every effect the poison turn's batches had."""
+    rt = await start_runtime(
+        hosts=2, models={"remote": True, "workers": 2}, checkpoint={"min_interval_s": 60}
+    )
     sc = scenario(rounds=4, tools=["echo", "counter_increment"], llm_latency_ms=100)
     ids = [f"mok{i}" for i in range(8)]
     await rt.submit(*scripted_turn(sc), ids)
@@ -215,6 +219,9 @@ async def test_a_model_call_that_kills_its_model_worker_parks_its_turn_and_no_ot
     assert bad.counters.resume_attempts == 0 and await rt.respawns() == 0
     ref = await reference(real_client, sc, sorted(finals))
     effects = EffectCounters(real_client, rt.dep.keys)
+    ledger = ToolLedger(real_client, rt.dep.keys)
+    told = effect_findings(await effects.counts("mbad"), bad, await ledger.entries("mbad"))
+    assert told == ("", ""), told  # no effect run twice, none the transcript does not tell
     for tid, final in finals.items():
         assert final.counters.outcome == "answered", tid
         assert first_difference(final.messages, ref[tid].messages) is None, tid
