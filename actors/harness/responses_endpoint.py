@@ -6,7 +6,9 @@ another.
 ``POST /v1/responses`` takes ``input`` (messages, ``function_call`` and
 ``function_call_output`` items), ``instructions``, flat ``function`` tools, ``tool_choice`` and
 ``max_output_tokens``, and answers what the chat endpoint's script says for the same
-conversation (the script, its faults and its ``latency_ms``), as a ``response`` object or, with
+conversation (its replies, its ``latency_ms``, the provider's rate limit and the faults that
+answer before any reply: ``429``, ``500``, ``fatal``, ``context``, ``hang``; a cut reply is
+``incomplete``), as a ``response`` object or, with
 ``stream: true``, its events (``response.created``, ``response.output_text.delta``,
 ``response.output_item.done``, ``response.completed`` or ``response.incomplete``), each with
 its ``sequence_number``. With ``background: true`` the generation runs on the server whatever
