@@ -210,13 +210,14 @@ class AgentCodeError(PhaselineError):
 
 class PoisonGeneration(PhaselineError):
     """A model call killed the worker that ran it, and then the isolation worker that ran it
-    alone, again: the poison-turn policy parks the turn (``suspended:poison``) instead of
-    letting it take more workers, and the generations on them, down."""
+    alone, again and again: the poison-turn policy parks the turn (``suspended:poison``)
+    instead of letting it take more workers, and the generations on them, down."""
 
     def __init__(self, message: str, deaths: int) -> None:
         super().__init__(message)
         self.deaths = deaths
-        """Workers that died under the call (the first one shared, the rest isolated)."""
+        """Workers that died under the call (on its shared worker, then on the isolation
+        worker)."""
 
 
 class SessionBusy(PhaselineError):
