@@ -336,46 +336,49 @@ class RemoteModel:
         wire = pack_ask(GenerationAsk.of(request, self.turn_input, self.baseline))
         gen_id = generation_id(wire)
         deaths = 0
-        while True:
-            # the poison-turn policy, for model calls: a worker runs many generations, so a
-            # death under this call is no evidence against it; after ISOLATE_AFTER the call
-            # runs alone on the isolation worker, where a death is its own, and after
-            # SAME_STEP_DEATHS there the turn is parked (PoisonGeneration)
-            isolated = deaths >= ISOLATE_AFTER
-            worker = await self.models.worker(gen_id, isolated=isolated, after_death=deaths > 0)
-            if worker is None:
-                self._repaid += deaths
-                raise RetryableLLMError("no model worker is up")
-            ref = worker.generate(gen_id, self.agent, self.epoch, wire)
-            self._current = (worker, gen_id)
-            try:
-                raw = await ask(ref, None)
-            except RayActorError as exc:
-                deaths += 1
-                log.warning(
-                    "model worker died during %s's call (%d): %s", request.turn_id, deaths, exc
-                )
-                if deaths - ISOLATE_AFTER >= SAME_STEP_DEATHS:
-                    self._repaid += deaths
-                    raise PoisonGeneration(
-                        f"this model call killed its worker {ISOLATE_AFTER} times, then the "
-                        f"isolation worker {SAME_STEP_DEATHS} times running it alone",
+        followed = False
+        try:
+            while True:
+                # the poison-turn policy, for model calls: a worker runs many generations, so
+                # a death under this call is no evidence against it; after ISOLATE_AFTER the
+                # call runs alone on the isolation worker, where a death is its own, and after
+                # SAME_STEP_DEATHS there the turn is parked (PoisonGeneration)
+                isolated = deaths >= ISOLATE_AFTER
+                worker = await self.models.worker(gen_id, isolated=isolated, after_death=deaths > 0)
+                if worker is None:
+                    raise RetryableLLMError("no model worker is up")
+                ref = worker.generate(gen_id, self.agent, self.epoch, wire)
+                self._current = (worker, gen_id)
+                try:
+                    raw = await ask(ref, None)
+                except RayActorError as exc:
+                    deaths += 1
+                    log.warning(
+                        "model worker died during %s's call (%d): %s",
+                        request.turn_id,
                         deaths,
-                    ) from exc
-                continue
-            self._current = None
-            if not isinstance(raw, bytes):
-                self._repaid += deaths
-                raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
-            try:
+                        exc,
+                    )
+                    if deaths - ISOLATE_AFTER >= SAME_STEP_DEATHS:
+                        raise PoisonGeneration(
+                            f"this model call killed its worker {ISOLATE_AFTER} times, then "
+                            f"the isolation worker {SAME_STEP_DEATHS} times running it alone",
+                            deaths,
+                        ) from exc
+                    continue
+                self._current = None
+                if not isinstance(raw, bytes):
+                    raise RetryableLLMError(f"a model worker answered {raw!r:.80}")
                 answer = unpack_answer(raw)
-            except RetryableLLMError:
+                if answer.failure is ModelFailure.BUSY:  # the isolation worker runs another
+                    await asyncio.sleep(ISOLATION_POLL_S)  # its turn comes when that one ends
+                    continue
+                followed = answer.adopted
+                self._repaid += answer.repaid
+                return reply_of(answer)
+        finally:
+            # each generation lost with a worker was paid for again, whatever came of the
+            # call, unless the endpoint kept it and the restarted worker followed it
+            # (OpenAIResponses: the answer is adopted)
+            if not followed:
                 self._repaid += deaths
-                raise
-            if answer.failure is ModelFailure.BUSY:  # the isolation worker runs another call
-                await asyncio.sleep(ISOLATION_POLL_S)  # its turn comes when that one ends
-                continue
-            # each generation lost with a worker was paid for again, unless the endpoint kept
-            # it and the restarted worker followed it (OpenAIResponses: the answer is adopted)
-            self._repaid += answer.repaid + (0 if answer.adopted else deaths)
-            return reply_of(answer)

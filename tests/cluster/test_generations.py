@@ -35,7 +35,9 @@ def _stats(base_url: str) -> dict[str, Any]:
         return dict(json.loads(reply.read()))
 
 
-def _settings(namespace: str) -> Settings:
+def generation_settings(namespace: str) -> Settings:
+    """A deployment whose model calls run on 2 model workers, its saves not debounced and its
+    hosts pinged often (a killed host is replaced within a second or two)."""
     return Settings.model_validate(
         {
             "redis": {"namespace": namespace},
@@ -64,7 +66,7 @@ async def test_a_model_worker_killed_mid_generation_is_asked_again_and_counted(
     redis_url: str, namespace: str, openai_server: str
 ) -> None:
     turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
-    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2)
+    rt = await Runtime.start(generation_settings(namespace), redis_url=redis_url, hosts=2)
     try:
         before = _stats(openai_server)["requests"]
         ids = [f"mw{i:02d}" for i in range(8)]
@@ -91,7 +93,7 @@ async def test_model_workers_killed_mid_response_follow_the_responses_the_endpoi
     the endpoint): the restarted workers follow the responses noted for each call instead of
     asking again, so nothing is repaid and responses created = model calls."""
     turn_input = TurnInput(message=f"#script {json.dumps(SCRIPT)}\nCount, please.")
-    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2)
+    rt = await Runtime.start(generation_settings(namespace), redis_url=redis_url, hosts=2)
     try:
         before = _stats(openai_server).get("responses_created", 0)
         ids = [f"rw{i:02d}" for i in range(8)]

@@ -20,12 +20,12 @@ from actors.cluster.deployment import HostRoute
 from actors.cluster.refs import ModelWorkerRef
 from actors.cluster.runtime import Runtime
 from actors.engine.models import local_model
-from actors.engine.settings.config import Settings
 from actors.harness.provider_proxy import ProviderProxy
 from actors.harness.tcp_proxy import ProxyLoop
 from bus.events import Restarted, TextDelta, WatchEvent
 from bus.outcomes import Outcome
 from store.records import CheckpointRecord, TurnInput
+from tests.cluster.test_generations import generation_settings
 from tests.conftest import _free_port, _wait_until_listening
 from tests.support.polling import eventually, wait_until
 
@@ -77,23 +77,14 @@ def _predicted(base_url: str) -> int:
     return int(found[1])
 
 
-def _settings(namespace: str) -> Settings:
-    return Settings.model_validate(
-        {
-            "redis": {"namespace": namespace},
-            "checkpoint": {"min_interval_s": 0},
-            "supervisor": {"ping_interval_s": 0.2, "ping_timeout_s": 2.0},
-            "models": {"remote": True, "workers": 2},
-        }
-    )
-
-
 async def _run(
     redis_url: str, namespace: str, proxy: ProviderProxy, prefix: str, *, kill: str
 ) -> tuple[dict[str, CheckpointRecord], list[WatchEvent], str]:
     """Submit the turns, kill (``hosts`` or ``workers``) once 8 generations stream, wait."""
     route = HostRoute(env={"PHASELINE_LLAMA_CPP_URL": proxy.base_url})
-    rt = await Runtime.start(_settings(namespace), redis_url=redis_url, hosts=2, model_route=route)
+    rt = await Runtime.start(
+        generation_settings(namespace), redis_url=redis_url, hosts=2, model_route=route
+    )
     seen: list[WatchEvent] = []
     watched = ""
     try:

@@ -32,6 +32,7 @@ from store.domain.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import CheckpointRecord, TurnInput
 from tests.support.polling import eventually
+from tests.support.processes import spawn_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ADDER = "tests.support.agents:llama_adder"
@@ -182,16 +183,6 @@ def test_demo_of_the_example_agent_survives_its_host_kill(
     assert "the demo's kill" in done.stdout + done.stderr
 
 
-def spawn_recorder(url: str, namespace: str) -> subprocess.Popen[bytes]:
-    """``phaseline run --in-process`` of three turns of :data:`RECORDER`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url,
-         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml"),
-         "--agent", RECORDER, "--input", ASK.message, "--turns", "3", "--run-id", "rec"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
 async def test_a_non_idempotent_tool_in_flight_at_a_sigkill_acts_once_on_the_real_server(
     redis_url: str, real_client: aioredis.Redis, namespace: str, llama_server: str
 ) -> None:
@@ -203,7 +194,7 @@ async def test_a_non_idempotent_tool_in_flight_at_a_sigkill_acts_once_on_the_rea
     keys = KeyLayout(namespace, shards=16)  # the CLI's default shard count
     effects = EffectCounters(real_client, keys)
     ids = [f"rec-t{i:06d}" for i in range(3)]
-    child = spawn_recorder(redis_url, namespace)
+    child = spawn_run(redis_url, namespace, RECORDER, ASK.message, turns=3, run_id="rec")
     try:
 
         async def every_add_in_flight() -> bool:

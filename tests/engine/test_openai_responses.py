@@ -9,10 +9,7 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,8 +28,8 @@ from store.domain.effects import EffectCounters
 from store.keys import KeyLayout
 from store.records import TurnInput
 from tests.support.polling import eventually
+from tests.support.processes import spawn_run
 
-ROOT = Path(__file__).resolve().parents[2]
 FAST = LoopSettings(strict=True, checkpoint_min_interval_s=0, backoff_scale=0.01)
 STREAMED = "actors.harness.http_agents:http_responses"
 POLLED = "actors.harness.http_agents:http_responses_polled"
@@ -79,16 +76,6 @@ async def test_a_turn_on_the_responses_api_answers_with_its_tools(
     assert noted is not None and b" resp_" in noted
 
 
-def spawn(url: str, namespace: str, turn_input: TurnInput) -> subprocess.Popen[bytes]:
-    """``phaseline run --in-process`` of two turns of :data:`STREAMED`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url,
-         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml"),
-         "--agent", STREAMED, "--input", turn_input.message, "--turns", "2", "--run-id", "bg"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
 async def test_a_process_killed_mid_generation_is_resumed_onto_its_background_responses(
     redis_url: str, real_client: aioredis.Redis, namespace: str, endpoint: str
 ) -> None:
@@ -99,7 +86,8 @@ async def test_a_process_killed_mid_generation_is_resumed_onto_its_background_re
     keys = KeyLayout(namespace, shards=16)  # the CLI's default shard count
     ids = ["bg-t000000", "bg-t000001"]
     before = stats_of(endpoint)
-    child = spawn(redis_url, namespace, script(latency_ms=3000, sample=True))
+    turn_input = script(latency_ms=3000, sample=True)
+    child = spawn_run(redis_url, namespace, STREAMED, turn_input.message, turns=2, run_id="bg")
     try:
 
         async def both_generating() -> bool:

@@ -18,6 +18,19 @@ BIN = Path(sys.executable).parent
 PHASELINE = str(BIN / "phaseline")
 
 
+def spawn_run(
+    url: str, namespace: str, agent: str, message: str, *, turns: int, run_id: str
+) -> subprocess.Popen[bytes]:
+    """``phaseline run --in-process`` of ``turns`` turns of ``agent`` in a process of its own
+    (for a test to SIGKILL while they run); its stderr is kept for a failed assertion."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "run", "--in-process", "--redis-url", url,
+         "--namespace", namespace, "--config", str(ROOT / "configs" / "test.toml"),
+         "--agent", agent, "--input", message, "--turns", str(turns), "--run-id", run_id],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now."""
     with socket.socket() as s:

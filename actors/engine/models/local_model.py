@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from bus.errors import ConfigError
+
 __all__ = [
     "LLAMA_SERVER_ENV",
     "MODEL_ALIAS",
@@ -120,7 +122,8 @@ def cpp_command(
     """The C++ server's command line, serving the same model (``parallel`` slots share
     ``n_ctx``; ``/metrics`` on)."""
     binary = cpp_server()
-    assert binary is not None, "llama-server is not built: scripts/build_llama_server"
+    if binary is None:
+        raise ConfigError("llama.cpp's C++ server is not built: scripts/build_llama_server")
     return [
         str(binary),
         "--model",

@@ -130,6 +130,8 @@ class OpenAIResponsesClient(OpenAIChatClient):
         super().__init__(cfg, sdk, ctx)
         self.background = cfg.background
         self.ctx = ctx
+        self.journal = ctx.responses if ctx is not None and cfg.background else None
+        """Where this client notes its responses' ids (None: nowhere, nothing to follow)."""
         self._current: str | None = None
         """The id of the response in flight."""
         self._repaid = 0
@@ -166,7 +168,7 @@ class OpenAIResponsesClient(OpenAIChatClient):
     def _name(self, request: LLMRequest) -> str | None:
         """The call's name for the journal, or None when nothing is noted."""
         ctx = self.ctx
-        if not self.background or ctx is None or ctx.responses is None:
+        if self.journal is None or ctx is None:
             return None
         return generation_id(pack_ask(GenerationAsk.of(request, ctx.input, ctx.baseline)))
 
@@ -179,8 +181,8 @@ class OpenAIResponsesClient(OpenAIChatClient):
         # a new call forgets the last one's
         self._current = None
         name = self._name(request)
-        if name is not None and self.ctx is not None and self.ctx.responses is not None:
-            rid = await self.ctx.responses.find(request.turn_id, name)
+        if name is not None and self.journal is not None:
+            rid = await self.journal.find(request.turn_id, name)
             if rid is not None:
                 try:
                     return dataclasses.replace(await self._follow(rid, request), adopted=True)
@@ -198,10 +200,10 @@ class OpenAIResponsesClient(OpenAIChatClient):
     async def _started(self, request: LLMRequest, name: str | None, rid: str) -> None:
         """Note the response's id before anything of it is read."""
         self._current = rid
-        if name is None or self.ctx is None or self.ctx.responses is None:
+        if name is None or self.journal is None:
             return
         try:
-            await self.ctx.responses.note(request.turn_id, name, rid)
+            await self.journal.note(request.turn_id, name, rid)
         except StoreError as exc:  # the call goes on; a crash now would ask again
             log.warning("could not note response %s of %s: %s", rid, request.turn_id, exc)
 
