@@ -151,8 +151,9 @@ class Runtime(FrontDesk):
             if server is not None:
                 server.stop()
             raise
+        claim = owner.wire() if owner else []  # a lease that lapses before it boots is kept
         supervisor = SupervisorRef(
-            spawn(Supervisor, dep.name("supervisor"), dep.to_wire(), **singleton_options())
+            spawn(Supervisor, dep.name("supervisor"), dep.to_wire(), claim, **singleton_options())
         )
         info = await supervisor.ensure()
         running = Deployment.from_wire(info.deployment)

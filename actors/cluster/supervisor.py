@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import ray
@@ -100,7 +100,11 @@ class Supervisor:
         "max_task_retries": -1,
     }
 
-    def __init__(self, deployment_json: str) -> None:
+    def __init__(self, deployment_json: str, owner: Sequence[str] = ()) -> None:
+        """``owner``: the namespace's claim this deployment was started under
+        (:meth:`Holder.wire`), written back if its lease lapsed before the first renewal
+        here (a slow start: the claim's time to live runs from the claim, not from the
+        Supervisor's boot)."""
         self.dep = Deployment.from_wire(deployment_json)
         self.client = self.dep.connect(max_connections=8)
         self.hosts = HostDirectory(self.dep, self.client)
@@ -124,7 +128,7 @@ class Supervisor:
             self.client, self.dep.keys, ttl_s=self.dep.settings.supervisor.owner_ttl_s
         )
         self._cluster = ray_cluster_id()
-        self._holder: Holder | None = None
+        self._holder: Holder | None = Holder.parse(self.dep.keys.owner(), owner) if owner else None
         """The namespace's holder as last read (this cluster's), written back if it lapses."""
         self._resized: dict[str, float] = defaultdict(float)
         self._busy_at: dict[str, float] = defaultdict(time.monotonic)

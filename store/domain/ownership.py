@@ -132,6 +132,29 @@ class Holder:
             self.auth.value,
         ]
 
+    @classmethod
+    def parse(cls, key: str, flat: Sequence[bytes | str]) -> Holder:
+        """A holder from its fields, flat (field, value, ...) as Redis returns them or
+        :meth:`wire` gives them; :class:`~bus.errors.RecordError` naming ``key`` if
+        unreadable."""
+        fields = {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
+        try:
+            return cls(
+                cluster=fields["cluster"],
+                owner=fields["owner"],
+                host=fields["host"],
+                pid=int(fields["pid"]),
+                command=fields["command"],
+                since_ms=int(fields["since"]),
+                auth=RayAuth(fields.get("auth", "")),
+            )
+        except (KeyError, ValueError) as exc:
+            raise RecordError(key, f"unreadable namespace owner {fields}: {exc}") from None
+
+    def wire(self) -> list[str]:
+        """Its fields as text, flat, for :meth:`parse` in another process."""
+        return [str(x) for x in self.fields()]
+
     def line(self) -> str:
         """The holder for a person."""
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_ms / 1000))
@@ -198,7 +221,7 @@ class NamespaceOwner:
         key = self.keys.owner()
         if answer(OwnerClaimAnswer, reply, "claim") is OwnerClaimAnswer.ACQUIRED:
             return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
-        holder = _holder(key, reply[1:])
+        holder = Holder.parse(key, reply[1:])
         if holder.cluster.startswith(IN_PROCESS) and holder.is_gone() and not replacing:
             reply = await self._claim_script(me, holder.owner, cross=True)
             if answer(OwnerClaimAnswer, reply, "claim") is OwnerClaimAnswer.ACQUIRED:
@@ -208,7 +231,7 @@ class NamespaceOwner:
                     holder.line(),
                 )
                 return ClaimResult(ClaimOutcome.ACQUIRED, await self.holder() or me)
-            holder = _holder(key, reply[1:])
+            holder = Holder.parse(key, reply[1:])
         if holder.cluster != me.cluster:
             raise self._held(holder)
         return ClaimResult(ClaimOutcome.SAME_CLUSTER, holder)
@@ -272,23 +295,7 @@ class NamespaceOwner:
             raw = await self.client.hgetall(key)
         if not raw:
             return None
-        return _holder(key, [x for pair in raw.items() for x in pair])
-
-
-def _holder(key: str, flat: Sequence[bytes | str]) -> Holder:
-    fields = {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
-    try:
-        return Holder(
-            cluster=fields["cluster"],
-            owner=fields["owner"],
-            host=fields["host"],
-            pid=int(fields["pid"]),
-            command=fields["command"],
-            since_ms=int(fields["since"]),
-            auth=RayAuth(fields.get("auth", "")),
-        )
-    except (KeyError, ValueError) as exc:
-        raise RecordError(key, f"unreadable namespace owner {fields}: {exc}") from None
+        return Holder.parse(key, [x for pair in raw.items() for x in pair])
 
 
 @contextlib.asynccontextmanager

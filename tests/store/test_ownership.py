@@ -20,7 +20,7 @@ from actors.cluster.runtime import Runtime
 from actors.engine.models.scenario import parse_scenario
 from actors.engine.models.scripted import scripted_turn
 from actors.engine.settings.config import Settings
-from bus.errors import NamespaceHeld
+from bus.errors import NamespaceHeld, RecordError
 from store.domain.ownership import ClaimOutcome, Holder, NamespaceOwner
 from store.keys import KeyLayout
 from store.redis.connection import StoreClient, connect
@@ -126,6 +126,49 @@ async def test_clients_beside_the_owner_leave_its_deployment_running(
         assert await NamespaceOwner(client, rt.dep.keys, ttl_s=20).holder() is None
     finally:
         await client.aclose()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+async def test_a_lease_that_lapsed_before_the_supervisor_renewed_it_is_kept(
+    redis_url: str, namespace: str
+) -> None:
+    """The lease runs from the claim, the Supervisor renews it from its boot: on a starved
+    machine (a chaos run on 2 cores) it lapsed in between, and the Supervisor, with no holder
+    read yet to write back, took the lapse for another cluster's takeover and stopped its own
+    deployment (every turn left running). It keeps the claim it was started under."""
+    settings = Settings.model_validate(
+        {
+            "redis": {"namespace": namespace},
+            "checkpoint": {"min_interval_s": 0},
+            "supervisor": {"owner_ttl_s": 2.0, "ping_interval_s": 2.0},
+        }
+    )
+    rt = await Runtime.start(settings, redis_url=redis_url, hosts=1)
+    client = connect(redis_url)
+    try:
+        assert rt.owner is not None
+        owners = NamespaceOwner(client, rt.dep.keys, ttl_s=2)
+        await client.delete(rt.dep.keys.owner())  # lapsed before the first renewal (2 s)
+
+        async def held_again() -> bool:
+            holder = await owners.holder()
+            return holder is not None and holder.owner == rt.owner.owner  # type: ignore[union-attr]
+
+        await eventually(held_again, timeout=30, what="the supervisor to write the claim back")
+        sc = parse_scenario({"name": "kept", "rounds": 1, "tools_per_round": 1})
+        await rt.submit(*scripted_turn(sc), ["kept-1"])
+        done = await rt.wait(["kept-1"], timeout=120)
+        assert done["kept-1"].counters.outcome == "answered"
+    finally:
+        await client.aclose()
+        await rt.shutdown()
+
+
+def test_a_holder_crosses_processes_as_text() -> None:
+    h = holder("cluster-a", "tok-a", pid=42)
+    assert Holder.parse("k", h.wire()) == h
+    with pytest.raises(RecordError, match="unreadable namespace owner"):
+        Holder.parse("k", ["cluster", "c"])
 
 
 async def serving(
