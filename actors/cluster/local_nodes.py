@@ -7,10 +7,12 @@ fresh one.
 
 from __future__ import annotations
 
+import os
 from types import TracebackType
 
 from ray.cluster_utils import Cluster
 
+from actors.cluster.joining import AUTH_MODE
 from bus.errors import ConfigError
 
 __all__ = ["NODE_HEALTH_CHECK", "LocalNodes"]
@@ -39,7 +41,17 @@ class LocalNodes:
         return str(self._cluster.address)
 
     def start(self) -> str:
-        """Start every raylet; the cluster's address."""
+        """Start every raylet; the cluster's address.
+
+        The mode of Ray's authentication its raylets start with is said in this process's
+        environment (``disabled`` unless set), so the runtime that joins the cluster by
+        address keeps it (``actors.cluster.joining`` turns it to ``token`` when a token is at
+        hand and nothing is said) and the nodes added later have it: a node started in token
+        mode refuses every request of a head that sends no token (the GCS leased workers
+        there every 200 ms for ten minutes, so a chaos run's replacement hosts and model
+        workers never started), and a driver in token mode refuses the head's questions
+        about the actors it owns."""
+        os.environ.setdefault(AUTH_MODE, "disabled")
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={
