@@ -27,6 +27,7 @@ from ray.actor import ActorClass, ActorHandle
 from ray.exceptions import RayActorError
 
 from actors.cluster.info import Answer, HostInfo, ServiceInfo, SupervisorInfo
+from actors.engine.models.generations import Answered
 from actors.engine.resume import ResumePlan, plan_from_wire
 from actors.turn.mcp import MCPToolInfo
 from actors.turn.recovery import Decision
@@ -243,10 +244,19 @@ class RecoveryRef(ServiceRef):
 class ModelWorkerRef(ServiceRef):
     """A model worker: runs the model calls of the deployment's turns."""
 
-    def generate(self, gen_id: str, agent: str, epoch: int, ask: bytes) -> ray.ObjectRef[Any]:
-        """Start (or join) generation ``gen_id`` for incarnation ``epoch``; the returned ref
-        is its answer's bytes (``actors.engine.models.generations.GenerationAnswer``)."""
-        return self._call("generate", gen_id, agent, epoch, ask)
+    def submit(
+        self, listener: str, asks: list[tuple[int, str, str, int, bytes]]
+    ) -> ray.ObjectRef[Any]:
+        """Start (or join) a batch of generations, each ``(token, name, agent, epoch,
+        request)``, their answers for ``listener`` to collect; the returned ref is the
+        worker's incarnation."""
+        return self._call("submit", listener, asks)
+
+    async def collect(self, listener: str, wait_s: float) -> tuple[str, list[Answered]]:
+        """The worker's incarnation and the answers waiting for ``listener`` (``(token,
+        answer bytes)`` each), after up to ``wait_s`` for the first."""
+        incarnation, answers = await self._ask("collect", listener, wait_s)
+        return str(incarnation), [(int(t), bytes(raw)) for t, raw in answers]
 
     def cancel(self, gen_id: str, epoch: int) -> ray.ObjectRef[Any]:
         """End generation ``gen_id`` where it runs (unless a newer incarnation owns it)."""

@@ -36,7 +36,7 @@ from actors.cluster.checkpoint_actor import CheckpointClient, ShardedCheckpoints
 from actors.cluster.deployment import Deployment, HostDirectory
 from actors.cluster.info import HostInfo, this_node
 from actors.cluster.metrics import metrics
-from actors.cluster.model_workers import RayModels
+from actors.cluster.model_lines import RayModels
 from actors.cluster.refs import CheckpointRef, HostRef, RecoveryRef
 from actors.cluster.tool_workers import RayToolRunner
 from actors.engine.agents import agent_problem

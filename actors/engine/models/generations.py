@@ -47,6 +47,8 @@ from store.codec import pack_model, unpack_model
 from store.records import CheckpointRecord, TurnInput, TurnSpec
 
 __all__ = [
+    "Answered",
+    "Ask",
     "GenerationAnswer",
     "GenerationAsk",
     "GenerationTable",
@@ -136,6 +138,14 @@ class GenerationAsk(FrozenModel):
 
 async def _never_run(args: Mapping[str, Any], ctx: Any) -> str:
     raise FatalLLMError("a model worker does not run tools")
+
+
+#: One call of a host's batch to a model worker: the host's token for it, the generation's
+#: name, the agent's import path, the asker's epoch, the request's bytes.
+Ask = tuple[int, str, str, int, bytes]
+
+#: One answer a host collects: the call's token and the answer's bytes.
+Answered = tuple[int, bytes]
 
 
 def generation_id(wire: bytes) -> str:
