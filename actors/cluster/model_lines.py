@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from ray.exceptions import RayActorError
 
 from actors.cluster.deployment import Deployment
-from actors.cluster.refs import ModelWorkerRef, ask
+from actors.cluster.model_workers import ModelWorker
+from actors.cluster.refs import ModelWorkerRef, ask, spawn
 from actors.engine.models.generations import (
     Ask,
     GenerationAsk,
@@ -160,6 +161,8 @@ class RayModels:
         if line is not None:
             return line
         worker = ModelWorkerRef.named(name)
+        if worker is None and isolated:  # started on first need (get_if_exists: only once)
+            worker = ModelWorkerRef(spawn(ModelWorker, name, self.dep.to_wire(), True))
         if worker is None:
             return None
         line = self._lines[name] = ModelLine(worker, self.listener)

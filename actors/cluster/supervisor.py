@@ -281,11 +281,12 @@ class Supervisor:
 
     def _model_workers(self) -> None:
         """Make sure the model workers run (Ray restarts a dead one in place; this starts
-        the ones never started)."""
+        the ones never started). The isolation worker is started by the first host that
+        needs it (``actors.cluster.model_lines``): most deployments never do, and a process
+        each deployment starts for nothing costs it a second of CPU."""
         if self.dep.settings.models.remote:
-            isolation = self.dep.model_isolation_name()
-            for name in self.dep.model_worker_names():
-                spawn(ModelWorker, name, self.dep.to_wire(), name == isolation)
+            for i in range(self.dep.settings.models.workers):
+                spawn(ModelWorker, self.dep.model_worker_name(i), self.dep.to_wire())
 
     def _tool_worker(self, pool: str, index: int, resources: dict[str, float]) -> None:
         name = self.dep.tool_worker_name(pool, index)
