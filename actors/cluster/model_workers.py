@@ -14,7 +14,7 @@ answers wait in the host's outbox here until its next :meth:`ModelWorker.collect
 held open while nothing is ready) takes all that are ready. A Ray call costs each side a few
 hundred microseconds of CPU, as much as a scripted model call's whole work; batched, 1,500
 concurrent turns sent 7.8 calls a submit and took 10 answers a collect, and a worker spent
-0.65-0.72 ms of CPU a call instead of 0.98-1.17 (``scripts/model_call_costs.py``). Each
+0.65 ms of CPU a call instead of 1.14 (``scripts/model_call_costs.py``). Each
 answer's text is published before the answer leaves (one flush per collect, not per call).
 
 A worker that dies takes its generations and its outboxes with it; Ray restarts it under its
