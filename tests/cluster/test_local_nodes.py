@@ -3,14 +3,13 @@ authentication mode across the nodes it adds."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import BIN, ROOT
+from tests.support.processes import ROOT, token_home
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +18,7 @@ def test_a_node_added_after_joining_with_a_token_takes_work(tmp_path: Path) -> N
     """Joining with a token at hand turns the driver's mode to ``token``; a node added after
     that inherited it and refused every request of the head (the nodes chaos smoke's
     replacement hosts and model workers never started: 8 turns left after 600 s in CI)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["HOME"] = str(tmp_path)
-    subprocess.run(
-        [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
-        capture_output=True,
-    )  # fmt: skip
-    assert (tmp_path / ".ray" / "auth_token").read_text().strip()
+    env = token_home(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.fresh_node"], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=240,

@@ -10,39 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import BIN, PHASELINE, ROOT, free_port, phaseline, ray_start, stop
+from tests.support.processes import (
+    PHASELINE,
+    ROOT,
+    free_port,
+    phaseline,
+    ray_start,
+    stop,
+    token_home,
+)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def token_home(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """An environment whose home holds a Ray token (as a machine that ran Ray once does), and
-    none of the test process's Ray variables."""
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["HOME"] = str(home)
-    subprocess.run(
-        [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
-        capture_output=True,
-    )  # fmt: skip
-    assert (home / ".ray" / "auth_token").read_text().strip()
-    yield env
+def token_env(tmp_path: Path) -> dict[str, str]:
+    return token_home(tmp_path / "home")
 
 
 async def test_serve_and_its_clients_on_a_cluster_made_by_ray_start(
-    redis_url: str, namespace: str, token_home: dict[str, str], tmp_path: Path
+    redis_url: str, namespace: str, token_env: dict[str, str], tmp_path: Path
 ) -> None:
-    env = token_home
+    env = token_env
     port = free_port()
     head = ray_start(
         "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",

@@ -31,6 +31,21 @@ def spawn_run(
     )  # fmt: skip
 
 
+def token_home(home: Path) -> dict[str, str]:
+    """An environment whose home (``home``, made here) holds a Ray token, as a machine that
+    ran Ray once has, and none of the test process's Ray variables."""
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(home)
+    subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
+        capture_output=True,
+    )  # fmt: skip
+    if not (home / ".ray" / "auth_token").read_text().strip():
+        raise RuntimeError("ray get-auth-token --generate wrote no token")
+    return env
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now."""
     with socket.socket() as s:
