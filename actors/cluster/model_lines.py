@@ -107,6 +107,9 @@ class ModelLine:
         except RayActorError as exc:
             self._lose(tokens, f"its model worker died: {exc}")
             return
+        except Exception as exc:  # refused there (a worker of another build): no death
+            self._fail(tokens, RetryableLLMError(f"a model worker refused the calls: {exc}"))
+            return
         for token in tokens:
             if token in self._waiting:
                 self._taken_by[token] = incarnation
@@ -122,6 +125,10 @@ class ModelLine:
             except RayActorError as exc:
                 self._lose(list(self._taken_by), f"its model worker died: {exc}")
                 return
+            except Exception as exc:  # an answer that is not one: the calls fail, not hang
+                error = RetryableLLMError(f"a model worker's collect failed: {exc}")
+                self._fail(list(self._taken_by), error)
+                return
             for token, raw in answers:
                 answer = self._waiting.get(token)
                 if answer is not None and not answer.done():
@@ -130,11 +137,14 @@ class ModelLine:
             self._lose(lost, "its model worker was restarted")
 
     def _lose(self, tokens: Sequence[int], why: str) -> None:
+        self._fail(tokens, WorkerLost(why))
+
+    def _fail(self, tokens: Sequence[int], error: Exception) -> None:
         for token in tokens:
             self._taken_by.pop(token, None)
             answer = self._waiting.get(token)
             if answer is not None and not answer.done():
-                answer.set_exception(WorkerLost(why))
+                answer.set_exception(error)
 
 
 class RayModels:

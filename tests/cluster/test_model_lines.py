@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 from actors.cluster.model_lines import ModelLine, WorkerLost
 from actors.cluster.refs import ModelWorkerRef
 from actors.engine.models.generations import Answered, Ask
+from bus.errors import RetryableLLMError
 
 
 class Ref:
@@ -39,10 +40,13 @@ class Worker:
         self.batches: asyncio.Queue[list[Ask]] = asyncio.Queue()
         self.collects: asyncio.Queue[tuple[str, list[Answered]] | BaseException] = asyncio.Queue()
         self.dead = False
+        self.refuses = False
 
     def submit(self, listener: str, asks: list[Ask]) -> Ref:
         if self.dead:
             return Ref(error=RayActorError())
+        if self.refuses:
+            return Ref(error=ValueError("not a batch"))
         self.batches.put_nowait(asks)
         return Ref(self.incarnation)
 
@@ -104,4 +108,19 @@ async def test_a_worker_that_dies_fails_its_calls_and_refuses_new_ones() -> None
         await taken
     worker.dead = True
     with pytest.raises(WorkerLost, match="died"):
+        await line.ask("gen-b", "pkg:agent", 1, b"b")
+
+
+async def test_a_worker_that_answers_with_an_error_fails_the_calls_instead_of_hanging() -> None:
+    """A refused submit or a collect that raises (not a death) is a transient error for each
+    call it concerns; no call is left waiting for an answer that will not come."""
+    worker = Worker()
+    line = line_to(worker)
+    taken = asyncio.create_task(line.ask("gen-a", "pkg:agent", 1, b"a"))
+    await sent(worker)
+    await worker.collects.put(ValueError("not an answer"))
+    with pytest.raises(RetryableLLMError, match="collect failed"):
+        await taken
+    worker.refuses = True
+    with pytest.raises(RetryableLLMError, match="refused the calls"):
         await line.ask("gen-b", "pkg:agent", 1, b"b")
