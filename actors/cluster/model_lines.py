@@ -97,11 +97,12 @@ class ModelLine:
 
     def _send(self) -> None:
         batch, self._outgoing = self._outgoing, []
-        sent = asyncio.create_task(self._sent([a[0] for a in batch], batch))
+        sent = asyncio.create_task(self._sent(batch))
         self._sends.add(sent)
         sent.add_done_callback(self._sends.discard)
 
-    async def _sent(self, tokens: list[int], batch: list[Ask]) -> None:
+    async def _sent(self, batch: list[Ask]) -> None:
+        tokens = [token for token, *_ in batch]
         try:
             incarnation = str(await ask(self.worker.submit(self.listener, batch), None))
         except RayActorError as exc:
