@@ -11,11 +11,10 @@ again.
 
 A host's calls travel in batches: :meth:`ModelWorker.submit` starts many at once, and the
 answers wait in the host's outbox here until its next :meth:`ModelWorker.collect` (one call
-held open while nothing is ready) takes all that are ready. A Ray call costs each side a few
-hundred microseconds of CPU, as much as a scripted model call's whole work; batched, 1,500
-concurrent turns sent 7.8 calls a submit and took 10 answers a collect, and a worker spent
-0.65 ms of CPU a call instead of 1.14 (``scripts/model_call_costs.py``). Each
-answer's text is published before the answer leaves (one flush per collect, not per call).
+held open while nothing is ready) takes all that are ready: a Ray call costs each side about
+as much CPU as a fast model call's whole work (figures and their command: docs/BENCHMARKS.md).
+Each answer's text is published before the answer leaves (one flush per collect, not per
+call).
 
 A worker that dies takes its generations and its outboxes with it; Ray restarts it under its
 name with a new :attr:`ModelWorker.incarnation`, which tells a host that the calls the old one
